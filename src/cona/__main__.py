@@ -1,0 +1,3 @@
+from cona.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""The one entry point, ``cona``. It only parses and dispatches: each subcommand lives in
+``cona.commands.<name>`` with ``register(subparsers)`` that adds its parser and sets ``func``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from cona import __version__
+from cona.errors import ConaError
+
+# Order is the order `cona --help` lists them in.
+COMMAND_MODULES = (
+    "train",
+    "demo",
+    "preprocess",
+    "data",
+    "config",
+    "strategies",
+    "predict",
+    "plan",
+    "ckpt",
+    "report",
+    "status",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cona",
+        description="Train language models under a chain of parallel strategies (dp, tp, pp, mbs, gbs).",
+    )
+    parser.add_argument("--version", action="version", version=f"cona {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"cona.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ConaError as err:
+        print(f"cona: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cona: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

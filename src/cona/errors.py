@@ -1,0 +1,37 @@
+"""User-facing errors. Each message names the key, file, flag or step a person must fix.
+
+The CLI prints these as one line (``cona: error: ...``) with no traceback; anything else that
+escapes is a bug and keeps its traceback.
+"""
+
+
+class ConaError(ValueError):
+    """Base class of every error caused by the user's input rather than by CONA itself."""
+
+
+class ConfigError(ConaError):
+    """A bad ``.conaconfig`` key or value."""
+
+
+class DataError(ConaError):
+    """A bad or missing dataset, index or tokenizer file."""
+
+
+class LayoutError(ConaError):
+    """A parallel layout (dp, tp, pp, mbs, gbs) that cannot run this model."""
+
+
+class CheckpointError(ConaError):
+    """A missing, incomplete or incompatible checkpoint."""
+
+
+class ChainError(ConaError):
+    """A bad chain config (names the step and the key)."""
+
+
+class PlanError(ConaError):
+    """A bad planner input: unknown system, impossible strategy, missing model key."""
+
+
+class LaunchError(ConaError):
+    """A stage that could not be started or whose workers failed."""

@@ -1,0 +1,107 @@
+"""A parallel strategy: the (dp, tp, pp, mbs, gbs) CONA chooses, plus how it is carried out.
+
+Shared by the planner (which ranks strategies), the runner (which chains them) and the engine
+(which runs one). Arrays of strategies for the vectorised planner are in :class:`StrategyArray`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import numpy as np
+
+RECOMPUTE_CODES = {"none": 0, "selective": 1, "full": 2}
+SCHEDULE_CODES = {"1f1b": 0, "gpipe": 1, "interleaved_1f1b": 2}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Strategy:
+    """One parallel strategy. ``gbs`` and ``mbs`` count samples (sequences)."""
+
+    dp: int
+    """Data-parallel degree."""
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline-parallel degree."""
+    mbs: int
+    """Micro-batch size per data-parallel rank."""
+    gbs: int
+    """Global batch size."""
+    zero_stage: int = 1
+    recompute: Literal["none", "selective", "full"] = "none"
+    sequence_parallel: bool = False
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank (gbs / (mbs * dp))."""
+        return self.gbs // (self.mbs * self.dp)
+
+    @property
+    def layout(self) -> str:
+        """The checkpoint layout directory name of the seed: ``tp<tp>_pp<pp>_dp<dp>_sp1``."""
+        return f"tp{self.tp}_pp{self.pp}_dp{self.dp}_sp1"
+
+    def short(self) -> str:
+        return f"dp{self.dp}/tp{self.tp}/pp{self.pp} mbs{self.mbs} gbs{self.gbs}"
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyArray:
+    """Many strategies as parallel integer arrays (one entry per strategy), for vectorised models."""
+
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    mbs: np.ndarray
+    gbs: np.ndarray
+    zero_stage: np.ndarray
+    recompute: np.ndarray
+    """Codes of :data:`RECOMPUTE_CODES`."""
+    sequence_parallel: np.ndarray
+    """Booleans."""
+    pipeline_schedule: np.ndarray
+    """Codes of :data:`SCHEDULE_CODES`."""
+    virtual_stages: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.dp.shape[0])
+
+    @classmethod
+    def from_strategies(cls, strategies: list[Strategy]) -> StrategyArray:
+        def column(name: str, codes: dict | None = None, dtype=np.int64) -> np.ndarray:
+            values = [getattr(s, name) for s in strategies]
+            if codes is not None:
+                values = [codes[v] for v in values]
+            return np.asarray(values, dtype=dtype)
+
+        return cls(
+            dp=column("dp"), tp=column("tp"), pp=column("pp"), mbs=column("mbs"), gbs=column("gbs"),
+            zero_stage=column("zero_stage"), recompute=column("recompute", RECOMPUTE_CODES),
+            sequence_parallel=column("sequence_parallel", dtype=bool),
+            pipeline_schedule=column("pipeline_schedule", SCHEDULE_CODES),
+            virtual_stages=column("virtual_stages"),
+        )
+
+    def __getitem__(self, index: int) -> Strategy:
+        recompute = {v: k for k, v in RECOMPUTE_CODES.items()}
+        schedule = {v: k for k, v in SCHEDULE_CODES.items()}
+        return Strategy(
+            dp=int(self.dp[index]), tp=int(self.tp[index]), pp=int(self.pp[index]),
+            mbs=int(self.mbs[index]), gbs=int(self.gbs[index]), zero_stage=int(self.zero_stage[index]),
+            recompute=recompute[int(self.recompute[index])],
+            sequence_parallel=bool(self.sequence_parallel[index]),
+            pipeline_schedule=schedule[int(self.pipeline_schedule[index])],
+            virtual_stages=int(self.virtual_stages[index]),
+        )
+
+    def select(self, mask_or_indices: np.ndarray) -> StrategyArray:
+        return StrategyArray(*(getattr(self, f.name)[mask_or_indices] for f in fields(self)))
