@@ -30,8 +30,15 @@ NORMALIZATIONS = ("layernorm", "rmsnorm")
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 TOKENIZERS = ("GPT2BPETokenizer",)
-PATH_KEYS = ("data_prefix", "vocab_file", "merge_file", "data_cache_path", "log_root", "wandb_dir",
-             "tensorboard_dir")
+PATH_KEYS = (
+    "data_prefix",
+    "vocab_file",
+    "merge_file",
+    "data_cache_path",
+    "log_root",
+    "wandb_dir",
+    "tensorboard_dir",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,8 +83,10 @@ class ModelConfig:
     @property
     def padded_vocab_size(self) -> int:
         if self.vocab_size is None:
-            raise ConfigError("model.vocab_size is not known: set it, or set training.vocab_file to an existing "
-                              "GPT-2 vocab.json (cona data demo obtains one)")
+            raise ConfigError(
+                "model.vocab_size is not known: set it, or set training.vocab_file to an existing "
+                "GPT-2 vocab.json (cona data demo obtains one)"
+            )
         divisor = self.make_vocab_size_divisible_by
         return math.ceil(self.vocab_size / divisor) * divisor
 
@@ -339,7 +348,9 @@ def _check_type(value: Any, hint: Any, where: str, key: str) -> Any:
     )
     if not ok:
         if isinstance(value, str) and hint in (int, float) and _looks_numeric(value):
-            raise ConfigError(f"{where}: {key}: expected {expected}, got the string {value!r}; drop the quotes")
+            raise ConfigError(
+                f"{where}: {key}: expected {expected}, got the string {value!r}; drop the quotes"
+            )
         raise ConfigError(f"{where}: {key}: expected {expected}, got {json.dumps(value)}")
     if hint is float:
         value = float(value)
@@ -378,8 +389,15 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
         fail("model.init_std", "must be positive")
     if training.zero_stage not in (0, 1, 2, 3):
         fail("training.zero_stage", f"{training.zero_stage} is not one of 0, 1, 2, 3")
-    for key in ("base_gbs", "log_interval", "eval_interval", "eval_iters", "distributed_timeout_minutes",
-                "fallback_patience", "pipeline_virtual_stages"):
+    for key in (
+        "base_gbs",
+        "log_interval",
+        "eval_interval",
+        "eval_iters",
+        "distributed_timeout_minutes",
+        "fallback_patience",
+        "pipeline_virtual_stages",
+    ):
         if getattr(training, key) <= 0:
             fail(f"training.{key}", "must be positive")
     if training.base_lr <= 0:
@@ -387,7 +405,10 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
     if training.base_min_lr < 0:
         fail("training.base_min_lr", "must be non-negative")
     if training.base_lr < training.base_min_lr:
-        fail("training.base_lr", f"{training.base_lr} is smaller than training.base_min_lr={training.base_min_lr}")
+        fail(
+            "training.base_lr",
+            f"{training.base_lr} is smaller than training.base_min_lr={training.base_min_lr}",
+        )
     if training.lr_scale_lr_cap is not None and training.lr_scale_lr_cap <= 0:
         fail("training.lr_scale_lr_cap", "must be positive")
     if training.lr_scale_strategy == "piecewise" and training.lr_scale_pivot_gbs is None:
@@ -402,7 +423,7 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
         value = getattr(training, key)
         if value is not None and value < 0:
             fail(f"training.{key}", "must be non-negative")
-    if not 0.0 <= training.weight_decay:
+    if training.weight_decay < 0.0:
         fail("training.weight_decay", "must be non-negative")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(training, key) < 1.0:

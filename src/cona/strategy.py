@@ -84,8 +84,13 @@ class StrategyArray:
             return np.asarray(values, dtype=dtype)
 
         return cls(
-            dp=column("dp"), tp=column("tp"), pp=column("pp"), mbs=column("mbs"), gbs=column("gbs"),
-            zero_stage=column("zero_stage"), recompute=column("recompute", RECOMPUTE_CODES),
+            dp=column("dp"),
+            tp=column("tp"),
+            pp=column("pp"),
+            mbs=column("mbs"),
+            gbs=column("gbs"),
+            zero_stage=column("zero_stage"),
+            recompute=column("recompute", RECOMPUTE_CODES),
             sequence_parallel=column("sequence_parallel", dtype=bool),
             pipeline_schedule=column("pipeline_schedule", SCHEDULE_CODES),
             virtual_stages=column("virtual_stages"),
@@ -95,8 +100,12 @@ class StrategyArray:
         recompute = {v: k for k, v in RECOMPUTE_CODES.items()}
         schedule = {v: k for k, v in SCHEDULE_CODES.items()}
         return Strategy(
-            dp=int(self.dp[index]), tp=int(self.tp[index]), pp=int(self.pp[index]),
-            mbs=int(self.mbs[index]), gbs=int(self.gbs[index]), zero_stage=int(self.zero_stage[index]),
+            dp=int(self.dp[index]),
+            tp=int(self.tp[index]),
+            pp=int(self.pp[index]),
+            mbs=int(self.mbs[index]),
+            gbs=int(self.gbs[index]),
+            zero_stage=int(self.zero_stage[index]),
             recompute=recompute[int(self.recompute[index])],
             sequence_parallel=bool(self.sequence_parallel[index]),
             pipeline_schedule=schedule[int(self.pipeline_schedule[index])],

@@ -9,10 +9,13 @@ from cona.config import load_config
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("config", help="Show the resolved .conaconfig",
-                                   description="Show the resolved .conaconfig.")
+    parser = subparsers.add_parser(
+        "config", help="Show the resolved .conaconfig", description="Show the resolved .conaconfig."
+    )
     actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
-    show = actions.add_parser("show", help="Print the resolved config as JSON (defaults and derived values filled)")
+    show = actions.add_parser(
+        "show", help="Print the resolved config as JSON (defaults and derived values filled)"
+    )
     show.add_argument("--config", default=None, help="config file (default: .conaconfig in cwd or a parent)")
     show.set_defaults(func=_show)
 
