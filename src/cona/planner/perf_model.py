@@ -1,0 +1,398 @@
+"""Analytical iteration time and memory per GPU of GPT training under many strategies at once (pure numpy).
+
+Per micro-batch and transformer block on one GPU: the four weight matmuls (forward, and twice that backward)
+at the system's matrix rate and size-dependent efficiency; the attention score/value products (a causal flash
+kernel skips the masked half; its backward does 2.5x the forward work); the elementwise kernels at the memory
+bandwidth; the tensor-parallel collectives, exposed (all-reduces, or all-gathers and reduce-scatters with
+sequence parallelism); recomputation (full: one more forward with its collectives; selective: the attention
+core). The embedding, LM head and loss run on the last pipeline stage, which is the slowest, so the step is
+``m`` times its micro-batch time plus the pipeline fill ``(pp-1)/v`` times a stage's block time (1F1B and
+interleaved; GPipe has the same bubble but holds all micro-batches), plus the pipeline sends (exposed, 1/tp of
+the activation each as Megatron scatters them), the data-parallel collectives that do not hide under the
+backward (or forward) pass, and the optimizer (memory-bound). Memory: weights, gradients and Adam state per
+ZeRO stage, activations of the micro-batches in flight, logits, plus the system's reserved memory for the OOM
+check. Formulas and their sources are in docs/bench-planner-model.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cona.config import ModelConfig
+from cona.errors import PlanError
+from cona.planner import flops
+from cona.planner.flops import ModelShape, model_shape
+from cona.planner.systems import System, all_gather_time, all_reduce_time, group_bandwidth
+from cona.strategy import RECOMPUTE_CODES, SCHEDULE_CODES, Strategy, StrategyArray
+
+if TYPE_CHECKING:
+    from cona.planner.calibration import Calibration
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GIB = 2.0**30
+FLASH_BACKWARD_FACTOR = 2.5
+"""A flash-attention backward recomputes the scores: 5 matmuls against the forward's 2."""
+BLOCK_KERNELS = 6
+"""Fused elementwise kernels of one block's forward (2 norms, 2 bias-dropout-adds, activation, softmax):
+the memory efficiency is looked up at the traffic of one of them."""
+LOSS_BYTES_PER_LOGIT_EXTRA = 16
+"""The loss casts logits to fp32 and back: write fp32, read it (softmax), write and read its gradient."""
+FULL_RECOMPUTE, SELECTIVE_RECOMPUTE = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"]
+GPIPE = SCHEDULE_CODES["gpipe"]
+GRAD_REDUCE_BYTES = 4.0
+"""Gradients are kept and reduced in fp32 (FSDP2 reduce_dtype, the ZeRO-0 all-reduce of fp32 grads)."""
+ADAM_BYTES_PER_PARAM = 28.0
+"""Adam reads parameter, gradient, m and v and writes parameter, m and v, all fp32."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """Per-strategy arrays (one entry per strategy of the input): seconds per iteration and GiB per GPU."""
+
+    iteration_time_s: np.ndarray
+    compute_s: np.ndarray
+    """Matmuls, attention, elementwise kernels and recomputation of all micro-batches on the slowest stage."""
+    tp_comm_s: np.ndarray
+    pp_bubble_s: np.ndarray
+    pp_p2p_s: np.ndarray
+    """Pipeline sends, and the tied embedding's gradient all-reduce between the first and last stage."""
+    dp_comm_exposed_s: np.ndarray
+    optimizer_s: np.ndarray
+    overhead_s: np.ndarray
+    """Calibrated fixed cost per micro-batch times the micro-batches (zero without calibration)."""
+    weights_gib: np.ndarray
+    grads_gib: np.ndarray
+    optimizer_gib: np.ndarray
+    activations_gib: np.ndarray
+    memory_gib: np.ndarray
+    """Sum of the four parts (the system's reserved memory is not included)."""
+    oom: np.ndarray
+    """True when memory_gib plus the system's reserved memory exceeds the GPU's memory."""
+    tokens_per_s: np.ndarray
+
+    def row(self, index: int) -> dict[str, float | bool]:
+        """One strategy's values as plain Python numbers."""
+        return {f.name: getattr(self, f.name)[index].item() for f in fields(self)}
+
+
+def predict(
+    model: ModelConfig | ModelShape,
+    strategies: StrategyArray | Strategy,
+    system: System,
+    *,
+    dtype: str = "bf16",
+    calibration: Calibration | None = None,
+    flash_attention: bool = True,
+) -> Prediction:
+    """Predict every strategy of ``strategies`` (PlanError if one is impossible for the model)."""
+    shape = model_shape(model)
+    array = StrategyArray.from_strategies([strategies]) if isinstance(strategies, Strategy) else strategies
+    _refuse_invalid(shape, array)
+    used_dtype = system.resolve_dtype(dtype)
+    if used_dtype not in DTYPE_BYTES:
+        raise PlanError(f"dtype {used_dtype} is not modelled; use one of {', '.join(DTYPE_BYTES)}")
+    return _Step(shape, array, system, used_dtype, flash_attention, calibration).prediction()
+
+
+def invalid_reasons(model: ModelConfig | ModelShape, strategy: Strategy) -> list[str]:
+    """Why ``strategy`` cannot run ``model`` (empty when it can)."""
+    shape = model_shape(model)
+    positive = ("dp", "tp", "pp", "mbs", "gbs", "virtual_stages")
+    reasons = [
+        f"{key}={getattr(strategy, key)} must be positive" for key in positive if getattr(strategy, key) < 1
+    ]
+    if reasons:
+        return reasons
+    tp, pp, v = strategy.tp, strategy.pp, strategy.virtual_stages
+    sizes = [("heads", shape.heads), ("ffn_hidden", shape.ffn), ("padded vocab", shape.vocab)]
+    sizes += [("kv_heads", shape.kv_heads)] if shape.kv_heads != shape.heads else []
+    reasons += [f"tp={tp} does not divide {key}={size}" for key, size in sizes if size % tp]
+    if shape.layers % (pp * v):
+        reasons.append(f"pp={pp} x virtual_stages={v} does not divide layers={shape.layers}")
+    if strategy.gbs % (strategy.mbs * strategy.dp):
+        reasons.append(f"gbs={strategy.gbs} is not a multiple of mbs={strategy.mbs} x dp={strategy.dp}")
+    if strategy.zero_stage not in (0, 1, 2, 3):
+        reasons.append(f"zero_stage={strategy.zero_stage} is not one of 0, 1, 2, 3")
+    if v > 1 and (strategy.pipeline_schedule != "interleaved_1f1b" or pp == 1):
+        reasons.append(f"virtual_stages={v} needs pipeline_schedule interleaved_1f1b and pp > 1")
+    if v > 1 and strategy.micro_batches % pp:
+        reasons.append(
+            f"interleaved 1F1B needs the micro-batches ({strategy.micro_batches}) to be a multiple of pp"
+        )
+    if strategy.sequence_parallel and shape.seq % tp:
+        reasons.append(f"sequence parallelism needs tp={tp} to divide seq={shape.seq}")
+    return reasons
+
+
+def valid_mask(model: ModelConfig | ModelShape, strategies: StrategyArray) -> np.ndarray:
+    """Which strategies can run ``model`` (vectorised; :func:`invalid_reasons` says why one cannot)."""
+    shape = model_shape(model)
+    s = strategies
+    positive = (s.dp >= 1) & (s.tp >= 1) & (s.pp >= 1) & (s.mbs >= 1) & (s.gbs >= 1) & (s.virtual_stages >= 1)
+    tp, pp, v = np.maximum(s.tp, 1), np.maximum(s.pp, 1), np.maximum(s.virtual_stages, 1)
+    per_rank = np.maximum(s.mbs * s.dp, 1)
+    ok = (
+        positive
+        & (shape.layers % (pp * v) == 0)
+        & (s.gbs % per_rank == 0)
+        & np.isin(s.zero_stage, (0, 1, 2, 3))
+    )
+    for size in (shape.heads, shape.kv_heads, shape.ffn, shape.vocab):
+        ok &= size % tp == 0
+    interleaved = v > 1
+    ok &= ~interleaved | ((s.pipeline_schedule == SCHEDULE_CODES["interleaved_1f1b"]) & (pp > 1))
+    ok &= ~interleaved | ((s.gbs // per_rank) % pp == 0)
+    ok &= ~np.asarray(s.sequence_parallel, dtype=bool) | (shape.seq % tp == 0)
+    return ok
+
+
+def _refuse_invalid(shape: ModelShape, strategies: StrategyArray) -> None:
+    if len(strategies) == 0:
+        raise PlanError("no strategy to predict")
+    invalid = np.flatnonzero(~valid_mask(shape, strategies))
+    if invalid.size:
+        strategy = strategies[int(invalid[0])]
+        reasons = "; ".join(invalid_reasons(shape, strategy))
+        raise PlanError(f"impossible strategy {strategy.short()}: {reasons}")
+
+
+class _Step:
+    """The terms of one iteration for every strategy (arrays); built once per predict call."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        s: StrategyArray,
+        system: System,
+        dtype: str,
+        flash: bool,
+        calibration: Calibration | None,
+    ) -> None:
+        self.shape, self.system, self.flash = shape, system, flash
+        self.e = DTYPE_BYTES[dtype]
+        self.matrix_peak = system.gpu.matrix_tflops[dtype] * 1e12
+        self.vector_peak = system.gpu.vector_tflops[dtype] * 1e12
+        corrected = calibration is not None
+        self.compute_scale = 1.0 / calibration.compute_efficiency if corrected else 1.0
+        self.comm_scale = 1.0 / calibration.comm_efficiency if corrected else 1.0
+        self.overhead_per_microbatch = calibration.overhead_s if corrected else 0.0
+        f = lambda a: np.asarray(a, dtype=float)  # noqa: E731
+        self.dp, self.tp, self.pp, self.mbs = f(s.dp), f(s.tp), f(s.pp), f(s.mbs)
+        self.m = f(s.gbs) / (self.mbs * self.dp)
+        self.v = f(s.virtual_stages)
+        # With dp = 1 the engine applies no data-parallel wrapper: every ZeRO stage is plain replication.
+        self.zero = np.where(s.dp > 1, s.zero_stage, 0)
+        self.recompute, self.schedule = s.recompute, s.pipeline_schedule
+        self.sp = np.asarray(s.sequence_parallel, dtype=bool) & (self.tp > 1)
+        self.tokens = self.mbs * shape.seq
+        self.layers = np.ceil(shape.layers / self.pp)
+        self.gbs_tokens = f(s.gbs) * shape.seq
+
+    # ---- compute -------------------------------------------------------------------------------------------
+    def _matmul_time(self, flops_per_token: np.ndarray) -> np.ndarray:
+        total = flops_per_token * self.tokens
+        efficiency = self.system.gpu.matrix_efficiency(total / 1e9)
+        return self.compute_scale * total / (self.matrix_peak * efficiency)
+
+    def _memory_time(self, nbytes: np.ndarray, flops: np.ndarray | float = 0, kernels: int = 1) -> np.ndarray:
+        """Memory-bound kernels: bytes at the bandwidth, or their arithmetic at the vector rate if slower."""
+        gpu = self.system.gpu
+        efficiency = gpu.memory_efficiency(nbytes / kernels / 1e6)
+        seconds = np.maximum(nbytes / (gpu.memory_gbps * 1e9), flops / self.vector_peak)
+        return self.compute_scale * seconds / efficiency
+
+    def block_times(self) -> dict[str, np.ndarray]:
+        """Forward, backward and recompute seconds of one block for one micro-batch (no communication)."""
+        shape = self.shape
+        gemm_fw = sum(self._matmul_time(g.flops_per_token()) for g in flops.block_gemms(shape, self.tp))
+        attention_flops = flops.attention_flops_per_token(shape, self.tp, causal_skip=self.flash)
+        attention_fw = self._matmul_time(attention_flops)
+        backward_factor = FLASH_BACKWARD_FACTOR if self.flash else 2.0
+        attention_bw = self._matmul_time(backward_factor * attention_flops)
+        work = flops.block_elementwise_work(shape, self.tp, self.sp, self.e, flash_attention=self.flash)
+        tokens = self.tokens
+        elementwise_fw = self._memory_time(tokens * work.main_bytes, tokens * work.main_flops, BLOCK_KERNELS)
+        scores_fw = self._memory_time(tokens * work.score_bytes, tokens * work.score_flops, kernels=2)
+        forward = gemm_fw + attention_fw + elementwise_fw + scores_fw
+        backward = 2.0 * gemm_fw + attention_bw + 2.0 * (elementwise_fw + scores_fw)
+        # Selective recompute redoes the attention core; a flash kernel already does so inside its backward.
+        selective = 0.0 if self.flash else attention_fw + scores_fw
+        recompute = np.select(
+            [self.recompute == FULL_RECOMPUTE, self.recompute == SELECTIVE_RECOMPUTE],
+            [forward, np.broadcast_to(selective, forward.shape)],
+            0.0,
+        )
+        return {"forward": forward, "backward": backward, "recompute": recompute}
+
+    def head_time(self) -> np.ndarray:
+        """Embedding, final norm, LM head and loss for one micro-batch (forward and backward)."""
+        shape = self.shape
+        head_flops = flops.lm_head_flops_per_token(shape, self.tp)
+        matmul = 3.0 * self._matmul_time(head_flops)
+        logits_bytes = shape.vocab / self.tp * (4 * self.e + LOSS_BYTES_PER_LOGIT_EXTRA) * self.tokens
+        embedding_bytes = 6.0 * shape.hidden * self.e * self.tokens  # lookup, final norm, their backward
+        return (
+            matmul
+            + self._memory_time(logits_bytes, kernels=4)
+            + self._memory_time(embedding_bytes, kernels=4)
+        )
+
+    # ---- communication -------------------------------------------------------------------------------------
+    def tp_comm_per_block(self) -> np.ndarray:
+        """Exposed TP collectives of one block and micro-batch: 4 all-reduces (or AG + RS pairs), +2 with
+        full recompute. A ring reduce-scatter plus all-gather costs what one all-reduce does."""
+        activation = self.tokens * self.shape.hidden * self.e
+        bandwidth, latency = group_bandwidth(self.system, self.tp, np.ones_like(self.tp))
+        one = np.where(
+            self.sp,
+            2.0 * all_gather_time(activation, self.tp, bandwidth, latency),
+            all_reduce_time(activation, self.tp, bandwidth, latency),
+        )
+        count = 4.0 + 2.0 * (self.recompute == FULL_RECOMPUTE)
+        return self.comm_scale * count * one
+
+    def tp_comm_head(self) -> np.ndarray:
+        """The embedding's forward all-reduce and the LM head input's backward all-reduce."""
+        activation = self.tokens * self.shape.hidden * self.e
+        bandwidth, latency = group_bandwidth(self.system, self.tp, np.ones_like(self.tp))
+        return self.comm_scale * 2.0 * all_reduce_time(activation, self.tp, bandwidth, latency)
+
+    def p2p_time(self) -> np.ndarray:
+        """Pipeline sends on the critical path: one forward and one backward per micro-batch and chunk."""
+        message = self.tokens * self.shape.hidden * self.e / self.tp
+        bandwidth, latency = group_bandwidth(self.system, self.pp, self.tp * self.dp)
+        one = latency + message / bandwidth
+        return self.comm_scale * np.where(self.pp > 1, 2.0 * self.m * self.v * one, 0.0)
+
+    def stage_params(self) -> np.ndarray:
+        """Parameters on one GPU of the last stage (its blocks, the tied embedding copy, the final norm)."""
+        shape = self.shape
+        blocks = self.layers * flops.block_weight_params(shape, self.tp)
+        embedding = shape.vocab * shape.hidden / self.tp + shape.norm_params * shape.hidden
+        positions = np.where(self.pp > 1, 0.0, shape.seq * shape.hidden if shape.position_embeddings else 0.0)
+        return blocks + embedding + positions
+
+    def dp_comm_exposed(self, forward_mb: np.ndarray, backward_mb: np.ndarray) -> np.ndarray:
+        """Data-parallel traffic not hidden under compute, as CONA's engine does it.
+
+        ZeRO 0: one all-reduce of the fp32 gradients after the last micro-batch (nothing overlaps it).
+        ZeRO 1/2 (FSDP2 keeping parameters gathered from forward to backward, resharding after each backward):
+        an all-gather of the 16-bit parameters under every micro-batch's forward, and a reduce-scatter of the
+        fp32 gradients under the last micro-batch's backward. ZeRO 3: the all-gather in every backward too. An
+        overlapped collective still exposes one block's share (the first gather, the last reduce).
+        """
+        params = self.stage_params()
+        bandwidth, latency = group_bandwidth(self.system, self.dp, self.tp)
+        grads = GRAD_REDUCE_BYTES * params
+        gather = self.comm_scale * all_gather_time(params * self.e, self.dp, bandwidth, latency)
+        # A ring reduce-scatter costs what an all-gather of the same bytes does.
+        reduce = self.comm_scale * all_gather_time(grads, self.dp, bandwidth, latency)
+        exposed = lambda comm, window: np.maximum(comm / self.layers, comm - window)  # noqa: E731
+        zero0 = self.comm_scale * all_reduce_time(grads, self.dp, bandwidth, latency)
+        forward_gathers = self.m * exposed(gather, forward_mb)
+        zero12 = forward_gathers + exposed(reduce, backward_mb)
+        zero3 = zero12 + self.m * exposed(gather, backward_mb)
+        return np.select([self.zero == 0, self.zero == 3], [zero0, zero3], zero12)
+
+    def tied_embedding_sync(self) -> np.ndarray:
+        """With pp > 1 the first and last stage both hold the tied embedding: they all-reduce its gradient."""
+        rows = self.shape.vocab * self.shape.hidden / self.tp / np.where(self.zero >= 1, self.dp, 1.0)
+        stride = self.tp * self.dp * np.maximum(self.pp - 1.0, 1.0)
+        bandwidth, latency = group_bandwidth(self.system, np.full_like(self.pp, 2.0), stride)
+        sync = all_reduce_time(GRAD_REDUCE_BYTES * rows, 2.0, bandwidth, latency)
+        return self.comm_scale * np.where(self.pp > 1, sync, 0.0)
+
+    def optimizer_time(self) -> np.ndarray:
+        """Adam on the fp32 parameters of this GPU's share: read p, g, m, v and write p, m, v (28 bytes)."""
+        sharded = np.where(self.zero >= 1, self.dp, 1.0)
+        return self._memory_time(self.stage_params() / sharded * ADAM_BYTES_PER_PARAM, kernels=8)
+
+    # ---- memory --------------------------------------------------------------------------------------------
+    def memory_gib(self) -> dict[str, np.ndarray]:
+        """Weights, gradients, Adam state and activations per GPU, on the worse of the first and last stage.
+
+        As CONA's engine keeps them: fp32 parameters, gradients and Adam m, v (4 + 4 + 8 bytes per parameter),
+        sharded over dp from ZeRO 1 on (FSDP2 has no optimizer-only sharding: ZeRO 1 and 2 are one mode);
+        plus the 16-bit copies the compute uses (mixed precision): autocast's casts saved for backward
+        (ZeRO 0), the gathered parameters kept from forward to backward (ZeRO 1/2) or two gathered blocks
+        (ZeRO 3), and with several micro-batches the unsharded gradients FSDP2 accumulates until the last.
+        """
+        params = self.stage_params()
+        block_params = flops.block_weight_params(self.shape, self.tp)
+        copy = float(self.e)  # bytes of the compute copy: a 16-bit one, or the fp32 unsharded parameter
+        sharded = self.zero >= 1
+        shards = np.where(sharded, self.dp, 1.0)
+        autocast_copy = 0.0 if self.e == 4 else copy
+        compute_copy = np.select(
+            [self.zero == 0, self.zero == 3],
+            [params * autocast_copy, 2.0 * block_params * copy],
+            params * copy,
+        )
+        accumulated = np.where(sharded & (self.m > 1), params * copy, 0.0)
+        parts = {
+            "weights_gib": 4.0 * params / shards + compute_copy,
+            "grads_gib": GRAD_REDUCE_BYTES * params / shards + accumulated,
+            "optimizer_gib": 8.0 * params / shards,
+            "activations_gib": self.activation_bytes(),
+        }
+        return {key: value / GIB for key, value in parts.items()}
+
+    def activation_bytes(self) -> np.ndarray:
+        shape = self.shape
+        stored = self.tokens * flops.block_activation_bytes_per_token(
+            shape,
+            self.tp,
+            self.sp,
+            self.e,
+            flash_attention=self.flash,
+            keep_attention_scores=self.recompute != SELECTIVE_RECOMPUTE,
+        )
+        checkpoint = self.tokens * shape.hidden * self.e / np.where(self.sp, self.tp, 1.0)
+        full = self.recompute == FULL_RECOMPUTE
+        # Full recompute keeps each block's input and rebuilds one block's activations at a time.
+        per_microbatch = np.where(full, self.layers * checkpoint, self.layers * stored)
+        working = np.where(full, stored, 0.0)
+        interleave = np.where(self.v > 1, 1.0 + (self.pp - 1.0) / (self.pp * self.v), 1.0)
+        in_flight = np.where(self.schedule == GPIPE, self.m, np.minimum(self.m, self.pp) * interleave)
+        first_stage = in_flight * per_microbatch + working
+        logits = self.tokens * shape.vocab / self.tp * (self.e + 4.0)
+        last_stage = per_microbatch + working + logits
+        return np.maximum(first_stage, last_stage)
+
+    # ---- the whole step ------------------------------------------------------------------------------------
+    def prediction(self) -> Prediction:
+        overhead = self.m * self.overhead_per_microbatch
+        block = self.block_times()
+        block_compute = block["forward"] + block["backward"] + block["recompute"]
+        tp_block = self.tp_comm_per_block()
+        head = self.head_time()
+        compute = self.m * (self.layers * block_compute + head)
+        tp_comm = self.m * (self.layers * tp_block + self.tp_comm_head())
+        stage_time = self.layers * (block_compute + tp_block)
+        bubble = np.where(self.schedule == GPIPE, 1.0, 1.0 / self.v) * (self.pp - 1.0) * stage_time
+        p2p = self.p2p_time() + self.tied_embedding_sync()
+        window_fw = self.layers * block["forward"]
+        window_bw = self.layers * (block["backward"] + block["recompute"])
+        dp_exposed = np.where(self.dp > 1, self.dp_comm_exposed(window_fw, window_bw), 0.0)
+        optimizer = self.optimizer_time()
+        total = compute + tp_comm + bubble + p2p + dp_exposed + optimizer + overhead
+        memory = self.memory_gib()
+        memory_total = sum(memory.values())
+        oom = memory_total + self.system.gpu.reserved_gib > self.system.gpu.memory_gib
+        return Prediction(
+            iteration_time_s=total,
+            compute_s=compute,
+            tp_comm_s=tp_comm,
+            pp_bubble_s=bubble,
+            pp_p2p_s=p2p,
+            dp_comm_exposed_s=dp_exposed,
+            optimizer_s=optimizer,
+            overhead_s=np.broadcast_to(overhead, total.shape),
+            memory_gib=memory_total,
+            oom=oom,
+            tokens_per_s=self.gbs_tokens / total,
+            **memory,
+        )

@@ -1,0 +1,113 @@
+"""Calibration recovers planted factors; measured step times are read from metrics.jsonl rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cona.config import ModelConfig, TrainingConfig
+from cona.errors import PlanError
+from cona.planner.calibration import Calibration, fit_calibration, measurements_from_metrics
+from cona.planner.perf_model import predict
+from cona.planner.systems import load_system
+from cona.strategy import Strategy, StrategyArray
+
+MODEL = ModelConfig(layers=8, hidden=512, heads=8, seq=512, vocab_size=8000)
+SYSTEM = load_system("a100_80g_2gpu_node")
+
+
+def test_fit_recovers_planted_factors():
+    strategies = [
+        Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=32)
+        for dp, tp, pp in ((1, 1, 1), (4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (8, 1, 1))
+        for mbs in (1, 4)
+    ]
+    planted = Calibration(compute_efficiency=0.6, comm_efficiency=0.4, overhead_s=0.002)
+    times = predict(
+        MODEL, StrategyArray.from_strategies(strategies), SYSTEM, calibration=planted
+    ).iteration_time_s
+    fitted = fit_calibration(MODEL, list(zip(strategies, times.tolist(), strict=True)), SYSTEM)
+    assert fitted.compute_efficiency == pytest.approx(0.6, rel=0.03)
+    assert fitted.comm_efficiency == pytest.approx(0.4, rel=0.05)
+    assert fitted.overhead_s == pytest.approx(0.002, rel=0.1)
+    assert fitted.error_before > 0.3 and fitted.error_after < 0.01
+    assert fitted.measurements == len(strategies)
+
+
+def test_unidentifiable_communication_factor_stays_at_one():
+    strategy = Strategy(dp=1, tp=1, pp=1, mbs=2, gbs=2)
+    measured = 1.5 * predict(MODEL, strategy, SYSTEM).iteration_time_s[0]
+    fitted = fit_calibration(MODEL, [(strategy, float(measured))], SYSTEM)
+    assert fitted.comm_efficiency == pytest.approx(1.0)
+    assert fitted.error_before == pytest.approx(1 - 1 / 1.5, rel=1e-6)
+    assert fitted.error_after < 0.01
+
+
+def test_fit_refuses_no_or_bad_measurements():
+    with pytest.raises(PlanError, match="at least one"):
+        fit_calibration(MODEL, [], SYSTEM)
+    with pytest.raises(PlanError, match="positive"):
+        fit_calibration(MODEL, [(Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=1), 0.0)], SYSTEM)
+
+
+def row(step_time, dp=2, mbs=1, stage=None, **extra):
+    return {
+        "dp": dp,
+        "tp": 1,
+        "pp": 1,
+        "mbs": mbs,
+        "gbs": 8,
+        "step_time_s": step_time,
+        "stage": stage,
+        **extra,
+    }
+
+
+def test_measurements_take_the_median_and_skip_each_stages_first_step(tmp_path):
+    rows = [
+        row(9.0, stage=0),
+        row(1.0, stage=0),
+        row(3.0, stage=0),
+        {"eval_loss": 2.0},
+        row(2.0, stage=0),
+        row(7.0, mbs=2, stage=1),
+        row(4.0, mbs=2, stage=1),
+        row(8.0, stage=2),
+        row(5.0, stage=2),
+    ]  # back to the first strategy: its first step is skipped again
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    measured = dict(measurements_from_metrics(path))
+    assert measured == {
+        Strategy(dp=2, tp=1, pp=1, mbs=1, gbs=8): 2.5,
+        Strategy(dp=2, tp=1, pp=1, mbs=2, gbs=8): 4.0,
+    }
+    assert dict(measurements_from_metrics(rows)) == measured
+
+
+def test_metrics_rows_with_optional_strategy_fields():
+    rows = [row(1.0, zero_stage=3, recompute="full"), row(2.0, zero_stage=3, recompute="full")]
+    [(strategy, seconds)] = measurements_from_metrics(rows)
+    assert (strategy.zero_stage, strategy.recompute, seconds) == (3, "full", 2.0)
+
+
+def test_bad_metrics_input_is_one_line(tmp_path):
+    with pytest.raises(PlanError, match="step_time_s without tp"):
+        measurements_from_metrics([{"dp": 1, "pp": 1, "mbs": 1, "gbs": 1, "step_time_s": 1.0}])
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text('{"dp": 1}\n{oops\n')
+    with pytest.raises(PlanError, match="line 2"):
+        measurements_from_metrics(bad)
+    with pytest.raises(PlanError, match="does not exist"):
+        measurements_from_metrics(tmp_path / "none.jsonl")
+
+
+def test_strategy_fields_missing_from_rows_come_from_the_training_config():
+    training = TrainingConfig(zero_stage=3, recompute="selective", sequence_parallel=True)
+    rows = [row(1.0), row(2.0), row(3.0, zero_stage=0), row(4.0, zero_stage=0)]
+    strategies = [strategy for strategy, _ in measurements_from_metrics(rows, training=training)]
+    assert [(s.zero_stage, s.recompute, s.sequence_parallel) for s in strategies] == [
+        (3, "selective", True),
+        (0, "selective", True),
+    ]
