@@ -129,3 +129,9 @@ def test_cli_error_is_one_line_without_traceback(tmp_path, capsys):
     assert main(["config", "show", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cona: error: ") and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_default_log_root_is_relative_to_the_file(tmp_path, monkeypatch):
+    path = write(tmp_path)
+    monkeypatch.chdir("/")
+    assert load_config(path).training.log_root == str(tmp_path / "logs")

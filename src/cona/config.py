@@ -193,6 +193,9 @@ class ConaConfig:
         return {"model": _section_dict(self.model), "training": _section_dict(self.training)}
 
 
+_TRAINING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
+
+
 def _section_dict(section: Any) -> dict[str, Any]:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
 
@@ -235,7 +238,8 @@ def parse_config(raw: Any, *, source: Path | None = None) -> ConaConfig:
     base_dir = source.parent if source is not None else Path.cwd()
     training_values = _typed_values(TrainingConfig, training_raw, where, "training")
     for key in PATH_KEYS:
-        value = training_values.get(key)
+        # Defaults (log_root "logs") are relative to the file too, not to wherever cona was started.
+        value = training_values.get(key, _TRAINING_DEFAULTS.get(key))
         if isinstance(value, str):
             training_values[key] = str((base_dir / Path(value).expanduser()).resolve())
     training = TrainingConfig(**training_values)

@@ -1,5 +1,133 @@
-from cona.commands import not_yet
+"""``cona ckpt inspect PATH`` and ``cona ckpt export PATH OUT.safetensors``: read checkpoints without
+starting any distributed process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from cona.config import DTYPES
+from cona.errors import CheckpointError
 
 
 def register(subparsers) -> None:
-    not_yet(subparsers, "ckpt", "Inspect and export checkpoints", 4)
+    parser = subparsers.add_parser(
+        "ckpt", help="Inspect and export checkpoints", description="Inspect and export checkpoints."
+    )
+    actions = parser.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    inspect = actions.add_parser(
+        "inspect",
+        help="Layout, iteration, consumed tokens, size and completeness of a checkpoint",
+        description="Show a checkpoint's layout, progress, model shape, size on disk and whether it is "
+        "complete. PATH is a global_step<N> directory, a layout directory (its 'latest' "
+        "marker is followed) or a marker file. Exits 1 when the checkpoint is incomplete.",
+    )
+    inspect.add_argument("path", type=Path, metavar="PATH")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(func=run_inspect)
+    export = actions.add_parser(
+        "export",
+        help="Write the consolidated model weights to one safetensors file",
+        description="Gather the model tensors of a (possibly sharded) checkpoint into one safetensors file "
+        "that loads without torch.distributed. Tied weights are written once.",
+    )
+    export.add_argument("path", type=Path, metavar="PATH")
+    export.add_argument("out", type=Path, metavar="OUT.safetensors")
+    export.set_defaults(func=run_export)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    report = inspect_checkpoint(args.path)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for key, value in report.items():
+            shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
+            print(f"{key:>18}: {shown}")
+    return 0 if report["complete"] else 1
+
+
+def inspect_checkpoint(path: Path) -> dict[str, Any]:
+    """What ``cona ckpt inspect`` shows, as a JSON-ready dict."""
+    from cona.engine.checkpoint import model_shape, read_checkpoint_info, resolve_checkpoint, verify_complete
+
+    checkpoint = resolve_checkpoint(path)
+    try:
+        verify_complete(checkpoint)
+        problem = None
+    except CheckpointError as err:
+        problem = str(err)
+    report: dict[str, Any] = {"path": str(checkpoint), "complete": problem is None}
+    if problem is not None:
+        report["problem"] = problem
+    report["size_bytes"] = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    report["size"] = _human_size(report["size_bytes"])
+    try:
+        info = read_checkpoint_info(checkpoint)
+    except CheckpointError as err:
+        report["unreadable"] = str(err)
+        return report
+    if info.strategy is not None:
+        strategy = info.strategy
+        report["layout"] = {
+            "dp": strategy.dp,
+            "tp": strategy.tp,
+            "pp": strategy.pp,
+            "zero_stage": strategy.zero_stage,
+            "dtype": _dtype_from_path(checkpoint),
+        }
+    state = info.trainer_state
+    for key in ("iteration", "consumed_samples", "consumed_tokens", "stage"):
+        report[key] = state.get(key)
+    report["model"] = {"name": info.config.model.name, **model_shape(info.config.model)}
+    return report
+
+
+def _dtype_from_path(checkpoint: Path) -> str:
+    """The dtype level of ``.../z<zero>/<dtype>/<layout>/global_step<N>``, or "unknown" elsewhere."""
+    candidate = checkpoint.parent.parent.name
+    return candidate if candidate in DTYPES else "unknown"
+
+
+def _human_size(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{size} B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from cona.engine.checkpoint import load_model_tensors, read_checkpoint_info, resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(args.path)
+    if args.out.suffix != ".safetensors":
+        raise CheckpointError(f"OUT: {args.out} should end in .safetensors")
+    if not args.out.parent.is_dir():
+        raise CheckpointError(f"OUT: directory {args.out.parent} does not exist")
+    tensors = load_model_tensors(checkpoint)
+    info = read_checkpoint_info(checkpoint)
+    tied = (info.manifest or {}).get("tied_parameters", [])
+    for kept, *aliases in tied:
+        for alias in aliases:
+            # Only drop a copy that really is the same weight (a pipeline that keeps tied weights as two
+            # synchronised copies stores both; they must still be equal).
+            if alias in tensors and kept in tensors and tensors[alias].equal(tensors[kept]):
+                del tensors[alias]
+    metadata = {
+        "format": "pt",
+        "source": str(checkpoint),
+        "iteration": str(info.trainer_state.get("iteration")),
+        "tied_parameters": json.dumps(tied),
+    }
+    save_file(
+        {name: tensor.contiguous() for name, tensor in tensors.items()}, str(args.out), metadata=metadata
+    )
+    total = sum(t.numel() for t in tensors.values())
+    print(f"wrote {args.out}: {len(tensors)} tensors, {total} parameters, from {checkpoint}")
+    return 0

@@ -1,5 +1,209 @@
-from cona.commands import not_yet
+"""``cona plan``: CONA's search run offline on a recorded trace; writes CONA's chain as a chain config.
+
+It also reports, on the same trace and candidates, every static strategy, the hindsight-optimal chain and
+their predicted times to the target (see :mod:`cona.planner.plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from cona.config import ConaConfig, load_config
+from cona.errors import PlanError
+from cona.planner.calibration import Calibration, fit_calibration
+from cona.planner.plan import (
+    DEFAULT_SEGMENTS,
+    ChainPlan,
+    PlanResult,
+    SearchSettings,
+    chain_config,
+    plan,
+    space_options,
+    target_progress,
+)
+from cona.planner.policy import DEFAULT_HYSTERESIS, PolicySettings
+from cona.planner.systems import System, load_system
+from cona.planner.trace import Trace, read_trace
 
 
 def register(subparsers) -> None:
-    not_yet(subparsers, "plan", "Plan a strategy chain offline on a recorded trace", 6)
+    parser = subparsers.add_parser(
+        "plan",
+        help="Plan a strategy chain offline on a recorded trace",
+        description="Run CONA's strategy search and switching policy offline on a recorded trace (a run "
+        "directory or its metrics.jsonl): the noise scale over training and the measured step times (which "
+        "calibrate the performance model). Prints the predicted time to the target of every static "
+        "strategy, of the hindsight-optimal chain and of CONA's online chain, and writes CONA's chain as a "
+        "chain config for 'cona train --chain'.",
+    )
+    parser.add_argument("--trace", required=True, help="run directory or metrics.jsonl")
+    parser.add_argument("--out", required=True, help="chain config to write (JSON)")
+    parser.add_argument("--system", required=True, help="system name (e.g. a100_80g) or system JSON file")
+    parser.add_argument("--gpus", type=int, default=None, help="GPU count (default: the trace's)")
+    parser.add_argument("--initial-gbs", type=int, default=None, help="first gbs (default: the trace's)")
+    parser.add_argument("--max-gbs", type=int, required=True, help="largest gbs the frontier may reach")
+    goal = parser.add_mutually_exclusive_group()
+    goal.add_argument(
+        "--total-tokens", type=float, default=None, help="train as far as the trace did in T tokens"
+    )
+    goal.add_argument(
+        "--total-iters", type=int, default=None, help="as --total-tokens, I x initial gbs x seq"
+    )
+    goal.add_argument("--target-loss", type=float, default=None, help="train to the trace's loss L")
+    goal.add_argument("--target-ppl", type=float, default=None, help="train to the perplexity P (loss ln P)")
+    parser.add_argument(
+        "--switch-cost-s",
+        type=float,
+        default=None,
+        help="seconds a switch costs (default: the mean measured at the trace's stage changes)",
+    )
+    parser.add_argument("--no-botorch", action="store_true", help="exhaustive search instead of BO")
+    parser.add_argument("--hysteresis", type=float, default=DEFAULT_HYSTERESIS, help="switch margin (0.05)")
+    parser.add_argument(
+        "--segments",
+        type=int,
+        default=DEFAULT_SEGMENTS,
+        help=f"evaluations over the run ({DEFAULT_SEGMENTS})",
+    )
+    parser.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: training.dtype"
+    )
+    parser.add_argument(
+        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
+    )
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    system = load_system(args.system)
+    trace = read_trace(args.trace, training=config.training)
+    gpus = args.gpus if args.gpus is not None else trace.world_size
+    if gpus is None:
+        raise PlanError("--gpus: the trace names no dp/tp/pp to take the GPU count from; pass --gpus")
+    initial_gbs = args.initial_gbs if args.initial_gbs is not None else int(trace.gbs[0])
+    if args.max_gbs < initial_gbs:
+        raise PlanError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
+    dtype = args.dtype or config.training.dtype
+    calibration, calibration_note = _calibration(config, trace, system, gpus, dtype)
+    search = SearchSettings(
+        system=system,
+        n_gpus=gpus,
+        dtype=dtype,
+        options=space_options(config.training),
+        calibration=calibration,
+        botorch=not args.no_botorch,
+    )
+    policy = PolicySettings.from_training(config.training, max_gbs=args.max_gbs, hysteresis=args.hysteresis)
+    progress, target_note = _target(args, config, trace, initial_gbs)
+    result = plan(
+        config,
+        trace,
+        search=search,
+        policy=policy,
+        initial_gbs=initial_gbs,
+        progress=progress,
+        switch_cost_s=_switch_cost(args, trace),
+        segments=args.segments,
+    )
+    raw = chain_config(result.online.stages)
+    _check_chain(raw, Path(args.out), config, gpus, system.resolve_dtype(dtype))
+    try:
+        Path(args.out).write_text(json.dumps(raw, indent=2) + "\n")
+    except OSError as err:
+        raise PlanError(f"--out: cannot write {args.out}: {err.strerror}") from None
+    print(f"trace: {trace.source}; {target_note}")
+    print(f"model: {calibration_note}")
+    _print_report(result)
+    print(f"wrote CONA's chain ({len(raw['steps'])} steps) to {args.out}")
+    return 0
+
+
+def _target(
+    args: argparse.Namespace, config: ConaConfig, trace: Trace, initial_gbs: int
+) -> tuple[float, str]:
+    base = config.training.base_gbs
+    if args.target_ppl is not None or args.target_loss is not None:
+        if args.target_ppl is not None and not args.target_ppl > 1:
+            raise PlanError(f"--target-ppl must be above 1, got {args.target_ppl}")
+        loss = math.log(args.target_ppl) if args.target_ppl is not None else args.target_loss
+        progress = target_progress(trace, base, target_loss=loss)
+        return (
+            progress,
+            f"target {trace.loss_kind} {loss:.4g}, reached at {trace.tokens_at_loss(loss):.4g} tokens",
+        )
+    tokens = args.total_tokens
+    if args.total_iters is not None:
+        tokens = float(args.total_iters * initial_gbs * config.model.seq)
+    progress = target_progress(trace, base, total_tokens=tokens)
+    spent = (
+        f"{tokens:.4g} tokens" if tokens is not None else f"the whole trace ({trace.tokens[-1]:.4g} tokens)"
+    )
+    return progress, f"target: the progress the trace made in {spent}"
+
+
+def _switch_cost(args: argparse.Namespace, trace: Trace) -> float:
+    if args.switch_cost_s is not None:
+        return args.switch_cost_s
+    if not trace.switch_costs_s:
+        raise PlanError(
+            "--switch-cost-s: the trace has no stage change to measure a switch cost from; pass it"
+        )
+    return sum(trace.switch_costs_s) / len(trace.switch_costs_s)
+
+
+def _calibration(
+    config: ConaConfig, trace: Trace, system: System, gpus: int, dtype: str
+) -> tuple[Calibration | None, str]:
+    """Fit the model to the trace's step times when they were measured on the GPU count planned for."""
+    if not trace.timed:
+        return None, "uncalibrated (the trace has no step_time_s)"
+    if trace.world_size != gpus:
+        return None, f"uncalibrated (the trace ran on {trace.world_size} processes, the plan is for {gpus})"
+    calibration = fit_calibration(config.model, list(trace.timed), system, dtype)
+    return calibration, (
+        f"calibrated on {calibration.measurements} measured strategies (mean error "
+        f"{calibration.error_before:.1%} -> {calibration.error_after:.1%})"
+    )
+
+
+def _check_chain(raw: dict, out: Path, config: ConaConfig, gpus: int, dtype: str) -> None:
+    from cona.runner.chain import parse_chain  # deferred: it imports the engine (torch)
+
+    parse_chain(raw, source=out, config=config, world_size=gpus, dtype=dtype, workdir=Path.cwd())
+
+
+def _print_report(result: PlanResult) -> None:
+    print("\nbest strategy per gbs (predicted):")
+    for candidate in result.candidates:
+        print(f"  {candidate.strategy.short():36s} {candidate.predicted_tokens_per_s:14,.0f} tokens/s")
+    optimum = result.optimum.time_s
+    print(f"\n{'plan':24s} {'time to target':>16s} {'vs optimum':>11s} {'switches':>9s}  chain")
+    rows = [*result.static, result.optimum, result.online]
+    for row in rows:
+        ratio = row.time_s / optimum
+        print(
+            f"{row.name:24s} {_duration(row.time_s):>16s} {ratio:>10.4f}x {row.switches:>9d}  {_chain(row)}"
+        )
+    best, worst = result.best_static, result.worst_static
+    print(
+        f"\nCONA: {result.online.time_s / optimum - 1:+.2%} vs the hindsight optimum; "
+        f"{best.time_s / result.online.time_s:.3f}x faster than the best static ({best.name}), "
+        f"{worst.time_s / result.online.time_s:.3f}x faster than the worst ({worst.name}); "
+        f"switch cost {result.switch_cost_s:.1f} s"
+    )
+    for record in result.decisions:
+        print(f"  {record['decision']} at iteration {record['iteration']}: {record['reason']}")
+
+
+def _chain(plan: ChainPlan) -> str:
+    return " -> ".join(f"gbs {stage.strategy.gbs} x {stage.iterations} it" for stage in plan.stages)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    return f"{seconds:.1f} s"

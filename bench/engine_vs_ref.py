@@ -1,0 +1,329 @@
+"""Engine throughput against a plain-PyTorch reference, on one GPU, measured in the same process.
+
+For each GPT size and micro-batch size this times (1) THE REFERENCE: a single-file GPT training step
+(bf16 autocast, SDPA flash attention, torch.compile of the whole model, fused AdamW), adapted from the
+project's reference benchmark ``gpt_ref.py``, and (2) CONA'S ENGINE: the real step path of a worker,
+``TrainingModel.train_step`` + ``clip_grad_norm_`` + ``optimizer_step`` + ``zero_grad`` under a 1-process
+NCCL group, dp = tp = pp = 1, with the engine's own compile setting on. Random tokens; throughput does not
+depend on the data. It prints one row per configuration with tokens/s of both and the ratio ours/ref.
+
+    PYTHONPATH=src python bench/engine_vs_ref.py --sizes 125m,350m,1.3b --mbs 8,16 --out results.json
+
+``--profile SIZE:MBS`` also writes torch.profiler tables (top kernels and CPU ops of both steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cona.config import ModelConfig, TrainingConfig, parse_config
+from cona.engine.optim import build_optimizer
+from cona.engine.parallel_dims import build_mesh
+from cona.engine.train_model import build_training_model
+from cona.planner.flops import training_flops_per_token
+from cona.strategy import Strategy
+
+SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1.3b": (24, 2048, 16)}
+GPT2_VOCAB = 50257  # padded to 50304 by make_vocab_size_divisible_by=128, the reference's vocabulary
+PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16 datasheet rate (cona.engine.metrics.PEAK_TFLOPS)
+
+
+# ----------------------------------------------------------------------------------------------------
+# THE REFERENCE (adapted from the project's gpt_ref.py; not CONA code): fused qkv, whole-model compile.
+# ----------------------------------------------------------------------------------------------------
+class RefBlock(nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.ln2 = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, 4 * h)
+        self.fc2 = nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+class RefGPT(nn.Module):
+    def __init__(self, layers: int, h: int, heads: int, vocab: int = 50304, seq: int = 1024) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, h)
+        self.wpe = nn.Embedding(seq, h)
+        self.blocks = nn.ModuleList(RefBlock(h, heads) for _ in range(layers))
+        self.lnf = nn.LayerNorm(h)
+        self.head = nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.lnf(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def reference_step(size: str, mbs: int, seq: int, compile_: bool) -> Callable[[], object]:
+    layers, h, heads = SIZES[size]
+    torch.manual_seed(0)
+    model = RefGPT(layers, h, heads, seq=seq).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step_fn = torch.compile(model) if compile_ else model
+    inputs, targets = random_batch(mbs, seq)
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+# ----------------------------------------------------------------------------------------------------
+# CONA's engine: the worker's step path.
+# ----------------------------------------------------------------------------------------------------
+def engine_config(size: str, seq: int, compile_: bool) -> tuple[ModelConfig, object]:
+    layers, hidden, heads = SIZES[size]
+    raw = {
+        "model": {
+            "name": f"gpt-{size}",
+            "layers": layers,
+            "hidden": hidden,
+            "heads": heads,
+            "seq": seq,
+            "vocab_size": GPT2_VOCAB,
+            "attention_dropout": 0.0,
+            "hidden_dropout": 0.0,
+        },
+        "training": {
+            "device": "cuda",
+            "dtype": "bf16",
+            "zero_stage": 0,
+            "compile": compile_,
+            "clip_grad": 1.0,
+        },
+    }
+    config = parse_config(raw)
+    return config.model, config
+
+
+def engine_step(size: str, mbs: int, seq: int, compile_: bool) -> Callable[[], object]:
+    _, config = engine_config(size, seq, compile_)
+    training: TrainingConfig = config.training
+    strategy = Strategy(
+        dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs, zero_stage=training.zero_stage, recompute=training.recompute
+    )
+    mesh = build_mesh(strategy, "cuda")
+    model = build_training_model(config, strategy, mesh, torch.device("cuda", 0))
+    optimizer = build_optimizer(model.model_parts, training)
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-4
+    batch = [random_batch(mbs, seq)]
+
+    def step() -> float:
+        out = model.train_step(batch)
+        model.clip_grad_norm_(training.clip_grad)
+        model.optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss
+
+    return step
+
+
+# ----------------------------------------------------------------------------------------------------
+def random_batch(mbs: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, GPT2_VOCAB, (mbs, seq + 1), device="cuda")
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def seconds_per_step(step: Callable[[], object], *, warmup: int, steps: int, repeats: int) -> float:
+    """Median over ``repeats`` rounds of the mean wall time of ``steps`` steps, after ``warmup`` steps."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - start) / steps)
+    return statistics.median(rounds)
+
+
+def measure(name: str, build: Callable[[], Callable[[], object]], args: argparse.Namespace) -> dict:
+    torch._dynamo.reset()  # each configuration compiles for its own static shapes, as a worker would
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    compile_start = time.perf_counter()
+    step = build()
+    step()  # the first step compiles
+    torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - compile_start
+    seconds = seconds_per_step(step, warmup=args.warmup, steps=args.steps, repeats=args.repeats)
+    row = {
+        "impl": name,
+        "step_ms": round(seconds * 1e3, 2),
+        "first_step_s": round(first_step_s, 1),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+    }
+    del step
+    torch.cuda.empty_cache()
+    return row
+
+
+def profile(size: str, mbs: int, args: argparse.Namespace, out_dir: Path) -> None:
+    """Top kernels and CPU ops of both steps, and how busy the GPU was (kernel time over wall time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    steps = 5
+    for name, build in (
+        ("ref", partial(reference_step, size, mbs, args.seq, not args.no_compile)),
+        ("ours", partial(engine_step, size, mbs, args.seq, not args.no_compile)),
+    ):
+        torch._dynamo.reset()
+        step = build()
+        for _ in range(args.warmup + 1):
+            step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - start) * 1e3 / steps
+        averages = prof.key_averages()
+        # Device-side events only (the table's "Self CUDA time total"); op rows repeat their kernels' time.
+        kernel_ms = (
+            sum(
+                event.self_device_time_total
+                for event in averages
+                if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+            )
+            / 1e3
+            / steps
+        )
+        summary = (
+            f"== {name} {size} mbs{mbs}: {wall_ms:.2f} ms/step wall (profiled), "
+            f"{kernel_ms:.2f} ms/step of kernels"
+        )
+        print(summary, flush=True)
+        text = "\n".join([
+            summary, "-- by device time",
+            averages.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=80),
+            "-- by CPU time",
+            averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80),
+        ])  # fmt: skip
+        (out_dir / f"profile_{name}_{size}_mbs{mbs}.txt").write_text(text)
+        del step
+        torch.cuda.empty_cache()
+
+
+def init_single_process_group() -> None:
+    """A 1-process NCCL group, as a worker of a 1-GPU stage has."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="125m,350m,1.3b")
+    parser.add_argument("--mbs", default="8,16")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--profile", default=None, metavar="SIZE:MBS")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON file for the rows (and profiles beside it)"
+    )
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True  # as the reference does
+    init_single_process_group()
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    rows = []
+    for size in args.sizes.split(","):
+        flops_per_token = training_flops_per_token(engine_config(size, args.seq, False)[0])
+        for mbs in (int(m) for m in args.mbs.split(",")):
+            compile_ = not args.no_compile
+            ref = measure("ref", partial(reference_step, size, mbs, args.seq, compile_), args)
+            ours = measure("ours", partial(engine_step, size, mbs, args.seq, compile_), args)
+            row = summarise(size, mbs, args.seq, ref, ours, flops_per_token)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if args.out is not None:
+                args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print_table(rows)
+    if args.profile:
+        size, mbs = args.profile.split(":")
+        profile(size, int(mbs), args, (args.out.parent if args.out else Path(".")))
+    dist.destroy_process_group()
+
+
+def summarise(size: str, mbs: int, seq: int, ref: dict, ours: dict, flops_per_token: float) -> dict:
+    tokens = mbs * seq
+    ref_tps, ours_tps = tokens / (ref["step_ms"] / 1e3), tokens / (ours["step_ms"] / 1e3)
+    return {
+        "size": size,
+        "mbs": mbs,
+        "seq": seq,
+        "ref_step_ms": ref["step_ms"],
+        "ours_step_ms": ours["step_ms"],
+        "ref_tok_s": round(ref_tps),
+        "ours_tok_s": round(ours_tps),
+        "ratio": round(ours_tps / ref_tps, 3),
+        "ref_mfu": round(ref_tps * flops_per_token / (PEAK_BF16_TFLOPS * 1e12), 3),
+        "ours_mfu": round(ours_tps * flops_per_token / (PEAK_BF16_TFLOPS * 1e12), 3),
+        "ref_peak_gib": ref["peak_gib"],
+        "ours_peak_gib": ours["peak_gib"],
+        "ref_first_step_s": ref["first_step_s"],
+        "ours_first_step_s": ours["first_step_s"],
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (
+        f"{'size':>5} {'mbs':>4} {'ref tok/s':>10} {'ours tok/s':>10} {'ours/ref':>8} {'ref MFU':>7} "
+        f"{'ours MFU':>8} {'ref GiB':>7} {'ours GiB':>8}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r['size']:>5} {r['mbs']:>4} {r['ref_tok_s']:>10,} {r['ours_tok_s']:>10,} {r['ratio']:>8.3f} "
+            f"{r['ref_mfu']:>7.3f} {r['ours_mfu']:>8.3f} {r['ref_peak_gib']:>7} {r['ours_peak_gib']:>8}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Inputs of the gradient noise scale: squared gradient norms over a small and over the big (global) batch.
+
+Method (the same for every layout): the small batch is one micro-batch of one dp rank. A tensor hook on
+every leaf that autograd accumulates into sees each micro-batch's gradient before accumulation and before
+any data-parallel reduction, and adds its squared norm to one device scalar (no host sync). The leaves
+are the module parameters, except under FSDP2, where autograd accumulates into FSDP's unsharded
+parameters: those are the ones installed on the modules while a block runs, so a forward pre-hook on each
+FSDP unit (run after FSDP's own, which installs them) registers the tensor hooks the first time it sees
+them. This needs no extra communication and no copy of the gradient; the alternatives were rejected:
+the dp-local accumulated gradient is not visible under FSDP2 (reduce-scatter consumes it), diffs of
+accumulated gradients cost a parameter-sized copy per micro-batch, and splitting micro-batches changes the
+kernels the step runs.
+
+With one micro-batch on one dp rank (n = dp * micro_batches = 1) there is only one gradient per step; then
+AdaptDL's difference estimator is used: the previous step's gradient is kept (by reference, no copy) and
+the two consecutive gradients play the two small batches (slightly biased: the parameters moved in between).
+
+Squared norms of sharded tensors are summed over shards; a tensor replicated over r of the ranks that sum
+it is weighted 1/r, so nothing is double counted; pipeline stages add up in the same all-reduce. The tied
+embedding/LM-head matrix is left out of both norms in every layout: under pp > 1 its per-micro-batch
+gradient is split over two ranks (embedding part and head part) and the cross term is not available, so
+including it would make the estimate depend on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.hooks import RemovableHandle
+
+TIED_NAMES = ("tok_embeddings.weight", "output.weight")
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_count(tensor: torch.Tensor) -> int:
+    """How many distinct pieces the tensor is cut into across the ranks of its mesh (1 for a plain tensor)."""
+    if not isinstance(tensor, DTensor):
+        return 1
+    count = 1
+    for size, placement in zip(tensor.device_mesh.shape, tensor.placements, strict=True):
+        if not isinstance(placement, Replicate):
+            count *= size
+    return count
+
+
+def is_tied(name: str) -> bool:
+    """Whether ``name`` is the token-embedding matrix that the LM head shares."""
+    return name in TIED_NAMES
+
+
+class MicroBatchNormMeter:
+    """Sums ``weight * |local grad|^2`` of every micro-batch's gradient, per rank, into one device scalar.
+
+    ``ranks_per_copy`` is the number of ranks that hold pieces of one dp rank's gradient of a stage (the TP
+    degree): a plain tensor is replicated over them and weighted ``1 / ranks_per_copy``.
+    """
+
+    def __init__(
+        self,
+        modules: Iterable[nn.Module],
+        *,
+        ranks_per_copy: int,
+        device: torch.device,
+        via_forward_hooks: bool,
+    ) -> None:
+        self.ranks_per_copy = ranks_per_copy
+        self.total = torch.zeros((), device=device, dtype=torch.float32)
+        self.factor = 1.0
+        # id -> weak reference: tensors cannot go in a (Weak)Set, whose lookups compare them with ==.
+        self._seen: dict[int, weakref.ref] = {}
+        self._handles: list[RemovableHandle] = []
+        for module in modules:
+            if via_forward_hooks:
+                self._handles.append(module.register_forward_pre_hook(self._hook_installed_parameters))
+            else:
+                self._hook_parameters(module)
+
+    def remove(self) -> None:
+        """Take every hook off again (the sum stays 0 afterwards)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._seen.clear()
+
+    def start_step(self, grad_factor: float) -> None:
+        """Zero the sum; ``grad_factor`` converts what the hooks see into the micro-batch mean gradient."""
+        self.total.zero_()
+        self.factor = grad_factor
+
+    def _hook_parameters(self, module: nn.Module) -> None:
+        for name, param in module.named_parameters():
+            known = self._seen.get(id(param))
+            if param.requires_grad and not is_tied(name) and (known is None or known() is not param):
+                self._seen[id(param)] = weakref.ref(param)
+                self._handles.append(param.register_hook(self._accumulate))
+
+    @torch.compiler.disable
+    def _hook_installed_parameters(self, module: nn.Module, args: object) -> None:
+        self._hook_parameters(module)
+
+    def _accumulate(self, grad: torch.Tensor) -> None:
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            # Sequence-parallel norm weights: each TP rank holds a partial sum of this gradient.
+            with torch.no_grad():
+                grad = grad.redistribute(
+                    placements=[Replicate() if p.is_partial() else p for p in grad.placements]
+                )
+        # The weight follows the gradient's own placements, which may differ from its parameter's.
+        weight = shard_count(grad) / self.ranks_per_copy
+        norm = torch.linalg.vector_norm(local_tensor(grad), dtype=torch.float32)
+        self.total.add_(norm.square(), alpha=weight * self.factor**2)
+
+
+class PreviousGradient:
+    """The difference estimator's memory: the last step's gradient tensors (GNS parameters only).
+
+    They are kept by reference, not copied: the engine sets ``.grad`` to None before every step, so
+    nothing else writes them, except clipping, whose factor is recorded (:meth:`note_scaled`) and divided
+    out. Each step then costs one fused in-place add and one norm over the gradients.
+    """
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] | None = None
+        self.sqr: float | None = None
+        self.scale = 1.0
+
+    def note_scaled(self, factor: float) -> None:
+        """The held gradients were multiplied by ``factor`` in place (gradient clipping)."""
+        if self.grads is not None:
+            self.scale *= factor
+
+    def sum_sqr(self, grads: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+        """Weighted local ``|previous + current|^2`` (zero without a previous gradient).
+
+        Consumes the held tensors: ``held + scale * current = scale * (previous + current)``.
+        """
+        if self.grads is None:
+            return torch.zeros((), device=weights.device)
+        torch._foreach_add_(self.grads, grads, alpha=self.scale)
+        norms = torch.stack(torch._foreach_norm(self.grads)).float()
+        return (norms.square() * weights).sum() / self.scale**2
+
+    def hold(self, grads: list[torch.Tensor], sqr: float) -> None:
+        self.grads, self.sqr, self.scale = list(grads), sqr, 1.0
+
+
+def difference_estimate(
+    previous_sqr: float | None, current_sqr: float, sum_sqr: float, batch: int
+) -> tuple[float, float, int, int]:
+    """(small_sqr, big_sqr, small_batch, big_batch) from two consecutive gradients of ``batch`` samples.
+
+    ``sum_sqr`` is ``|previous + current|^2``, so the big batch's mean gradient has ``sum_sqr / 4``. Without
+    a previous gradient there is no estimate: both norms are NaN (a consumer skips non-finite inputs).
+    """
+    if previous_sqr is None:
+        return math.nan, math.nan, batch, 2 * batch
+    return (previous_sqr + current_sqr) / 2, sum_sqr / 4, batch, 2 * batch

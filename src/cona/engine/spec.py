@@ -1,0 +1,174 @@
+"""The stage spec: everything one torchrun stage needs, written by the runner, read by every worker.
+
+One JSON file per stage (``<run_dir>/stages/<N>/spec.json``). The config travels resolved (every path
+absolute, vocab size derived), so a worker never re-discovers files and every rank sees the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cona.config import ConaConfig, parse_config
+from cona.errors import ConfigError, LaunchError
+from cona.strategy import Strategy
+
+SPEC_VERSION = 1
+LAUNCH_TIME_ENV = "CONA_LAUNCH_TIME"
+"""Environment variable in which the runner passes the unix time it started the stage's processes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """One stage of a run: a fixed strategy trained from ``load_path`` (or scratch) until the stop rule."""
+
+    run_dir: Path
+    """The run directory; metrics.jsonl, stages/<stage>/ and switch requests live here."""
+    config: ConaConfig
+    """The resolved config (its ``path`` names the file it came from, for messages)."""
+    strategy: Strategy
+    stage: int
+    """Stage number, counted from 1; names stages/<stage>/ and is written into every metrics line."""
+    workdir: Path
+    """Checkpoints go to ``<workdir>/checkpoints/<model>/z<zero>/<dtype>/<layout>/``."""
+    planned_tokens: int
+    """Horizon of the LR schedule in tokens (used when training.lr_decay_tokens is not set)."""
+    load_path: Path | None = None
+    """Checkpoint to resume from (global_step dir, layout dir or universal dir); None starts from scratch."""
+    target_iteration: int | None = None
+    """Stop once this (absolute) iteration is done."""
+    max_tokens: int | None = None
+    """Stop once this many tokens (absolute, counted from the start of the run) are consumed."""
+    lr_factor: float = 1.0
+    """Peak LR = training.base_lr * lr_factor (the chain scales it when gbs changes)."""
+    min_lr_factor: float = 1.0
+    """Min LR = training.base_min_lr * min_lr_factor."""
+    eval_interval: int | None = None
+    """Iterations between evaluations; training.eval_interval when None."""
+    eval_iters: int | None = None
+    """Validation batches (of base_gbs samples) per evaluation; training.eval_iters when None."""
+    save_at_end: bool = True
+    """Save a checkpoint when the stop rule is met (a switch request always saves)."""
+    save_interval: int | None = None
+    """Also save every this many iterations; None saves only at the end and on a switch."""
+
+    def __post_init__(self) -> None:
+        if self.stage < 1:
+            raise ConfigError(f"stage spec: stage must be >= 1, got {self.stage}")
+        if self.target_iteration is None and self.max_tokens is None:
+            raise ConfigError("stage spec: a stop rule is required (target_iteration and/or max_tokens)")
+        if self.planned_tokens <= 0:
+            raise ConfigError(f"stage spec: planned_tokens must be positive, got {self.planned_tokens}")
+        for name in ("target_iteration", "max_tokens", "eval_interval", "eval_iters", "save_interval"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"stage spec: {name} must be positive, got {value}")
+
+    @property
+    def stage_dir(self) -> Path:
+        return self.run_dir / "stages" / str(self.stage)
+
+    @property
+    def switch_request_path(self) -> Path:
+        return self.run_dir / "switch_request.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def result_path(self) -> Path:
+        return self.stage_dir / "stage_result.json"
+
+    def resolved_eval_interval(self) -> int:
+        return self.eval_interval or self.config.training.eval_interval
+
+    def resolved_eval_iters(self) -> int:
+        return self.eval_iters or self.config.training.eval_iters
+
+    def to_dict(self) -> dict[str, Any]:
+        values: dict[str, Any] = {"version": SPEC_VERSION}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, ConaConfig):
+                value = {**value.to_dict(), "source": str(value.path) if value.path else None}
+            elif isinstance(value, Strategy):
+                value = dataclasses.asdict(value)
+            values[field.name] = value
+        return values
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> StageSpec:
+        values = dict(raw)
+        version = values.pop("version", None)
+        if version != SPEC_VERSION:
+            raise ConfigError(
+                f"stage spec: version {version!r} is not {SPEC_VERSION}; rewrite it with this cona"
+            )
+        config_raw = dict(values.pop("config"))
+        source = config_raw.pop("source", None)
+        values["config"] = parse_config(config_raw, source=Path(source) if source else None)
+        values["strategy"] = Strategy(**values["strategy"])
+        for name in ("run_dir", "workdir", "load_path"):
+            if values.get(name) is not None:
+                values[name] = Path(values[name])
+        return cls(**values)
+
+    def write(self, path: Path) -> Path:
+        """Write the spec as JSON (through a temporary name, so a reader never sees half a file)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> StageSpec:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"stage spec {path} does not exist") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"stage spec {path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+        return cls.from_dict(raw)
+
+
+STOP_REASONS = ("completed", "switch_requested")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageResult:
+    """What a stage did, written by rank 0 to ``stages/<N>/stage_result.json`` after it saved."""
+
+    stage: int
+    reason: str
+    """Why it stopped: ``completed`` (stop rule met) or ``switch_requested``."""
+    last_iteration: int
+    consumed_samples: int
+    consumed_tokens: int
+    checkpoint: str | None
+    """The global_step directory saved at the end, or None if this stage saved nothing at the end."""
+    timings: dict[str, float]
+    """Unix times: launch (the runner started torchrun), process_start (the worker's imports done),
+    setup_done (built, data ready, checkpoint loaded), first_step_done, train_done, save_done."""
+
+    def write(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> StageResult:
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise LaunchError(f"stage result {path} does not exist: the stage did not finish") from None
+        except (json.JSONDecodeError, TypeError) as err:
+            raise LaunchError(f"stage result {path} is not a stage result: {err}") from None

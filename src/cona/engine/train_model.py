@@ -1,0 +1,402 @@
+"""One rank's part of a GPT under a strategy: forward/backward over a step's micro-batches, norms, clipping.
+
+``build_training_model`` builds the model on the meta device, splits it into pipeline stages, applies
+TP / recompute / compile / FSDP2, materialises it and initialises every parameter from (seed, FQN), so every
+layout starts from the same weights. The loss of a step is the mean token cross entropy over the whole
+global batch; gradients are those of that mean (micro-batch losses are divided by their count, data
+parallel averages over dp), i.e. identical to a 1-process full-batch step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
+
+from cona.config import ConaConfig, TrainingConfig
+from cona.engine import gns
+from cona.engine.model import GPT, init_weights, parameter_seed, token_cross_entropy
+from cona.engine.parallel_dims import validate_layout
+from cona.engine.parallelize import GradAllReducer, match_grad_placements, parallelize_gpt
+from cona.engine.pipeline import (
+    PipelineRunner,
+    TiedEmbeddingSync,
+    num_stages,
+    split_stage,
+    stage_ids_of_rank,
+)
+from cona.strategy import Strategy
+
+__all__ = ["StepOutput", "TrainingModel", "build_training_model", "resolved_dtype", "token_cross_entropy"]
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    """What one training step reports (the gradient-noise inputs are explained in :mod:`cona.engine.gns`).
+
+    The GNS norms are NaN when the step gives no estimate (the first step of the difference estimator, an
+    fp16 overflow); consumers skip non-finite values.
+    """
+
+    loss: float
+    """Mean token loss over the whole global batch, identical on every rank."""
+    gns_small_sqr: float
+    """Squared gradient norm over a small batch (mean over the small batches measured)."""
+    gns_big_sqr: float
+    """Squared norm of the big-batch mean gradient (normally the global batch), before clipping."""
+    gns_small_batch: int
+    """Samples in a small batch."""
+    gns_big_batch: int
+    """Samples in the big batch."""
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (GradScaler's rule on plain floats, so it works with DTensor grads).
+
+    The scale doubles after ``growth_interval`` overflow-free steps and halves on an overflow (that step is
+    skipped); whether a step overflowed comes from the global grad norm, which every rank already shares.
+    """
+
+    def __init__(self, *, enabled: bool, initial_scale: float = 2.0**16, growth_interval: int = 1000) -> None:
+        self.enabled = enabled
+        self.scale = initial_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self._good_steps = 0
+
+    def update(self, *, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale = max(self.scale / 2, 1.0)
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps % self.growth_interval == 0:
+            self.scale *= 2
+
+
+def compiles_whole_model(strategy: Strategy) -> bool:
+    """``training.compile`` compiles the whole model with its loss in one graph (as the single-GPU
+    reference does) where the model is neither split nor sharded, and each block otherwise."""
+    return strategy.tp == 1 and strategy.pp == 1 and (strategy.dp == 1 or strategy.zero_stage == 0)
+
+
+def resolved_dtype(training: TrainingConfig, device: torch.device) -> str:
+    """The precision a run trains in: fp32 on CPU, ``training.dtype`` on CUDA."""
+    return training.dtype if device.type == "cuda" else "fp32"
+
+
+class TrainingModel:
+    """This rank's model parts plus everything a training step needs (see the engine contract)."""
+
+    def __init__(
+        self,
+        *,
+        config: ConaConfig,
+        strategy: Strategy,
+        mesh: DeviceMesh,
+        device: torch.device,
+        model_parts: list[GPT],
+        stage_ids: list[int],
+    ) -> None:
+        self.config, self.strategy, self.mesh, self.device = config, strategy, mesh, device
+        self.model_parts = model_parts
+        self.dtype = resolved_dtype(config.training, device)
+        self.scaler = LossScaler(enabled=self.dtype == "fp16")
+        self.dp_rank = mesh.get_local_rank("dp")
+        self.is_first_stage = 0 in stage_ids
+        self.is_last_stage = num_stages(strategy) - 1 in stage_ids  # pp = 1: one stage, first and last
+        self._fsdp = strategy.dp > 1 and strategy.zero_stage >= 1
+        self._grad_reducer = (
+            GradAllReducer(self._unique_params(), mesh["dp"])
+            if strategy.dp > 1 and strategy.zero_stage == 0
+            else None
+        )
+        self._tied_sync = TiedEmbeddingSync(mesh, model_parts) if strategy.pp > 1 else None
+        self._pipeline = (
+            PipelineRunner(model_parts, stage_ids, strategy, mesh, device) if strategy.pp > 1 else None
+        )
+        self._forward_loss = self._plain_forward_loss
+        if config.training.compile and compiles_whole_model(strategy):
+            self._forward_loss = torch.compile(self._plain_forward_loss)
+        self._split_norm_params()
+        # Hooks only where a step has several small batches (else the difference estimator is used).
+        several = strategy.dp * strategy.micro_batches > 1
+        self._meter = gns.MicroBatchNormMeter(
+            self._meter_modules() if several else [],
+            ranks_per_copy=strategy.tp,
+            device=device,
+            via_forward_hooks=self._fsdp,
+        )
+        self._previous = gns.PreviousGradient()
+        self._measure_gns = True
+        self._last_norm_sqr: float | None = None
+
+    # ---- parameter bookkeeping -------------------------------------------------------------------------
+    def _unique_params(self) -> list[nn.Parameter]:
+        return [p for part in self.model_parts for p in part.parameters()]
+
+    def _split_norm_params(self) -> None:
+        """GNS parameters (all but the tied matrix), the tied matrix if this rank counts it, and weights."""
+        dp_tp = self.strategy.dp * self.strategy.tp
+        self._gns_params: list[nn.Parameter] = []
+        self._tied_params: list[nn.Parameter] = []
+        for part in self.model_parts:
+            for name, param in part.named_parameters():
+                if not gns.is_tied(name):
+                    self._gns_params.append(param)
+                elif self.is_first_stage:  # under pp > 1 the last stage's copy is not counted again
+                    self._tied_params.append(param)
+        self._gns_weights = torch.tensor(
+            [gns.shard_count(p) / dp_tp for p in self._gns_params], device=self.device
+        )
+        self._tied_weights = torch.tensor(
+            [gns.shard_count(p) / dp_tp for p in self._tied_params], device=self.device
+        )
+
+    def _meter_modules(self) -> list[nn.Module]:
+        if not self._fsdp:
+            return self.model_parts
+        return [m for part in self.model_parts for m in (*part.layers.values(), part)]
+
+    def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        return [gns.local_tensor(p.grad) for p in params if p.grad is not None]
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def seed_dropout(self, iteration: int) -> None:
+        """Seed dropout from (seed, iteration, dp rank): TP ranks must draw the same masks on replicated
+        activations, and nothing rank-specific has to survive a reshard."""
+        torch.manual_seed(parameter_seed(self.config.training.seed, f"dropout/{iteration}/{self.dp_rank}"))
+
+    def train_step(self, micro_batches: list[Batch], *, iteration: int | None = None) -> StepOutput:
+        """Forward + backward over this dp rank's micro-batches; on return the grads are fully reduced."""
+        if iteration is not None:
+            self.seed_dropout(iteration)
+        n_micro = len(micro_batches)
+        if n_micro != self.strategy.micro_batches:
+            raise ValueError(
+                f"train_step got {n_micro} micro-batches, the strategy has {self.strategy.micro_batches}"
+            )
+        for param in self._unique_params():
+            param.grad = None
+        scale = self.scaler.scale
+        if self._pipeline is None:
+            self._meter.start_step(n_micro / scale)
+            losses = self._plain_forward_backward(micro_batches, scale)
+        else:  # the schedule scales the gradient by 1 / n_micro after the per-micro-batch hooks ran
+            self._meter.start_step(1 / scale)
+            inputs, targets = self._to_device(
+                *(torch.cat(parts) for parts in zip(*micro_batches, strict=True))
+            )
+            with self._compute_context():
+                losses = self._pipeline.run(inputs, targets, loss_factor=scale, train=True)
+        if self.strategy.tp > 1:
+            match_grad_placements(self._unique_params())
+        if self._tied_sync is not None:
+            self._tied_sync.all_reduce_grad()
+        if self._grad_reducer is not None:
+            self._grad_reducer.all_reduce()
+        if self.scaler.enabled:
+            torch._foreach_mul_(self._local_grads(self._unique_params()), 1 / scale)
+        return self._step_output(losses, n_micro)
+
+    def _plain_forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_cross_entropy(self.model_parts[0](inputs), targets)
+
+    def _plain_forward_backward(self, micro_batches: list[Batch], scale: float) -> list[torch.Tensor]:
+        model, losses = self.model_parts[0], []
+        for index, (inputs, targets) in enumerate(micro_batches):
+            if self._fsdp:
+                model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            with self._compute_context():
+                loss = self._forward_loss(*self._to_device(inputs, targets))
+                (loss * (scale / len(micro_batches))).backward()
+            losses.append(loss.detach())
+        return losses
+
+    def _compute_context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.dtype != "fp32":
+            stack.enter_context(torch.autocast(self.device.type, dtype=TORCH_DTYPES[self.dtype]))
+        if self.strategy.tp > 1:
+            stack.enter_context(loss_parallel())
+        return stack
+
+    def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+
+    def _step_output(self, losses: list[torch.Tensor], n_micro: int) -> StepOutput:
+        gns_grads = self._local_grads(self._gns_params)
+        gns_sqr = _weighted_sqr(gns_grads, self._gns_weights)
+        tied_sqr = _weighted_sqr(self._local_grads(self._tied_params), self._tied_weights)
+        n_small = self.strategy.dp * n_micro
+        differences = n_small == 1 and self._measure_gns
+        pair_sqr = self._previous.sum_sqr(gns_grads, self._gns_weights) if differences else gns_sqr * 0
+        totals = self._all_reduce_sum(
+            [self._local_loss(losses), gns_sqr, tied_sqr, self._meter.total, pair_sqr]
+        )
+        loss, big_sqr, tied, small_sum, pair_sum = totals
+        self._last_norm_sqr = big_sqr + tied
+        gbs = self.strategy.gbs
+        if not self._measure_gns:
+            return StepOutput(
+                loss=loss,
+                gns_small_sqr=math.nan,
+                gns_big_sqr=math.nan,
+                gns_small_batch=gbs // n_small,
+                gns_big_batch=gbs,
+            )
+        if differences:
+            return self._difference_output(loss, big_sqr, pair_sum, gns_grads)
+        return StepOutput(
+            loss=loss,
+            gns_small_sqr=small_sum / n_small,
+            gns_big_sqr=big_sqr,
+            gns_small_batch=gbs // n_small,
+            gns_big_batch=gbs,
+        )
+
+    def disable_gns(self) -> None:
+        """Stop measuring the gradient-noise inputs (their fields become NaN), e.g. to time what they cost."""
+        self._measure_gns = False
+        self._meter.remove()
+        self._previous = gns.PreviousGradient()
+
+    def _difference_output(
+        self, loss: float, big_sqr: float, pair_sqr: float, gns_grads: list[torch.Tensor]
+    ) -> StepOutput:
+        """One gradient per step: the previous and this step's gradients are the two small batches."""
+        batch = self.strategy.gbs
+        if math.isfinite(big_sqr):
+            small, big, small_batch, big_batch = gns.difference_estimate(
+                self._previous.sqr, big_sqr, pair_sqr, batch
+            )
+            self._previous.hold(gns_grads, big_sqr)
+        else:  # fp16 overflow: no estimate, and the memory (added to in place) is dropped
+            small, big, small_batch, big_batch = math.nan, math.nan, batch, 2 * batch
+            self._previous = gns.PreviousGradient()
+        return StepOutput(
+            loss=loss,
+            gns_small_sqr=small,
+            gns_big_sqr=big,
+            gns_small_batch=small_batch,
+            gns_big_batch=big_batch,
+        )
+
+    def _local_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the global mean loss (the last stage's dp*tp ranks each hold one copy)."""
+        if not self.is_last_stage:
+            return torch.zeros((), device=self.device)
+        # Under TP the losses are replicated DTensors (loss_parallel); their local values are the loss.
+        local = torch.stack([gns.local_tensor(loss) for loss in losses])
+        return local.float().mean() / (self.strategy.dp * self.strategy.tp)
+
+    def _all_reduce_sum(self, values: list[torch.Tensor]) -> list[float]:
+        """One collective and one host sync for all of a step's scalars."""
+        stacked = torch.stack([v.float() for v in values])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stacked)
+        return stacked.tolist()
+
+    # ---- after the step ------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global gradient norm of the last step (all ranks, shards, stages; tied matrix once); clips in place
+        to ``max_norm`` when it is > 0."""
+        if self._last_norm_sqr is None:
+            raise RuntimeError("clip_grad_norm_ called before train_step")
+        norm = math.sqrt(self._last_norm_sqr) if self._last_norm_sqr >= 0 else math.nan
+        if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+            factor = max_norm / (norm + 1e-6)
+            torch._foreach_mul_(self._local_grads(self._unique_params()), factor)
+            self._previous.note_scaled(factor)
+        return norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step unless the fp16 gradients overflowed (then skip and lower the loss scale); False = skipped."""
+        finite = self._last_norm_sqr is not None and math.isfinite(self._last_norm_sqr)
+        if finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.scaler.update(found_inf=not finite)
+        return finite
+
+    # ---- evaluation ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[Batch]) -> float:
+        """Mean token loss over this dp rank's micro-batches, averaged over dp; the same on every rank."""
+        for part in self.model_parts:
+            part.eval()
+        try:
+            losses = self._eval_losses(micro_batches)
+        finally:
+            for part in self.model_parts:
+                part.train()
+                # Without a backward, FSDP2 (no reshard after forward) would leave the unsharded parameters
+                # registered on the modules, hiding the sharded ones and their gradients.
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+        return self._all_reduce_sum([self._local_loss(losses)])[0]
+
+    def _eval_losses(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
+        if self._pipeline is None:
+            with self._compute_context():
+                return [self._forward_loss(*self._to_device(*batch)).detach() for batch in micro_batches]
+        batches = [self._to_device(*batch) for batch in micro_batches]
+        with self._compute_context():
+            return self._pipeline.eval_losses(batches, self._unique_params())
+
+    def probe_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean loss of one fixed batch given whole to every rank (switch verification).
+
+        The batch is cut into micro-batches of ``mbs`` rows (pipeline stages expect that shape); if its rows
+        are not a multiple of mbs it is repeated until they are, which leaves the mean unchanged.
+        """
+        mbs = self.strategy.mbs
+        repeats = mbs // math.gcd(inputs.shape[0], mbs)
+        inputs, targets = inputs.repeat(repeats, 1), targets.repeat(repeats, 1)
+        batches = list(zip(inputs.split(mbs), targets.split(mbs), strict=True))
+        return self.eval_loss(batches)
+
+
+def _weighted_sqr(grads: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=weights.device)
+    norms = torch.stack(torch._foreach_norm(grads)).float()
+    return (norms.square() * weights).sum()
+
+
+def build_training_model(
+    config: ConaConfig, strategy: Strategy, mesh: DeviceMesh, device: torch.device
+) -> TrainingModel:
+    """Build this rank's parts on meta, parallelise, materialise on ``device``, initialise from the seed."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    validate_layout(config.model, config.training, strategy, world_size=world)
+    dtype = resolved_dtype(config.training, device)
+    stage_ids = stage_ids_of_rank(strategy, mesh.get_local_rank("pp"))
+    compile_blocks = config.training.compile and not compiles_whole_model(strategy)
+    parts = []
+    for stage in stage_ids:
+        with torch.device("meta"):
+            model = GPT(config.model)
+        if strategy.pp > 1:
+            split_stage(model, stage, num_stages(strategy))
+        param_dtype = TORCH_DTYPES[dtype] if dtype != "fp32" else None
+        parallelize_gpt(model, mesh, strategy, compile_blocks=compile_blocks, param_dtype=param_dtype)
+        model.to_empty(device=device)
+        model.tie_output()  # to_empty makes new tensors per module, which unties plain parameters
+        init_weights(model, config.model, config.training.seed)
+        parts.append(model)
+    return TrainingModel(
+        config=config, strategy=strategy, mesh=mesh, device=device, model_parts=parts, stage_ids=stage_ids
+    )

@@ -1,0 +1,358 @@
+"""Chain config (``--chain FILE``): a fixed sequence of strategies, parsed and validated before anything runs.
+
+A chain file is JSON with ``steps`` (one object per stage) and optional ``pruning`` entries::
+
+    {"steps": [{"step_num": 1, "dp": 2, "tp": 1, "pp": 2, "gbs": 8, "mbs": 2, "train_iters": 200,
+                "is_initial": true, "convert": true},
+               {"step_num": 2, "dp": 4, "tp": 1, "pp": 1, "gbs": 16, "mbs": 4, "extra_iters": 200,
+                "load_dp": 2, "load_tp": 1, "load_pp": 2}],
+     "pruning": [{"stage": 1, "ckpt_dir": "checkpoints/gpt/z1/bf16/tp1_pp2_dp2_sp1", "mode": "keep-latest"}]}
+
+Every error is a :class:`ChainError` whose one line names the file, the step and the key.
+
+Which pruning entries are safe (the rule :func:`_check_pruning` enforces): pruning after stage ``k`` runs
+once stage ``k`` is trained and (if ``convert``) published, before stage ``k+1`` starts, and it only ever
+removes ``*_universal`` directories of stage ``k``'s own layout directory. The only checkpoint that exists
+at that moment and that a later stage still needs is the one stage ``k+1`` loads: ``latest_universal`` of
+stage ``k``'s layout when stage ``k`` converts (otherwise stage ``k+1`` loads the plain ``global_step``
+directory, which pruning never touches). Every later stage loads a checkpoint written after the pruning.
+So ``keep-latest`` (which keeps exactly what ``latest_universal`` names) is always safe, and ``delete-all``
+is refused after a converting stage that has a successor. It stays useful after the last stage, or after a
+stage that does not convert, to drop older universal copies left in a layout directory that stages share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from cona.config import ConaConfig
+from cona.engine.checkpoint import layout_dir
+from cona.engine.parallel_dims import validate_layout as engine_validate_layout
+from cona.errors import ChainError, ConaError
+from cona.strategy import Strategy
+
+PRUNE_MODES = ("keep-latest", "delete-all")
+STOP_KEYS = ("train_iters", "extra_iters", "target_iters")
+LAYOUT_KEYS = ("dp", "tp", "pp")
+STEP_INT_KEYS = ("step_num", "dp", "tp", "pp", "gbs", "mbs", *STOP_KEYS, "load_dp", "load_tp", "load_pp")
+STEP_KEYS = (*STEP_INT_KEYS, "is_initial", "convert")
+PRUNE_KEYS = ("stage", "ckpt_dir", "mode")
+TOP_KEYS = ("steps", "pruning")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChainStep:
+    """One stage of a chain: a strategy and how long to train under it."""
+
+    step_num: int
+    """Stage number (1, 2, 3, ...); names the stage in logs and derives its master port."""
+    dp: int
+    tp: int
+    pp: int
+    gbs: int
+    """Global batch size in samples."""
+    mbs: int
+    """Micro-batch size per data-parallel rank."""
+    train_iters: int | None = None
+    """Absolute horizon: train until the run's iteration counter reaches this (Megatron's --train-iters)."""
+    extra_iters: int | None = None
+    """Train this many iterations past the iteration of the checkpoint the stage loads."""
+    target_iters: int | None = None
+    """The absolute iteration to stop at (the same stop as train_iters, spelled as the runner's target)."""
+    is_initial: bool = False
+    """The first stage: starts from scratch instead of loading a checkpoint."""
+    load_dp: int | None = None
+    load_tp: int | None = None
+    load_pp: int | None = None
+    """The layout the previous stage saved under (checked against it when given)."""
+    convert: bool = False
+    """Publish this stage's checkpoint as ``global_step<N>_universal`` with a ``latest_universal`` marker."""
+
+    def target_iteration(self, start_iteration: int) -> int:
+        """The absolute iteration this stage stops at, given the iteration of the checkpoint it loads."""
+        if self.extra_iters is not None:
+            return start_iteration + self.extra_iters
+        absolute = self.train_iters if self.train_iters is not None else self.target_iters
+        assert absolute is not None, "validation guarantees exactly one stop key"
+        return absolute
+
+    def strategy(self, config: ConaConfig) -> Strategy:
+        training = config.training
+        return Strategy(
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            mbs=self.mbs,
+            gbs=self.gbs,
+            zero_stage=training.zero_stage,
+            recompute=training.recompute,
+            sequence_parallel=training.sequence_parallel,
+            pipeline_schedule=training.pipeline_schedule,
+            virtual_stages=training.pipeline_virtual_stages,
+        )
+
+    @property
+    def layout(self) -> str:
+        """The layout directory's name, ``tp<tp>_pp<pp>_dp<dp>_sp1``."""
+        return Strategy(dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, gbs=self.gbs).layout
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PruneRule:
+    """Remove universal copies from one layout directory after a stage."""
+
+    stage: int
+    """The step_num after which to prune."""
+    ckpt_dir: str
+    """The layout directory, as written in the chain file (relative to the workdir, or absolute)."""
+    mode: Literal["keep-latest", "delete-all"]
+    """keep-latest keeps only the directory latest_universal names; delete-all removes every one."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChainConfig:
+    """A whole validated chain file."""
+
+    steps: tuple[ChainStep, ...]
+    pruning: tuple[PruneRule, ...] = ()
+    path: Path | None = None
+    """The file it came from."""
+    digest: str = ""
+    """sha256 of the file's JSON content (key order and whitespace ignored): identifies the chain of a run."""
+
+    def rules_after(self, step_num: int) -> tuple[PruneRule, ...]:
+        return tuple(rule for rule in self.pruning if rule.stage == step_num)
+
+
+def layout_relpath(config: ConaConfig, step: ChainStep, dtype: str) -> Path:
+    """``checkpoints/<model.name>/z<zero>/<dtype>/tp<tp>_pp<pp>_dp<dp>_sp1``, relative to the workdir."""
+    return layout_dir(Path(), config, step.strategy(config), dtype)
+
+
+def content_digest(raw: Any) -> str:
+    """A hash of decoded JSON that ignores key order and whitespace."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def load_chain(
+    path: Path | str, *, config: ConaConfig, world_size: int, dtype: str, workdir: Path
+) -> ChainConfig:
+    """Read and validate a chain file for ``config`` on ``world_size`` processes, checkpoints in ``dtype``."""
+    chain_path = Path(path)
+    try:
+        raw = json.loads(chain_path.read_text())
+    except FileNotFoundError:
+        raise ChainError(f"chain file {chain_path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ChainError(f"{chain_path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    return parse_chain(
+        raw, source=chain_path, config=config, world_size=world_size, dtype=dtype, workdir=workdir
+    )
+
+
+def parse_chain(
+    raw: Any, *, source: Path | None, config: ConaConfig, world_size: int, dtype: str, workdir: Path
+) -> ChainConfig:
+    """Validate decoded chain JSON; ``source`` names the file in errors."""
+    where = str(source) if source is not None else "<chain>"
+    if not isinstance(raw, dict):
+        raise ChainError(f"{where}: the top level must be an object with 'steps' (and optionally 'pruning')")
+    _reject_unknown(raw, TOP_KEYS, where)
+    raw_steps = raw.get("steps")
+    if not isinstance(raw_steps, list) or not raw_steps:
+        raise ChainError(f"{where}: 'steps' must be a non-empty list of stage objects")
+    steps = tuple(_parse_step(item, index, where) for index, item in enumerate(raw_steps))
+    _check_sequence(steps, where)
+    for previous, step in zip((None, *steps), steps, strict=False):
+        _check_step_layout(step, previous, config, world_size, where)
+    raw_rules = raw.get("pruning", [])
+    if not isinstance(raw_rules, list):
+        raise ChainError(f"{where}: 'pruning' must be a list of objects")
+    rules = tuple(_parse_rule(item, index, where) for index, item in enumerate(raw_rules))
+    for index, rule in enumerate(rules):
+        _check_pruning(rule, index, steps, config, dtype, workdir, where)
+    return ChainConfig(steps=steps, pruning=rules, path=source, digest=content_digest(raw))
+
+
+def _reject_unknown(raw: dict, known: tuple[str, ...], where: str) -> None:
+    for key in raw:
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
+            raise ChainError(f"{where}: unknown key '{key}'{suggestion}")
+
+
+def _parse_step(item: Any, index: int, where: str) -> ChainStep:
+    label = f"{where}: steps[{index}]"
+    if not isinstance(item, dict):
+        raise ChainError(f"{label}: must be an object, got {json.dumps(item)}")
+    if isinstance(item.get("step_num"), int):
+        label += f" (step_num {item['step_num']})"
+    _reject_unknown(item, STEP_KEYS, label)
+    for key in STEP_INT_KEYS:
+        if key in item and item[key] is not None:
+            _expect_positive_int(item[key], f"{label}: {key}")
+    for key in ("is_initial", "convert"):
+        if key in item and not isinstance(item[key], bool):
+            raise ChainError(f"{label}: {key}: expected true or false, got {json.dumps(item[key])}")
+    for key in ("step_num", *LAYOUT_KEYS, "gbs", "mbs"):
+        if item.get(key) is None:
+            raise ChainError(f"{label}: missing required key '{key}'")
+    given = [key for key in STOP_KEYS if item.get(key) is not None]
+    if len(given) != 1:
+        found = f"got {', '.join(given)}" if given else "got none"
+        raise ChainError(
+            f"{label}: exactly one of train_iters, extra_iters, target_iters is required; {found}"
+        )
+    return ChainStep(**{key: value for key, value in item.items() if value is not None})
+
+
+def _expect_positive_int(value: Any, label: str) -> None:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        raise ChainError(f"{label}: expected an integer, got the string {value!r}; drop the quotes")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ChainError(f"{label}: expected an integer, got {json.dumps(value)}")
+    if value <= 0:
+        raise ChainError(f"{label}: must be positive, got {value}")
+
+
+def _step_label(where: str, step: ChainStep) -> str:
+    return f"{where}: step {step.step_num}"
+
+
+def _check_sequence(steps: tuple[ChainStep, ...], where: str) -> None:
+    for index, step in enumerate(steps):
+        if step.step_num != index + 1:
+            raise ChainError(
+                f"{where}: steps[{index}]: step_num: expected {index + 1} (stages count 1, 2, 3, ... "
+                f"in file order), got {step.step_num}"
+            )
+    initial = [step.step_num for step in steps if step.is_initial]
+    if not steps[0].is_initial:
+        raise ChainError(
+            f"{_step_label(where, steps[0])}: is_initial: the first step must set is_initial true "
+            f"(it starts from scratch)"
+        )
+    if len(initial) > 1:
+        raise ChainError(
+            f"{_step_label(where, steps[initial[1] - 1])}: is_initial: only the first step may be "
+            f"initial (found is_initial on steps {', '.join(map(str, initial))})"
+        )
+    previous_end = 0
+    for step in steps:
+        # extra_iters always moves forward; an absolute stop at or before the previous stop trains nothing.
+        end = step.target_iteration(previous_end)
+        if end <= previous_end:
+            key = "train_iters" if step.train_iters is not None else "target_iters"
+            raise ChainError(
+                f"{_step_label(where, step)}: {key}: {end} is not past the iteration the previous "
+                f"stage stops at ({previous_end}); use extra_iters for a count"
+            )
+        previous_end = end
+
+
+def _check_step_layout(
+    step: ChainStep, previous: ChainStep | None, config: ConaConfig, world_size: int, where: str
+) -> None:
+    label = _step_label(where, step)
+    if step.dp * step.tp * step.pp != world_size:
+        raise ChainError(
+            f"{label}: dp*tp*pp = {step.dp}*{step.tp}*{step.pp} = {step.dp * step.tp * step.pp} "
+            f"does not match the {world_size} processes of this run (--gpus, or --num-nodes x "
+            f"--gpus-per-node)"
+        )
+    for key in LAYOUT_KEYS:
+        load_value = getattr(step, f"load_{key}")
+        if load_value is None:
+            continue
+        if previous is None:
+            raise ChainError(f"{label}: load_{key}: the initial step loads nothing; remove load_dp/tp/pp")
+        if load_value != getattr(previous, key):
+            raise ChainError(
+                f"{label}: load_{key}: {load_value} is not the layout step {previous.step_num} "
+                f"saves under ({key}={getattr(previous, key)})"
+            )
+    try:
+        validate_layout(config, step.strategy(config), world_size)
+    except ConaError as err:
+        raise ChainError(f"{label}: {err}") from None
+
+
+def validate_layout(config: ConaConfig, strategy: Strategy, world_size: int) -> None:
+    """The engine's layout check. Where the vocabulary is not known yet (no vocab file), the padded-vocabulary
+    check is left to the training command, which refuses such a config anyway."""
+    model = config.model
+    if model.vocab_size is None:
+        model = dataclasses.replace(model, vocab_size=model.make_vocab_size_divisible_by)
+    engine_validate_layout(model, config.training, strategy, world_size)
+
+
+def _parse_rule(item: Any, index: int, where: str) -> PruneRule:
+    label = f"{where}: pruning[{index}]"
+    if not isinstance(item, dict):
+        raise ChainError(f"{label}: must be an object, got {json.dumps(item)}")
+    _reject_unknown(item, PRUNE_KEYS, label)
+    for key in PRUNE_KEYS:
+        if key not in item:
+            raise ChainError(f"{label}: missing required key '{key}'")
+    _expect_positive_int(item["stage"], f"{label}: stage")
+    if not isinstance(item["ckpt_dir"], str) or not item["ckpt_dir"].strip():
+        raise ChainError(f"{label}: ckpt_dir: expected a path string, got {json.dumps(item['ckpt_dir'])}")
+    if item["mode"] not in PRUNE_MODES:
+        raise ChainError(f"{label}: mode: {json.dumps(item['mode'])} is not 'keep-latest' or 'delete-all'")
+    return PruneRule(stage=item["stage"], ckpt_dir=item["ckpt_dir"], mode=item["mode"])
+
+
+def resolve_ckpt_dir(ckpt_dir: str, workdir: Path) -> Path:
+    """A pruning ``ckpt_dir`` as an absolute path (relative ones are relative to the workdir)."""
+    path = Path(ckpt_dir).expanduser()
+    return Path(workdir, path).resolve() if not path.is_absolute() else path.resolve()
+
+
+def _check_pruning(
+    rule: PruneRule,
+    index: int,
+    steps: tuple[ChainStep, ...],
+    config: ConaConfig,
+    dtype: str,
+    workdir: Path,
+    where: str,
+) -> None:
+    label = f"{where}: pruning[{index}] (stage {rule.stage})"
+    if rule.stage > len(steps):
+        raise ChainError(f"{label}: stage: there is no step {rule.stage} (the chain has {len(steps)})")
+    step = steps[rule.stage - 1]
+    expected = layout_relpath(config, step, dtype)
+    if resolve_ckpt_dir(rule.ckpt_dir, workdir) != (Path(workdir) / expected).resolve():
+        raise ChainError(
+            f"{label}: ckpt_dir: {rule.ckpt_dir!r} is not the layout directory of step {step.step_num}"
+            f" ({expected}, relative to the workdir)"
+        )
+    if rule.mode == "delete-all" and step.convert and step.step_num < len(steps):
+        raise ChainError(
+            f"{label}: mode: delete-all would remove the universal checkpoint step "
+            f"{step.step_num + 1} loads (step {step.step_num} converts); use keep-latest"
+        )
+
+
+def planned_iterations(chain: ChainConfig) -> list[tuple[int, int]]:
+    """(start, end) iteration of every stage when each stage reaches its stop (as a chain always does)."""
+    spans, end = [], 0
+    for step in chain.steps:
+        start, end = end, step.target_iteration(end)
+        spans.append((start, end))
+    return spans
+
+
+def planned_tokens(chain: ChainConfig, seq: int) -> int:
+    """Tokens the whole chain trains on: the horizon of its LR schedule."""
+    return sum(
+        (end - start) * step.gbs * seq
+        for step, (start, end) in zip(chain.steps, planned_iterations(chain), strict=True)
+    )

@@ -1,0 +1,190 @@
+"""Start one stage: the torchrun command, its environment, per-rank logs, and a readable failure.
+
+Each worker writes its own output to ``stages/<N>/rank<r>.log`` and, when it fails, its traceback to
+``stages/<N>/rank<r>.error`` (JSON, see :func:`cona.engine.worker.write_error`). torchrun's own output
+goes to ``stages/<N>/torchrun.log``. When a stage fails, :func:`run_stage` raises one :class:`LaunchError`
+naming the rank that failed FIRST (the others usually fail afterwards, as a consequence) and its message,
+instead of the interleaved tracebacks of every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from cona.engine.spec import LAUNCH_TIME_ENV
+from cona.errors import LaunchError
+
+DEFAULT_MASTER_PORT_BASE = 29400
+WORKER_MODULE = "cona.engine.worker"
+TORCHRUN_LOG = "torchrun.log"
+_LOG_TAIL_LINES = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Where the processes of one stage run: ``nnodes`` nodes of ``nproc_per_node`` processes each."""
+
+    nproc_per_node: int
+    master_port: int
+    master_addr: str = "127.0.0.1"
+    nnodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def stage_master_port(base_port: int, stage: int) -> int:
+    """The rendezvous port of a stage: ``base + stage``, so consecutive stages never reuse a port that the
+    previous one's sockets may still hold (the seed derives it from ``step_num`` the same way)."""
+    port = base_port + stage
+    if not 1024 <= port <= 65535:
+        raise LaunchError(f"master port {port} (base {base_port} + stage {stage}) is outside 1024..65535")
+    return port
+
+
+def check_port_free(port: int, addr: str = "") -> None:
+    """Refuse a port something already listens on (torchrun would otherwise fail after a long wait)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store does
+        try:
+            sock.bind((addr, port))
+        except OSError:
+            raise LaunchError(
+                f"master port {port} is in use; choose another base with --master-port-base"
+            ) from None
+
+
+def torchrun_command(
+    spec_path: Path, topology: Topology, *, worker_module: str = WORKER_MODULE, python: str = sys.executable
+) -> list[str]:
+    """``python -m torch.distributed.run ... -m <worker_module> SPEC`` for this node."""
+    return [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(topology.nnodes),
+        "--node-rank", str(topology.node_rank),
+        "--nproc-per-node", str(topology.nproc_per_node),
+        "--master-addr", topology.master_addr,
+        "--master-port", str(topology.master_port),
+        "--max-restarts", "0",
+        "-m", worker_module, str(spec_path),
+    ]  # fmt: skip
+
+
+def worker_env(
+    base: Mapping[str, str], *, device_type: str, nproc_per_node: int, cpu_count: int | None = None
+) -> dict[str, str]:
+    """The workers' environment: unbuffered output and the node's cores shared out between its processes
+    (torchrun would set OMP_NUM_THREADS=1, which leaves cores idle on CPU)."""
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"
+    cores = cpu_count if cpu_count is not None else _usable_cores()
+    env["OMP_NUM_THREADS"] = str(max(1, cores // nproc_per_node))
+    if device_type == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run must not pick up a GPU through device "auto"
+    return env
+
+
+def run_stage(
+    spec_path: Path,
+    stage_dir: Path,
+    topology: Topology,
+    *,
+    device_type: str,
+    quiet: bool = False,
+    worker_module: str = WORKER_MODULE,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Run one stage's workers on this node and wait. Raises :class:`LaunchError` if any worker failed."""
+    if topology.node_rank == 0:
+        check_port_free(topology.master_port)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    for stale in stage_dir.glob("rank*.error"):
+        stale.unlink()  # a retried stage must not report the errors of an earlier attempt
+    command = torchrun_command(spec_path, topology, worker_module=worker_module)
+    full_env = worker_env(
+        env if env is not None else os.environ,
+        device_type=device_type,
+        nproc_per_node=topology.nproc_per_node,
+    )
+    full_env[LAUNCH_TIME_ENV] = str(time.time())
+    with open(stage_dir / TORCHRUN_LOG, "w") as torchrun_log:
+        torchrun_log.write(" ".join(command) + "\n")
+        torchrun_log.flush()
+        completed = subprocess.run(
+            command,
+            env=full_env,
+            stdout=subprocess.DEVNULL if quiet else None,
+            stderr=torchrun_log,
+            check=False,
+        )
+    if completed.returncode != 0:
+        raise LaunchError(describe_failure(stage_dir, completed.returncode))
+
+
+def describe_failure(stage_dir: Path, returncode: int) -> str:
+    """One message about the first rank that failed: its error if it wrote one, else the end of its log."""
+    stage = stage_dir.name
+    errors = _read_errors(stage_dir)
+    if errors:
+        first = min(errors, key=lambda error: error["time"])
+        others = sorted({error["rank"] for error in errors} - {first["rank"]})
+        also = f"; ranks {others} failed after it" if others else ""
+        error_path = stage_dir / f"rank{first['rank']}.error"
+        return (
+            f"stage {stage}: rank {first['rank']} failed: {first['type']}: {first['message']} "
+            f"(traceback: {error_path}{also})"
+        )
+    rank = _root_cause_rank(stage_dir / TORCHRUN_LOG)
+    log = stage_dir / f"rank{rank}.log" if rank is not None else stage_dir / TORCHRUN_LOG
+    who = f"rank {rank}" if rank is not None else "the workers"
+    tail = " | ".join(_tail(log))
+    return f"stage {stage}: {who} failed (torchrun exit code {returncode}); end of {log}: {tail}"
+
+
+def _read_errors(stage_dir: Path) -> list[dict]:
+    errors = []
+    for path in stage_dir.glob("rank*.error"):
+        try:
+            error = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # written while the process was being killed; the log tells the rest
+        if {"rank", "time", "type", "message"} <= error.keys():
+            errors.append(error)
+    return errors
+
+
+def _root_cause_rank(torchrun_log: Path) -> int | None:
+    """The rank torchrun names under 'Root Cause (first observed failure)'."""
+    try:
+        text = torchrun_log.read_text(errors="replace")
+    except OSError:
+        return None
+    _, _, after = text.partition("Root Cause")
+    match = re.search(r"rank\s*:\s*(\d+)", after)
+    return int(match.group(1)) if match else None
+
+
+def _tail(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return [f"({path} is missing)"]
+    return [line.strip() for line in lines if line.strip()][-_LOG_TAIL_LINES:]
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

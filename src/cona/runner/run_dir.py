@@ -1,0 +1,98 @@
+"""The run directory ``<log_root>/<run_name>/`` and the ``<log_root>/latest`` pointer to it.
+
+Layout::
+
+    <log_root>/<run_name>/metrics.jsonl         rank 0 of every stage appends here
+    <log_root>/<run_name>/switch_request.json   written by the runner's search, read by the workers
+    <log_root>/<run_name>/stages/<N>/           spec.json, stage_result.json, rank<r>.log, rank<r>.error
+    <log_root>/latest                           symlink to the newest run (a text file naming it where
+                                                symlinks are not available)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+
+from cona.config import ConaConfig
+from cona.errors import LaunchError
+
+LATEST_NAME = "latest"
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
+
+
+def default_run_name(label: str, now: datetime | None = None) -> str:
+    """``20261129-091500-dp2_tp1_pp1``: a UTC timestamp (sorts by start time) then what the run does."""
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{label}"
+
+
+def check_run_name(name: str) -> str:
+    if not _RUN_NAME.fullmatch(name) or name == LATEST_NAME:
+        raise LaunchError(
+            f"--run-name {name!r}: use letters, digits and . _ + = - (not starting with one of "
+            f"those symbols), and not '{LATEST_NAME}'"
+        )
+    return name
+
+
+def resolve_log_root(config: ConaConfig) -> ConaConfig:
+    """The config with ``training.log_root`` absolute. A relative value (the default ``logs`` is left
+    relative by the config loader) is taken relative to the config file's directory, as every other path
+    of a .conaconfig is, so a run's logs do not depend on the directory it was started from."""
+    log_root = Path(config.training.log_root)
+    if not log_root.is_absolute():
+        base = config.path.parent if config.path is not None else Path.cwd()
+        log_root = (base / log_root).resolve()
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, log_root=str(log_root)))
+
+
+def create_run_dir(log_root: Path, run_name: str) -> Path:
+    """Make ``<log_root>/<run_name>/`` (refusing one that exists, so two runs never mix their metrics)
+    and point ``<log_root>/latest`` at it."""
+    run_dir = Path(log_root).resolve() / check_run_name(run_name)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+    except FileExistsError:
+        raise LaunchError(f"run directory {run_dir} already exists; pick another --run-name") from None
+    except OSError as err:
+        raise LaunchError(f"cannot create run directory {run_dir}: {err.strerror}") from None
+    point_latest(run_dir)
+    return run_dir
+
+
+def stage_dir(run_dir: Path, stage: int) -> Path:
+    """``<run_dir>/stages/<stage>/``, created if missing."""
+    path = Path(run_dir) / "stages" / str(stage)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def point_latest(run_dir: Path) -> Path:
+    """Make ``<log_root>/latest`` name ``run_dir``: a relative symlink swapped in atomically, or, where
+    symlinks cannot be made, a text file holding the run directory's name."""
+    latest = run_dir.parent / LATEST_NAME
+    tmp = run_dir.parent / f".{LATEST_NAME}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    try:
+        tmp.symlink_to(run_dir.name, target_is_directory=True)
+    except OSError:
+        tmp.write_text(run_dir.name + "\n")
+    if latest.is_dir() and not latest.is_symlink():
+        tmp.unlink()
+        raise LaunchError(f"{latest} is a real directory; it is reserved for the pointer to the newest run")
+    tmp.replace(latest)
+    return latest
+
+
+def resolve_latest(log_root: Path) -> Path:
+    """The run directory ``<log_root>/latest`` names (symlink or marker file)."""
+    latest = Path(log_root) / LATEST_NAME
+    if latest.is_symlink():
+        return latest.resolve()
+    if latest.is_file():
+        return (Path(log_root) / latest.read_text().strip()).resolve()
+    raise LaunchError(f"no run under {log_root}: {latest} does not exist")

@@ -1,0 +1,391 @@
+"""Run a chain (``cona train --chain FILE``): one stage after another, with hand-off, publish, prune, resume.
+
+For each step of the chain the runner fixes the stage's plan at its first launch (start iteration, stop
+iteration, checkpoint to load, LR factors) and records it in the run state, writes the stage spec, launches
+the workers, reads ``stage_result.json``, publishes the checkpoint as universal when the step converts,
+applies the step's pruning entries, and logs what the switch into the stage cost. Every transition is saved
+in ``runner_state.json`` (see :mod:`cona.runner.state`), so rerunning the same command after a kill
+continues where the run stood.
+
+The load path of a stage is ``latest_universal`` of the previous stage's layout when that stage converts
+(checked to name the copy this run published), else the previous stage's own ``global_step`` directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cona.config import ConaConfig, TrainingConfig, load_config
+from cona.engine.checkpoint import resolve_checkpoint
+from cona.engine.spec import StageResult, StageSpec
+from cona.errors import ChainError, LaunchError
+from cona.planner.lr_scaling import scaled_lr
+from cona.runner.chain import (
+    ChainConfig,
+    ChainStep,
+    content_digest,
+    layout_relpath,
+    load_chain,
+    planned_tokens,
+)
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology, run_stage, stage_master_port
+from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
+from cona.runner.run_dir import check_run_name, point_latest, resolve_log_root
+from cona.runner.state import (
+    RunState,
+    StageState,
+    advance,
+    durations,
+    finished_result,
+    measured_noise_scale,
+    open_run,
+    own_checkpoint,
+    save_state,
+    switch_cost,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainRun:
+    """What ``cona train --chain`` was asked to do."""
+
+    chain_path: Path
+    config: ConaConfig
+    workdir: Path
+    """Checkpoints go to ``<workdir>/checkpoints/...``."""
+    run_dir: Path
+    world_size: int
+    device_type: str
+    """``cpu`` or ``cuda``; decides the checkpoint dtype directory (CPU trains in fp32)."""
+    base_port: int = DEFAULT_MASTER_PORT_BASE
+    fresh: bool = False
+    """Discard the run directory's state and start the chain over."""
+    quiet: bool = False
+    """No per-interval console lines from the workers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageLaunch:
+    """One stage, ready to start: its spec (already written to ``spec_path``) and where it runs."""
+
+    spec: StageSpec
+    spec_path: Path
+    topology: Topology
+    device_type: str
+    quiet: bool = False
+
+
+Launcher = Callable[[StageLaunch], None]
+
+
+def torchrun_launcher(launch: StageLaunch) -> None:
+    """Start the stage's workers under torchrun and wait for them (the production launcher)."""
+    run_stage(
+        launch.spec_path,
+        launch.spec.stage_dir,
+        launch.topology,
+        device_type=launch.device_type,
+        quiet=launch.quiet,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Context:
+    run: ChainRun
+    chain: ChainConfig
+    dtype: str
+    launcher: Launcher
+    out: Callable[[str], None]
+
+    def layout_dir(self, step: ChainStep) -> Path:
+        return self.run.workdir / layout_relpath(self.run.config, step, self.dtype)
+
+    def save(self, state: RunState, stage: StageState) -> RunState:
+        state = state.with_stage(stage)
+        save_state(self.run.run_dir, state)
+        return state
+
+
+def run_chain(
+    args_or_options: argparse.Namespace | ChainRun,
+    *,
+    launcher: Launcher = torchrun_launcher,
+    out: Callable[[str], None] = print,
+) -> RunState:
+    """Run (or resume) a chain to its end; returns the final run state."""
+    run = args_or_options if isinstance(args_or_options, ChainRun) else chain_run_from_args(args_or_options)
+    dtype = checkpoint_dtype(run.config.training, run.device_type)
+    chain = load_chain(
+        run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
+    )
+    ctx = _Context(run=run, chain=chain, dtype=dtype, launcher=launcher, out=out)
+    state = _open_run(ctx)
+    if state.current is None:
+        return state
+    for step in chain.steps:
+        state = _run_step(ctx, state, step)
+    last = state.stages[-1]
+    out(
+        f"run {run.run_dir.name} finished: {len(chain.steps)} stages, iteration {last.last_iteration}, "
+        f"consumed_samples={last.consumed_samples}, consumed_tokens={last.consumed_tokens}"
+    )
+    return state
+
+
+def chain_run_from_args(args: argparse.Namespace) -> ChainRun:
+    """Options from ``cona train --chain FILE [--config] [--device] [--workdir] [--gpus | --num-nodes
+    --gpus-per-node] [--run-name] [--master-port-base] [--quiet] [--fresh]``."""
+    config = resolve_log_root(load_config(getattr(args, "config", None), check_data_files=True))
+    if getattr(args, "device", None) is not None:
+        config = dataclasses.replace(
+            config, training=dataclasses.replace(config.training, device=args.device)
+        )
+    device_type = _device_type(config.training)
+    num_nodes = getattr(args, "num_nodes", None) or 1
+    if num_nodes > 1:
+        raise LaunchError(
+            "--chain across nodes is started by the multi-node runner (issue 7); on one node pass --gpus"
+        )
+    chain_path = Path(args.chain)
+    run_name = check_run_name(getattr(args, "run_name", None) or f"chain-{chain_path.stem}")
+    return ChainRun(
+        chain_path=chain_path,
+        config=config,
+        workdir=Path(getattr(args, "workdir", None) or Path.cwd()).resolve(),
+        run_dir=Path(config.training.log_root) / run_name,
+        world_size=_world_size(args, device_type),
+        device_type=device_type,
+        base_port=getattr(args, "master_port_base", None) or DEFAULT_MASTER_PORT_BASE,
+        fresh=bool(getattr(args, "fresh", False)),
+        quiet=bool(getattr(args, "quiet", False)),
+    )
+
+
+def checkpoint_dtype(training: TrainingConfig, device_type: str) -> str:
+    """The checkpoints' dtype directory: fp32 on CPU (which always trains in fp32), else the config's."""
+    return "fp32" if device_type == "cpu" else training.dtype
+
+
+def _device_type(training: TrainingConfig) -> str:
+    if training.device != "auto":
+        return training.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _world_size(args: argparse.Namespace, device_type: str) -> int:
+    gpus, per_node = getattr(args, "gpus", None), getattr(args, "gpus_per_node", None)
+    if gpus is not None:
+        return gpus
+    if per_node is not None:
+        return (getattr(args, "num_nodes", None) or 1) * per_node
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    raise ChainError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
+
+
+def _open_run(ctx: _Context) -> RunState:
+    """Load or start the run's state and say which on the first line."""
+    run = ctx.run
+    state, first_line = open_run(
+        run.run_dir,
+        chain=ctx.chain,
+        config_digest=content_digest(run.config.to_dict()),
+        world_size=run.world_size,
+        fresh=run.fresh,
+        layout_dirs=[ctx.layout_dir(step) for step in ctx.chain.steps],
+    )
+    ctx.out(first_line)
+    point_latest(run.run_dir)
+    return state
+
+
+def _run_step(ctx: _Context, state: RunState, step: ChainStep) -> RunState:
+    """Drive one stage from wherever its status stands to done; every move is saved before the next."""
+    if state.stage(step.step_num).status in ("pending", "running"):
+        state = _train(ctx, state, step)
+    stage = state.stage(step.step_num)
+    if stage.status == "trained":
+        stage = advance(stage, "published", **_publish_changes(ctx, stage, step))
+        state = ctx.save(state, stage)
+    if stage.status == "published":
+        stage = advance(stage, "pruned", pruned=_apply_pruning(ctx, step))
+        state = ctx.save(state, stage)
+    if stage.status == "pruned":
+        cost = switch_cost(state.stage(step.step_num - 1), stage) if step.step_num > 1 else {}
+        if cost:
+            parts = ", ".join(
+                f"{key.removesuffix('_s').replace('_', ' ')} {value:.2f} s" for key, value in cost.items()
+            )
+            ctx.out(f"switch {step.step_num - 1}->{step.step_num}: {parts}; total {sum(cost.values()):.2f} s")
+        state = ctx.save(state, advance(stage, "done", switch_cost=cost))
+    return state
+
+
+def _train(ctx: _Context, state: RunState, step: ChainStep) -> RunState:
+    stage = state.stage(step.step_num)
+    if stage.status == "pending":
+        stage = _plan_stage(ctx, state, step)
+        state = ctx.save(state, stage)
+    spec = _stage_spec(ctx, stage, step)
+    result, launched = finished_result(stage, spec.result_path), None
+    if result is None:
+        state, launched = _launch(ctx, state, spec, step)
+        result = StageResult.read(spec.result_path)
+    if result.reason != "completed" or result.last_iteration != stage.target_iteration:
+        raise LaunchError(
+            f"stage {step.step_num} stopped at iteration {result.last_iteration} ({result.reason}) "
+            f"instead of its target {stage.target_iteration}"
+        )
+    if result.checkpoint is None:
+        raise LaunchError(f"stage {step.step_num} saved no checkpoint at its end ({spec.result_path})")
+    stage = advance(
+        state.stage(step.step_num),
+        "trained",
+        checkpoint=result.checkpoint,
+        last_iteration=result.last_iteration,
+        consumed_samples=result.consumed_samples,
+        consumed_tokens=result.consumed_tokens,
+        timings=durations(result.timings, launched),
+    )
+    return ctx.save(state, stage)
+
+
+def _launch(ctx: _Context, state: RunState, spec: StageSpec, step: ChainStep) -> tuple[RunState, float]:
+    """Start one attempt of the stage and wait for it; returns the state (attempt counted) and launch time."""
+    spec_path = spec.write(spec.stage_dir / "spec.json")
+    spec.result_path.unlink(missing_ok=True)
+    spec.switch_request_path.unlink(missing_ok=True)  # a chain's stages end by their stop rule only
+    stage = state.stage(step.step_num)
+    state = ctx.save(state, dataclasses.replace(stage, attempts=stage.attempts + 1))
+    port = stage_master_port(ctx.run.base_port, step.step_num)
+    topology = Topology(nproc_per_node=ctx.run.world_size, master_port=port)
+    launch = StageLaunch(
+        spec=spec,
+        spec_path=spec_path,
+        topology=topology,
+        device_type=ctx.run.device_type,
+        quiet=ctx.run.quiet,
+    )
+    launched = time.time()
+    ctx.launcher(launch)
+    return state, launched
+
+
+def _plan_stage(ctx: _Context, state: RunState, step: ChainStep) -> StageState:
+    """Fix the stage's start, stop, load path and LR factors (kept for every relaunch)."""
+    training = ctx.run.config.training
+    load_path = None if step.is_initial else _planned_load(ctx, state, step)
+    start = 0 if step.is_initial else state.stage(step.step_num - 1).last_iteration
+    target = step.target_iteration(start)
+    if target <= start:
+        raise ChainError(
+            f"{ctx.chain.path}: step {step.step_num}: stops at iteration {target}, but its "
+            f"checkpoint is already at iteration {start}"
+        )
+    noise = (
+        measured_noise_scale(ctx.run.run_dir, training, start)
+        if training.lr_scale_strategy == "adascale"
+        else None
+    )
+    lr = scaled_lr(training, step.gbs, noise_scale=noise)
+    min_lr_factor = lr.min_lr / training.base_min_lr if training.base_min_lr > 0 else lr.min_lr_factor
+    plan = {
+        "start_iteration": start,
+        "target_iteration": target,
+        "load_path": str(load_path) if load_path else None,
+        "lr": lr.lr,
+        "min_lr": lr.min_lr,
+        "lr_factor": lr.lr / training.base_lr,
+        "min_lr_factor": min_lr_factor,
+    }
+    ctx.out(
+        f"stage {step.step_num}: dp{step.dp}/tp{step.tp}/pp{step.pp} mbs{step.mbs} gbs{step.gbs}, "
+        f"iterations {start}->{target}, lr {lr.lr:.3g} (x{lr.lr / training.base_lr:.3g})"
+        f"{', capped' if lr.capped else ''}, load {load_path or 'none (from scratch)'}"
+    )
+    return advance(
+        state.stage(step.step_num),
+        "running",
+        start_iteration=start,
+        target_iteration=target,
+        load_path=plan["load_path"],
+        planned_at=_write_plan(ctx.run.run_dir, step.step_num, plan),
+        lr_factor=plan["lr_factor"],
+        min_lr_factor=min_lr_factor,
+    )
+
+
+def _write_plan(run_dir: Path, step_num: int, plan: dict) -> float:
+    """Record the stage's plan in ``stages/<N>/plan.json``; its modification time dates the plan."""
+    path = run_dir / "stages" / str(step_num) / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    return path.stat().st_mtime
+
+
+def _planned_load(ctx: _Context, state: RunState, step: ChainStep) -> Path:
+    """What a non-initial stage loads: the previous stage's published universal copy (through
+    ``latest_universal``) when it converts, else its own global_step directory."""
+    previous = state.stage(step.step_num - 1)
+    previous_step = ctx.chain.steps[step.step_num - 2]
+    if not previous_step.convert:
+        return Path(previous.checkpoint)
+    marker = ctx.layout_dir(previous_step) / LATEST_UNIVERSAL
+    universal = resolve_checkpoint(marker)
+    if universal.resolve() != Path(previous.universal).resolve():
+        raise ChainError(
+            f"{marker} names {universal.name}, not {Path(previous.universal).name} that step "
+            f"{previous.step_num} published; does another run share --workdir {ctx.run.workdir}?"
+        )
+    return universal
+
+
+def _stage_spec(ctx: _Context, stage: StageState, step: ChainStep) -> StageSpec:
+    """The spec of the next attempt: from the stage's own newest checkpoint if an attempt saved one."""
+    own = own_checkpoint(stage, ctx.layout_dir(step))
+    load_path = own if own is not None else (Path(stage.load_path) if stage.load_path else None)
+    return StageSpec(
+        run_dir=ctx.run.run_dir,
+        config=ctx.run.config,
+        strategy=step.strategy(ctx.run.config),
+        stage=step.step_num,
+        workdir=ctx.run.workdir,
+        planned_tokens=planned_tokens(ctx.chain, ctx.run.config.model.seq),
+        load_path=load_path,
+        target_iteration=stage.target_iteration,
+        lr_factor=stage.lr_factor,
+        min_lr_factor=stage.min_lr_factor,
+        save_at_end=True,
+    )
+
+
+def _publish_changes(ctx: _Context, stage: StageState, step: ChainStep) -> dict:
+    if not step.convert:
+        return {}
+    began = time.perf_counter()
+    universal = publish(Path(stage.checkpoint))
+    seconds = time.perf_counter() - began
+    ctx.out(f"stage {step.step_num}: published {universal} ({seconds:.2f} s)")
+    return {"universal": str(universal), "timings": {**stage.timings, "publish_s": seconds}}
+
+
+def _apply_pruning(ctx: _Context, step: ChainStep) -> tuple[str, ...]:
+    removed: list[str] = []
+    for rule in ctx.chain.rules_after(step.step_num):
+        result = prune(rule, ctx.run.workdir)
+        ctx.out(
+            f"stage {step.step_num}: pruned {result.layout_dir} ({rule.mode}): removed "
+            f"{', '.join(result.removed) or 'nothing'}"
+        )
+        removed.extend(str(result.layout_dir / name) for name in result.removed)
+    return tuple(removed)

@@ -1,0 +1,329 @@
+"""Run state of a chain (``<run_dir>/runner_state.json``): what lets the same command resume after a kill.
+
+Every stage moves through ``pending -> running -> trained -> published -> pruned -> done``; each step is
+recorded (atomically: temporary file, fsync, rename) only after its work is finished, and each piece of
+work is idempotent, so a rerun after a SIGKILL anywhere simply redoes the step the state says is next:
+
+- ``running``: training (or the worker's save) was interrupted; the stage is launched again from its newest
+  complete checkpoint, with the stop iteration fixed at its first launch (so ``extra_iters`` is not
+  counted twice).
+- ``trained``: the stage's checkpoint is complete and recorded; publishing is (re)done.
+- ``published``: pruning is (re)done.  ``pruned``: only the bookkeeping of ``done`` is left.
+
+The file also names the chain and config it was made for (content hashes), so a run directory is never
+continued with a different chain or config. Besides the state itself this module reads what a run
+directory records for the runner: the checkpoint a resume continues from, a stage result written after the
+runner died, the switch-cost split from the workers' timings, and the noise scale measured so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from cona.config import TrainingConfig
+from cona.engine.checkpoint import LATEST, TRAINER_STATE_FILE, read_checkpoint_info
+from cona.engine.spec import StageResult
+from cona.errors import ChainError, CheckpointError
+from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
+from cona.runner.chain import ChainConfig
+
+STATE_NAME = "runner_state.json"
+RUN_FILES = ("metrics.jsonl", "switch_request.json")
+"""What else --fresh removes from a run directory (besides the state and ``stages/``)."""
+STATE_VERSION = 1
+Status = Literal["pending", "running", "trained", "published", "pruned", "done"]
+STATUSES: tuple[Status, ...] = ("pending", "running", "trained", "published", "pruned", "done")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageState:
+    """Progress of one stage."""
+
+    step_num: int
+    status: Status = "pending"
+    start_iteration: int | None = None
+    """Iteration of the checkpoint the stage first loaded (0 for the initial stage)."""
+    target_iteration: int | None = None
+    """Absolute iteration the stage stops at, fixed at its first launch."""
+    load_path: str | None = None
+    """The checkpoint the stage first loaded (None: from scratch)."""
+    planned_at: float | None = None
+    """Filesystem time (mtime of ``stages/<N>/plan.json``) when the stage was planned: a checkpoint or result
+    not newer than this is not the stage's own (file times, so the clocks compared are the same one)."""
+    attempts: int = 0
+    checkpoint: str | None = None
+    """The global_step directory the stage saved when it finished."""
+    universal: str | None = None
+    """The published universal directory (stages with convert)."""
+    last_iteration: int | None = None
+    consumed_samples: int | None = None
+    consumed_tokens: int | None = None
+    lr_factor: float = 1.0
+    """Peak LR / training.base_lr for this stage's gbs, fixed at its first launch."""
+    min_lr_factor: float = 1.0
+    """Min LR / training.base_min_lr, fixed at its first launch."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds: process_start_s, load_s, first_step_s, save_s (from the worker), publish_s (runner)."""
+    pruned: tuple[str, ...] = ()
+    """Universal directories the stage's pruning entries removed."""
+    switch_cost: dict[str, float] = field(default_factory=dict)
+    """Seconds of the switch into this stage: save_s and publish_s of the previous stage, then
+    process_start_s, load_s and first_step_s of this one."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunState:
+    """The whole run's progress."""
+
+    chain_path: str
+    chain_digest: str
+    config_digest: str
+    world_size: int
+    stages: tuple[StageState, ...]
+
+    @property
+    def current(self) -> StageState | None:
+        """The first stage that is not done (None when the chain is finished)."""
+        return next((stage for stage in self.stages if stage.status != "done"), None)
+
+    @property
+    def last_finished(self) -> StageState | None:
+        """The newest stage whose training finished (its checkpoint and counters are final)."""
+        finished = [stage for stage in self.stages if stage.status not in ("pending", "running")]
+        return finished[-1] if finished else None
+
+    @property
+    def last_published(self) -> str | None:
+        published = [stage.universal for stage in self.stages if stage.universal]
+        return published[-1] if published else None
+
+    def stage(self, step_num: int) -> StageState:
+        return self.stages[step_num - 1]
+
+    def with_stage(self, stage: StageState) -> RunState:
+        stages = list(self.stages)
+        stages[stage.step_num - 1] = stage
+        return dataclasses.replace(self, stages=tuple(stages))
+
+
+def new_state(
+    *, chain_path: Path, chain_digest: str, config_digest: str, world_size: int, num_stages: int
+) -> RunState:
+    return RunState(
+        chain_path=str(chain_path),
+        chain_digest=chain_digest,
+        config_digest=config_digest,
+        world_size=world_size,
+        stages=tuple(StageState(step_num=number) for number in range(1, num_stages + 1)),
+    )
+
+
+def advance(stage: StageState, status: Status, **changes: Any) -> StageState:
+    """The stage moved to ``status`` (never backwards, except ``running`` again on a relaunch)."""
+    if STATUSES.index(status) < STATUSES.index(stage.status) and not (
+        status == "running" and stage.status == "running"
+    ):
+        raise AssertionError(f"stage {stage.step_num}: cannot go from {stage.status} back to {status}")
+    return dataclasses.replace(stage, status=status, **changes)
+
+
+def state_path(run_dir: Path) -> Path:
+    return Path(run_dir) / STATE_NAME
+
+
+def save_state(run_dir: Path, state: RunState) -> None:
+    """Write the state atomically: a kill leaves either the old or the new file, never half of one."""
+    path = state_path(run_dir)
+    tmp = path.with_name(f".{path.name}.tmp")
+    body = {"version": STATE_VERSION, **dataclasses.asdict(state)}
+    with open(tmp, "w") as handle:
+        json.dump(body, handle, indent=1)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def load_state(run_dir: Path) -> RunState | None:
+    """The saved state, or None when the run directory has none yet."""
+    path = state_path(run_dir)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as err:
+        raise ChainError(
+            f"{path}: unreadable run state ({err.msg}); rerun with --fresh to start over"
+        ) from None
+    if raw.pop("version", None) != STATE_VERSION:
+        raise ChainError(f"{path}: run state from another cona version; rerun with --fresh to start over")
+    stages = tuple(StageState(**{**stage, "pruned": tuple(stage["pruned"])}) for stage in raw.pop("stages"))
+    return RunState(**raw, stages=stages)
+
+
+def open_run(
+    run_dir: Path,
+    *,
+    chain: ChainConfig,
+    config_digest: str,
+    world_size: int,
+    fresh: bool,
+    layout_dirs: Sequence[Path],
+) -> tuple[RunState, str]:
+    """Load the run's state (refusing another chain's or config's) or start a new one (``fresh`` discards the
+    old one first). Returns it with the line that says which, naming the checkpoint a resume continues from.
+    ``layout_dirs`` are the steps' checkpoint layout directories."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        state_path(run_dir).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "stages", ignore_errors=True)
+        for name in RUN_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+    state = load_state(run_dir)
+    if state is None:
+        state = new_state(
+            chain_path=chain.path,
+            chain_digest=chain.digest,
+            config_digest=config_digest,
+            world_size=world_size,
+            num_stages=len(chain.steps),
+        )
+        save_state(run_dir, state)
+        return (
+            state,
+            f"starting run {run_dir.name}: {len(chain.steps)} stages from {chain.path} "
+            f"(run directory {run_dir})",
+        )
+    check_same_run(
+        state, run_dir=run_dir, chain_digest=chain.digest, config_digest=config_digest, world_size=world_size
+    )
+    return state, resume_line(state, run_dir.name, layout_dirs)
+
+
+def resume_line(state: RunState, run_name: str, layout_dirs: Sequence[Path]) -> str:
+    """``resuming run X at stage N (status) from <checkpoint>, iteration=..., consumed_samples=...``."""
+    current = state.current
+    if current is None:
+        last = state.stages[-1]
+        return (
+            f"run {run_name} already finished at iteration {last.last_iteration}, consumed_samples="
+            f"{last.consumed_samples}; nothing to do (--fresh starts it over)"
+        )
+    checkpoint = resume_checkpoint(state, current, layout_dirs[current.step_num - 1])
+    if checkpoint is None:
+        return f"resuming run {run_name} at stage {current.step_num} from scratch, consumed_samples=0"
+    trainer_state = read_checkpoint_info(checkpoint).trainer_state
+    return (
+        f"resuming run {run_name} at stage {current.step_num} ({current.status}) from {checkpoint}, "
+        f"iteration={trainer_state['iteration']}, consumed_samples={trainer_state['consumed_samples']}, "
+        f"consumed_tokens={trainer_state['consumed_tokens']}"
+    )
+
+
+def resume_checkpoint(state: RunState, current: StageState, layout_dir: Path) -> Path | None:
+    """The complete checkpoint the run continues from (None: from scratch)."""
+    if current.status == "pending":
+        previous = state.stage(current.step_num - 1) if current.step_num > 1 else None
+        found = previous and (previous.universal or previous.checkpoint)
+    elif current.status == "running":
+        found = own_checkpoint(current, layout_dir) or current.load_path
+    else:
+        found = current.checkpoint
+    return Path(found) if found else None
+
+
+def check_same_run(
+    state: RunState, *, run_dir: Path, chain_digest: str, config_digest: str, world_size: int
+) -> None:
+    """Refuse to continue a run directory made for another chain, config or process count."""
+    mismatches = [
+        (state.chain_digest != chain_digest, f"a different chain (it ran {state.chain_path})"),
+        (state.config_digest != config_digest, "a different .conaconfig"),
+        (state.world_size != world_size, f"{state.world_size} processes, not {world_size}"),
+    ]
+    for differs, why in mismatches:
+        if differs:
+            raise ChainError(
+                f"run directory {run_dir} was made for {why}; pass --fresh to start it over, "
+                f"or choose another --run-name"
+            )
+
+
+def switch_cost(previous: StageState, stage: StageState) -> dict[str, float]:
+    """Cost of the switch into ``stage``: the previous stage's save and publish, then this stage's process
+    start, checkpoint load and first step (missing parts are left out)."""
+    parts = {
+        "save_s": previous.timings.get("save_s"),
+        "publish_s": previous.timings.get("publish_s"),
+        "process_start_s": stage.timings.get("process_start_s"),
+        "load_s": stage.timings.get("load_s"),
+        "first_step_s": stage.timings.get("first_step_s"),
+    }
+    return {key: value for key, value in parts.items() if value is not None}
+
+
+def own_checkpoint(stage: StageState, layout_dir: Path) -> Path | None:
+    """The newest complete checkpoint a relaunched stage saved itself before it was interrupted, if any: the
+    layout's ``latest``, when its trainer_state names this stage, it was written after the stage was planned
+    and its iteration lies in the stage's span (a checkpoint of an earlier run or stage is none of these)."""
+    if stage.attempts == 0 or stage.planned_at is None or not (layout_dir / LATEST).is_file():
+        return None
+    try:
+        info = read_checkpoint_info(layout_dir)
+    except CheckpointError:
+        return None
+    iteration, owner = info.trainer_state.get("iteration"), info.trainer_state.get("stage")
+    written = (info.path / TRAINER_STATE_FILE).stat().st_mtime
+    if owner != stage.step_num or written <= stage.planned_at or not isinstance(iteration, int):
+        return None
+    return info.path if stage.start_iteration < iteration <= stage.target_iteration else None
+
+
+def finished_result(stage: StageState, result_path: Path) -> StageResult | None:
+    """The result of an attempt whose workers finished after the runner was killed (it unlinks stale results
+    before each launch, so a result newer than the plan is this stage's)."""
+    if stage.attempts == 0 or not result_path.is_file() or result_path.stat().st_mtime <= stage.planned_at:
+        return None
+    result = StageResult.read(result_path)
+    complete = result.reason == "completed" and result.last_iteration == stage.target_iteration
+    return result if complete else None
+
+
+def durations(timings: dict[str, float], launched: float | None) -> dict[str, float]:
+    """Seconds of the switch parts, from the worker's unix times: process start (launch until the worker
+    runs), load (model build, data and checkpoint load), first step, and save."""
+    spans = {
+        "process_start_s": (launched, timings.get("process_start")),
+        "load_s": (timings.get("process_start"), timings.get("setup_done")),
+        "first_step_s": (timings.get("setup_done"), timings.get("first_step_done")),
+        "save_s": (timings.get("train_done"), timings.get("save_done")),
+    }
+    return {key: end - begin for key, (begin, end) in spans.items() if begin is not None and end is not None}
+
+
+def measured_noise_scale(
+    run_dir: Path, training: TrainingConfig, up_to_iteration: int
+) -> NoiseScaleEstimate | None:
+    """The gradient noise scale measured so far (metrics.jsonl up to ``up_to_iteration``), for adascale.
+    A retried stage logs some iterations twice: each iteration counts once, its last record."""
+    records: dict[int, dict] = {}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the line a killed worker was writing
+            if isinstance(record.get("iteration"), int) and record["iteration"] <= up_to_iteration:
+                records[record["iteration"]] = record
+    tracker = NoiseScaleTracker(base_batch=training.base_gbs)
+    for iteration in sorted(records):
+        tracker = tracker.update_from_metrics(records[iteration])
+    return tracker.estimate()

@@ -1,0 +1,270 @@
+"""``cona status``: one screen saying where a run is, from its run directory alone.
+
+Stage and target come from the run state (chains) or the stage specs (a fixed-strategy run); progress, loss
+and throughput from the last metrics line; the checkpoint from the stage results and run state, with the
+``latest`` / ``latest_universal`` markers beside it; the decision from ``decisions.jsonl``.
+
+Liveness: the runner records no process ids, so the workers are found by their command line, which names
+the stage spec inside this run directory (``python -m cona.engine.worker <run_dir>/stages/<N>/spec.json``,
+and torchrun's own command the same). That needs ``/proc`` (Linux) and sees this host only; elsewhere the
+answer is "unknown". The runner process itself cannot be recognised this way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from cona.engine.checkpoint import LATEST, LATEST_UNIVERSAL, STEP_DIR
+from cona.runner.publish import read_marker
+from cona.runner.report import RunData, load_run, strategy_label
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStatus:
+    path: Path
+    exists: bool
+    markers: dict[str, str | None]
+    """``latest`` and ``latest_universal`` in the checkpoint's layout directory: the name each points at,
+    None when missing."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Processes:
+    workers: tuple[int, ...] | None
+    """Worker pids of this run alive on this host; None when this host cannot tell."""
+    launchers: tuple[int, ...] = ()
+    """torchrun pids of this run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStatus:
+    run: RunData
+    stage: int | None
+    stages_total: int | None
+    stage_state: str
+    """``running``, ``finished``, or the chain status of the current stage (pending, trained, ...)."""
+    strategy: dict[str, Any] | None
+    target_iteration: int | None
+    target_tokens: int | None
+    """The stage's token stop rule (online runs stop at a token budget)."""
+    last_record: dict[str, Any] | None
+    last_eval: dict[str, Any] | None
+    checkpoint: CheckpointStatus | None
+    last_decision: dict[str, Any] | None
+    processes: Processes
+    record_age_s: float | None
+
+
+def collect_status(run_dir: Path, *, now: float | None = None, proc_root: Path = PROC) -> RunStatus:
+    run = load_run(run_dir)
+    stage, total, stage_state, target = _stage_position(run)
+    last = run.metrics[-1] if run.metrics else None
+    evals = [record for record in run.metrics if record.get("eval_ppl") is not None]
+    spec = run.specs.get(stage) if stage is not None else None
+    strategy = spec.get("strategy") if spec else None
+    if strategy is None and last is not None:
+        strategy = last
+    return RunStatus(
+        run=run,
+        stage=stage,
+        stages_total=total,
+        stage_state=stage_state,
+        strategy=strategy,
+        target_iteration=target,
+        target_tokens=spec.get("max_tokens") if spec else None,
+        last_record=last,
+        last_eval=evals[-1] if evals else None,
+        checkpoint=_last_checkpoint(run),
+        last_decision=run.decisions[-1] if run.decisions else None,
+        processes=find_processes(run.run_dir, proc_root),
+        record_age_s=(now if now is not None else time.time()) - float(last["time"]) if last else None,
+    )
+
+
+def _stage_position(run: RunData) -> tuple[int | None, int | None, str, int | None]:
+    """(stage number, stages in the run, its state, its target iteration)."""
+    if run.state is not None:
+        current = run.state.current
+        total = len(run.state.stages)
+        if current is None:
+            last = run.state.stages[-1]
+            return last.step_num, total, "finished", last.target_iteration
+        state = "running" if current.status == "running" else current.status
+        return current.step_num, total, state, current.target_iteration
+    numbers = sorted(set(run.specs) | {int(record["stage"]) for record in run.metrics})
+    if not numbers:
+        return None, None, "not started", None
+    stage = numbers[-1]
+    target = run.specs.get(stage, {}).get("target_iteration")
+    return stage, None, "finished" if stage in run.stage_results else "running", target
+
+
+def _last_checkpoint(run: RunData) -> CheckpointStatus | None:
+    """The newest checkpoint the run recorded (stage results and run state), with its layout's markers."""
+    recorded = [(number, result.get("checkpoint")) for number, result in run.stage_results.items()]
+    if run.state is not None:
+        recorded += [(stage.step_num, stage.checkpoint) for stage in run.state.stages]
+    recorded = [(number, path) for number, path in recorded if path]
+    if not recorded:
+        return None
+    path = Path(max(recorded, key=lambda item: (item[0], _step_of(item[1])))[1])
+    markers = {name: read_marker(path.parent / name) for name in (LATEST, LATEST_UNIVERSAL)}
+    return CheckpointStatus(path=path, exists=path.is_dir(), markers=markers)
+
+
+def _step_of(path: str) -> int:
+    match = STEP_DIR.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else -1
+
+
+def find_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
+    """The processes on this host whose command line names a stage spec of this run directory."""
+    if not proc_root.is_dir():
+        return Processes(workers=None)
+    marker = str(Path(run_dir).resolve() / "stages") + "/"
+    workers, launchers = [], []
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # ended while we looked, or not ours to read
+        if any(arg.startswith(marker) and arg.endswith("spec.json") for arg in argv):
+            (launchers if "torch.distributed.run" in argv else workers).append(int(entry.name))
+    return Processes(workers=tuple(sorted(workers)), launchers=tuple(sorted(launchers)))
+
+
+def render_status(status: RunStatus, console: Console) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", justify="right")
+    grid.add_column(overflow="fold")  # long checkpoint paths wrap rather than end in an ellipsis
+    for key, value in status_lines(status):
+        grid.add_row(key, value)
+    console.print(Panel(grid, title=f"run {status.run.name}", subtitle=str(status.run.run_dir), expand=False))
+    for warning in status.run.warnings:
+        console.print(f"warning: {warning}", style="yellow", highlight=False)
+
+
+def status_lines(status: RunStatus) -> list[tuple[str, str]]:
+    """The (label, text) rows of the screen."""
+    last = status.last_record
+    lines = [("stage", _stage_text(status)), ("strategy", _strategy_text(status.strategy))]
+    if last is None:
+        lines.append(("iteration", "no metrics yet"))
+    else:
+        target = f" of {status.target_iteration}" if status.target_iteration else ""
+        age = (
+            f" (last metrics {_duration(status.record_age_s)} ago)" if status.record_age_s is not None else ""
+        )
+        lines += [
+            ("iteration", f"{last['iteration']}{target}{age}"),
+            ("tokens", _tokens_text(last, status.target_tokens)),
+            ("loss", _loss_text(last)),
+            ("eval", _eval_text(status.last_eval)),
+        ]
+    lines += [
+        ("checkpoint", _checkpoint_text(status.checkpoint)),
+        ("markers", _markers_text(status.checkpoint)),
+        ("decision", _decision_text(status.last_decision)),
+        ("processes", _process_text(status)),
+    ]
+    return lines
+
+
+def _stage_text(status: RunStatus) -> str:
+    if status.stage is None:
+        return status.stage_state
+    of = f" of {status.stages_total}" if status.stages_total else ""
+    return f"{status.stage}{of} ({status.stage_state})"
+
+
+def _strategy_text(strategy: dict[str, Any] | None) -> str:
+    return strategy_label(strategy) if strategy else "unknown"
+
+
+def _tokens_text(record: dict[str, Any], target: int | None) -> str:
+    tokens = int(record["consumed_tokens"])
+    of = f" of {target:,} ({100 * tokens / target:.0f}%)" if target else ""
+    return f"{tokens:,}{of}, {record.get('consumed_samples', 0):,} samples"
+
+
+def _loss_text(record: dict[str, Any]) -> str:
+    speed = record.get("tokens_per_s")
+    parts = [f"{record['loss']:.4f}"]
+    if isinstance(speed, int | float):
+        parts.append(f"{speed:,.0f} tokens/s")
+    if isinstance(record.get("mfu"), int | float):
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    return ", ".join(parts)
+
+
+def _eval_text(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "no evaluation yet"
+    ppl, loss, iteration = record["eval_ppl"], record.get("eval_loss"), record["iteration"]
+    loss_text = f" (loss {loss:.4f})" if isinstance(loss, int | float) else ""
+    return f"perplexity {ppl:.2f}{loss_text} at iteration {iteration}"
+
+
+def _checkpoint_text(checkpoint: CheckpointStatus | None) -> str:
+    if checkpoint is None:
+        return "none recorded yet"
+    return f"{checkpoint.path}{'' if checkpoint.exists else ' (missing on disk: pruned or moved)'}"
+
+
+def _markers_text(checkpoint: CheckpointStatus | None) -> str:
+    if checkpoint is None:
+        return "-"
+    return ", ".join(
+        f"{name} -> {target}" if target else f"{name} missing" for name, target in checkpoint.markers.items()
+    )
+
+
+def _decision_text(decision: dict[str, Any] | None) -> str:
+    if decision is None:
+        return "none (no decisions.jsonl: not an online run)"
+    action = decision.get("decision", "?")
+    candidate = decision.get("candidate")
+    target = ""
+    if action != "stay" and isinstance(candidate, dict) and isinstance(candidate.get("strategy"), dict):
+        target = f" to {strategy_label(candidate['strategy'])}"
+    return f"{action}{target} at iteration {decision.get('iteration', '?')}: {decision.get('reason', '')}"
+
+
+def _process_text(status: RunStatus) -> str:
+    processes = status.processes
+    if processes.workers is None:
+        return "unknown (no /proc on this host; the runner records no process ids)"
+    if processes.workers or processes.launchers:
+        return (
+            f"{len(processes.workers)} worker(s) alive on this host (pids {_pids(processes.workers)}), "
+            f"torchrun {_pids(processes.launchers)}"
+        )
+    if status.stage_state == "finished":
+        return "none (the run finished)"
+    return "no worker of this run alive on this host (stopped, between stages, or on other nodes)"
+
+
+def _pids(pids: Sequence[int]) -> str:
+    return " ".join(map(str, pids)) or "none"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = max(seconds, 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"

@@ -1,0 +1,397 @@
+"""Checkpoints: layout paths, markers, crash safety, refusal of bad checkpoints, and resharding."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tests.engine import ckpt_worker
+from tests.torchrun_util import run_torchrun
+from torch import nn
+
+from cona.config import ConaConfig, parse_config
+from cona.engine import checkpoint as ckpt
+from cona.engine.checkpoint import (
+    layout_dir,
+    load_checkpoint,
+    read_checkpoint_info,
+    resolve_checkpoint,
+    save_checkpoint,
+    verify_complete,
+)
+from cona.engine.optim import build_optimizer, set_lr
+from cona.errors import CheckpointError
+from cona.strategy import Strategy
+
+WORKER = Path(ckpt_worker.__file__)
+ONE = Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=4)
+
+
+def small_config(**model_overrides) -> ConaConfig:
+    return parse_config({"model": {**ckpt_worker.SMALL, **model_overrides}, "training": {}})
+
+
+def trained(config: ConaConfig, steps: int = 2, offset: float = 0.0):
+    model = ckpt_worker.build_model(config, ONE, None, offset)
+    optimizer = build_optimizer([model], config.training)
+    for step in range(1, steps + 1):
+        ckpt_worker.train_step(model, optimizer, step)
+    return model, optimizer
+
+
+def save(root: Path, config: ConaConfig, model, optimizer, iteration: int) -> Path:
+    return save_checkpoint(
+        layout_dir(root, config, ONE, "fp32"),
+        iteration=iteration,
+        model_parts=[model],
+        optimizer=optimizer,
+        trainer_state={"iteration": iteration, "consumed_tokens": 64},
+        config=config,
+        strategy=ONE,
+    )
+
+
+def assert_same_state(a: tuple[nn.Module, torch.optim.Optimizer], b: tuple[nn.Module, torch.optim.Optimizer]):
+    expected, actual = ckpt_worker.full_state([a[0]], a[1]), ckpt_worker.full_state([b[0]], b[1])
+    assert set(expected) == set(actual)
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+
+
+@pytest.fixture
+def saved(tmp_path: Path):
+    config = small_config()
+    model, optimizer = trained(config)
+    return config, save(tmp_path, config, model, optimizer, 2), (model, optimizer)
+
+
+def test_layout_dir_follows_the_seed() -> None:
+    strategy = Strategy(dp=2, tp=4, pp=3, mbs=1, gbs=8, zero_stage=3)
+    path = layout_dir(Path("/w"), small_config(), strategy, "bf16")
+    assert path == Path("/w/checkpoints/gpt/z3/bf16/tp4_pp3_dp2_sp1")
+
+
+def test_save_writes_dir_json_files_and_latest_last(saved) -> None:
+    config, path, _ = saved
+    assert path.name == "global_step2"
+    assert (path.parent / "latest").read_text().strip() == "global_step2"
+    names = {p.name for p in path.iterdir()}
+    assert {".metadata", "trainer_state.json", "config.json", "strategy.json", "manifest.json"} <= names
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format_version"] == 1 and manifest["iteration"] == 2
+    assert manifest["model_shape"]["hidden"] == 16 and "layers.0.w1.weight" in manifest["model_tensors"]
+    assert "state.layers.0.w1.weight.exp_avg_sq" in manifest["optimizer_tensors"]
+    info = read_checkpoint_info(path.parent)
+    assert info.trainer_state == {"iteration": 2, "consumed_tokens": 64}
+    assert info.strategy == ONE and info.config.model == config.model
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_round_trip_restores_model_and_optimizer(saved) -> None:
+    config, path, original = saved
+    model, optimizer = trained(config, steps=1, offset=0.5)
+    state = load_checkpoint(path.parent, model_parts=[model], optimizer=optimizer, config=config)
+    assert state["iteration"] == 2
+    assert_same_state(original, (model, optimizer))
+
+
+def test_load_keeps_the_current_configs_hyperparameters(saved) -> None:
+    config, path, _ = saved
+    changed = parse_config({"model": ckpt_worker.SMALL, "training": {"weight_decay": 0.3, "adam_eps": 1e-5}})
+    model, optimizer = trained(changed, steps=0)
+    for group in optimizer.param_groups:  # as if built on a device where the saved kernel choice is wrong
+        group["foreach"] = False
+    load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=changed)
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {0.3, 0.0}
+    assert {g["eps"] for g in optimizer.param_groups} == {1e-5}
+    assert {g["foreach"] for g in optimizer.param_groups} == {False}
+    assert {g["lr"] for g in optimizer.param_groups} == {0.02}  # the saved LR (set at step 2)
+
+
+def test_markers_and_direct_paths_resolve(saved, tmp_path: Path) -> None:
+    _, path, _ = saved
+    layout = path.parent
+    assert resolve_checkpoint(layout) == path
+    assert resolve_checkpoint(layout / "latest") == path
+    assert resolve_checkpoint(path) == path
+    # A published universal copy (hard links) next to it, named by latest_universal only.
+    universal = tmp_path / "published" / "global_step2_universal"
+    universal.mkdir(parents=True)
+    for file in path.iterdir():
+        os.link(file, universal / file.name)
+    (universal.parent / "latest_universal").write_text("global_step2_universal\n")
+    assert resolve_checkpoint(universal.parent) == universal
+    assert resolve_checkpoint(universal.parent / "latest_universal") == universal
+    verify_complete(universal)
+
+
+def test_a_later_save_moves_latest_and_resaving_an_iteration_replaces_it(saved) -> None:
+    config, path, (model, optimizer) = saved
+    ckpt_worker.train_step(model, optimizer, 3)
+    newer = save(path.parents[5], config, model, optimizer, 3)
+    assert resolve_checkpoint(path.parent) == newer and path.is_dir()
+    again = save(path.parents[5], config, model, optimizer, 3)
+    assert again == newer and resolve_checkpoint(path.parent) == newer
+    verify_complete(newer)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["global_step2", "global_step3", "latest"]
+
+
+def test_interleaved_parts_save_under_global_names(tmp_path: Path) -> None:
+    """Two model parts on one rank (interleaved pipeline) with one optimizer save and load like one model."""
+    config = small_config()
+    whole, whole_optimizer = trained(config)
+    first, second = (ckpt_worker.build_model(config, ONE, None, 0.0) for _ in range(2))
+    for key in ("2", "3"):
+        del first.layers[key]
+    for key in ("0", "1"):
+        del second.layers[key]
+    first.norm = first.output = second.tok_embeddings = None
+    optimizer = build_optimizer([first, second], config.training)
+    for step in (1, 2):
+        for part in (first, second):
+            for param in part.parameters():
+                param.grad = torch.sin(param.detach() * 3.0 + step)
+        set_lr(optimizer, 0.01 * step)
+        optimizer.step()
+    path = save_checkpoint(
+        layout_dir(tmp_path, config, ONE, "fp32"),
+        iteration=2,
+        model_parts=[first, second],
+        optimizer=optimizer,
+        trainer_state={"iteration": 2},
+        config=config,
+        strategy=ONE,
+    )
+    model, fresh_optimizer = trained(config, steps=0, offset=0.5)
+    load_checkpoint(path, model_parts=[model], optimizer=fresh_optimizer, config=config)
+    assert_same_state((whole, whole_optimizer), (model, fresh_optimizer))
+
+
+# ------------------------------------------------------------------------------------ crash safety
+
+
+def test_crash_before_rename_keeps_previous_latest_and_next_save_cleans_up(saved, monkeypatch) -> None:
+    config, path, (model, optimizer) = saved
+    root = path.parents[5]
+
+    def crash(*_args) -> None:
+        raise KeyboardInterrupt("killed between the shards and the rename")
+
+    monkeypatch.setattr(ckpt, "_publish", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save(root, config, model, optimizer, 3)
+    leftovers = [p for p in path.parent.iterdir() if p.name.startswith(".tmp-global_step3")]
+    assert len(leftovers) == 1 and (leftovers[0] / ".metadata").is_file()
+    assert resolve_checkpoint(path.parent) == path
+    fresh = trained(config, steps=0, offset=0.5)
+    assert (
+        load_checkpoint(path.parent, model_parts=[fresh[0]], optimizer=fresh[1], config=config)["iteration"]
+        == 2
+    )
+    monkeypatch.undo()
+    save(root, config, model, optimizer, 3)
+    assert not leftovers[0].exists()
+
+
+def test_crash_before_marker_leaves_previous_latest(saved, monkeypatch) -> None:
+    config, path, (model, optimizer) = saved
+
+    def crash(*_args) -> None:
+        raise KeyboardInterrupt("killed before the marker")
+
+    monkeypatch.setattr(ckpt, "_write_marker", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save(path.parents[5], config, model, optimizer, 3)
+    assert (path.parent / "global_step3").is_dir()
+    assert resolve_checkpoint(path.parent) == path  # the new one is complete but not yet named
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_keeps_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, str(WORKER), str(tmp_path), "--save-loop", "dp1_tp1_pp1_z1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    config = parse_config({"model": ckpt_worker.BIG, "training": {}})
+    layout = layout_dir(tmp_path, config, ONE, "fp32")
+    try:
+        killed_mid_save = wait_for_save_in_progress(layout, process)
+    finally:
+        process.kill()
+        output = process.communicate(timeout=30)[0].decode()
+    assert killed_mid_save, f"the worker never started a second save:\n{output[-2000:]}"
+    assert process.returncode == -signal.SIGKILL
+    assert [p for p in layout.iterdir() if p.name.startswith(".tmp-global_step")], "not killed mid-save"
+    checkpoint = resolve_checkpoint(layout)
+    verify_complete(checkpoint)
+    iteration = int(checkpoint.name.removeprefix("global_step"))
+    model = ckpt_worker.build_model(config, ONE, None, 0.5)
+    optimizer = build_optimizer([model], config.training)
+    assert (
+        load_checkpoint(layout, model_parts=[model], optimizer=optimizer, config=config)["iteration"]
+        == iteration
+    )
+
+
+def wait_for_save_in_progress(layout: Path, process: subprocess.Popen, timeout: float = 90) -> bool:
+    """Once a checkpoint exists, SIGKILL the worker as soon as the next save has written a shard file."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if (layout / "latest").is_file():
+            for tmp in layout.glob(".tmp-global_step*"):
+                if any(tmp.glob("*.distcp")):  # glob of a just-renamed directory is simply empty
+                    process.send_signal(signal.SIGKILL)
+                    process.wait()
+                    return True
+        time.sleep(0.002)
+    return False
+
+
+# ------------------------------------------------------------------------------------ bad checkpoints
+
+
+def test_missing_path_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"checkpoint .*nowhere does not exist"):
+        resolve_checkpoint(tmp_path / "nowhere")
+
+
+def test_directory_without_marker_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint here: no 'latest' or 'latest_universal' marker"
+    ):
+        resolve_checkpoint(tmp_path)
+
+
+def test_marker_naming_a_missing_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "latest").write_text("global_step7\n")
+    with pytest.raises(CheckpointError, match=r"latest names global_step7, which does not exist"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_missing_metadata_is_refused(saved) -> None:
+    config, path, (model, optimizer) = saved
+    (path / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"global_step2: incomplete checkpoint: no DCP .metadata file"):
+        load_checkpoint(path.parent, model_parts=[model], optimizer=optimizer, config=config)
+
+
+def test_unreadable_metadata_is_refused(saved) -> None:
+    _, path, _ = saved
+    (path / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match=r"global_step2/.metadata: unreadable \(UnpicklingError\)"):
+        verify_complete(path)
+
+
+def test_truncated_shard_is_refused(saved) -> None:
+    config, path, (model, optimizer) = saved
+    (shard,) = path.glob("*.distcp")
+    size = shard.stat().st_size
+    with shard.open("r+b") as handle:
+        handle.truncate(size - 100)
+    message = rf"global_step2: shard file {shard.name} is truncated \({size - 100} of {size} bytes\)"
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
+
+
+def test_missing_shard_is_refused(saved) -> None:
+    _, path, _ = saved
+    (shard,) = path.glob("*.distcp")
+    shard.unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=rf"global_step2: incomplete checkpoint: shard file {shard.name} is "
+        r"missing",
+    ):
+        verify_complete(path)
+
+
+def test_missing_trainer_state_is_refused(saved) -> None:
+    _, path, _ = saved
+    (path / "trainer_state.json").unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete checkpoint: trainer_state.json is missing"):
+        verify_complete(path)
+
+
+def test_other_model_shape_is_refused_naming_the_key(saved) -> None:
+    _, path, _ = saved
+    other = small_config(hidden=32)
+    model, optimizer = trained(other, steps=0)
+    with pytest.raises(
+        CheckpointError, match=r"another model shape: model.hidden is 16 there and 32 in the current"
+    ):
+        load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=other)
+
+
+def test_other_format_version_is_refused(saved) -> None:
+    config, path, (model, optimizer) = saved
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(
+        CheckpointError, match=r"global_step2: checkpoint format version 99; this CONA reads 1"
+    ):
+        load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
+
+
+def test_missing_tensor_is_refused_by_name(saved) -> None:
+    config, path, _ = saved
+    model, optimizer = trained(config, steps=0)
+    model.extra = nn.Linear(2, 2)  # a parameter the checkpoint never had
+    optimizer = build_optimizer([model], config.training)
+    with pytest.raises(CheckpointError, match=r"the checkpoint has no model tensor extra.weight"):
+        load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
+
+
+# ------------------------------------------------------------------------------------ resharding
+
+
+RESHARD_2 = {
+    "save": ["dp2_tp1_pp1_z1", "dp1_tp2_pp1_z1", "dp1_tp1_pp2_z1"],
+    "load": [
+        "dp2_tp1_pp1_z1:dp1_tp1_pp2_z1_v2",
+        "dp1_tp2_pp1_z1:dp2_tp1_pp1_z3",
+        "dp1_tp1_pp2_z1:dp2_tp1_pp1_z0",
+    ],
+}
+RESHARD_4 = {
+    "save": ["dp2_tp2_pp1_z3"],
+    "load": ["dp2_tp2_pp1_z3:dp1_tp2_pp2_z1", "dp1_tp1_pp2_z1:dp2_tp2_pp1_z1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_engine_gpt_reshards_between_layouts_and_to_one_process(tmp_path: Path) -> None:
+    """The engine's GPT saved under dp2 (zero 1), tp2, pp2 and dp2 x tp2 (zero 3) and resumed under other
+    layouts (zero 0/1/3, interleaved pp, tp2 x pp2) and under one process without a process group: every
+    model and AdamW tensor equal on reload, and the next two losses equal to the uninterrupted run's."""
+    for nproc, plan in ((2, RESHARD_2), (4, RESHARD_4)):
+        result = run_torchrun(
+            [str(WORKER), str(tmp_path), "--real", "--save", *plan["save"], "--load", *plan["load"]],
+            nproc=nproc,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        for pair in plan["load"]:
+            assert (
+                f"loaded {pair.replace(':', '->')}: 69 model and 204 optimizer tensors equal" in result.stdout
+            )
+    saved = RESHARD_2["save"] + RESHARD_4["save"]
+    single = [f"{layout}:dp1_tp1_pp1_z1" for layout in saved]
+    result = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path), "--real", "--load", *single],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("69 model and 204 optimizer tensors equal") == len(saved)

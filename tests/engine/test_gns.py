@@ -1,0 +1,234 @@
+"""Gradient-noise inputs: a problem with known noise is recovered; the engine's fields on one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.torchrun_util import free_port
+from torch import nn
+
+from cona.config import ConaConfig, ModelConfig, TrainingConfig
+from cona.engine.gns import MicroBatchNormMeter, PreviousGradient, difference_estimate, is_tied
+from cona.engine.model import GPT, init_weights
+from cona.engine.parallel_dims import build_mesh
+from cona.engine.train_model import LossScaler, TrainingModel, build_training_model, token_cross_entropy
+from cona.planner.efficiency import NoiseScaleTracker
+from cona.strategy import Strategy
+
+DIM, NOISE_STD = 16, 1.0
+LONG_MEMORY = 100_000
+"""Tracker base batch: its EMA then remembers every measurement of these tests (a plain average)."""
+
+
+class LinearRegression(nn.Module):
+    """y = x . w* + noise; loss = mean squared error. At w = w* + delta, with x ~ N(0, I):
+    G = 2 delta, tr(Sigma) = 4((d + 1)|delta|^2 + d sigma^2), so the noise scale tr(Sigma)/|G|^2 is known."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.w_star = torch.randn(DIM, generator=generator)
+        delta = torch.randn(DIM, generator=generator)
+        self.delta = delta / delta.norm()
+        self.linear = nn.Linear(DIM, 1, bias=False)
+        with torch.no_grad():
+            self.linear.weight.copy_(self.w_star + self.delta)
+
+    def true_noise_scale(self) -> float:
+        delta_sqr = self.delta.square().sum().item()
+        return ((DIM + 1) * delta_sqr + DIM * NOISE_STD**2) / delta_sqr
+
+    def sample(self, rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(rows, DIM, generator=generator)
+        return x, x @ self.w_star + NOISE_STD * torch.randn(rows, generator=generator)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.linear(x).squeeze(-1) - y).square().mean()
+
+
+def test_micro_batch_norms_recover_a_planted_noise_scale() -> None:
+    """The engine's accumulation path: loss/n per micro-batch, hooks scaled by n, big = accumulated grad."""
+    generator = torch.Generator().manual_seed(0)
+    problem = LinearRegression(generator)
+    meter = MicroBatchNormMeter(
+        [problem], ranks_per_copy=1, device=torch.device("cpu"), via_forward_hooks=False
+    )
+    n_micro, micro = 8, 32
+    tracker = NoiseScaleTracker(base_batch=LONG_MEMORY)
+    for _ in range(150):
+        problem.zero_grad()
+        meter.start_step(n_micro)
+        for _ in range(n_micro):
+            (problem.loss(*problem.sample(micro, generator)) / n_micro).backward()
+        big = problem.linear.weight.grad.square().sum().item()
+        tracker = tracker.update(
+            small_sqr=meter.total.item() / n_micro, big_sqr=big, small_batch=micro, big_batch=n_micro * micro
+        )
+    assert tracker.noise_scale() == pytest.approx(problem.true_noise_scale(), rel=0.10)
+
+
+def test_difference_estimator_recovers_a_planted_noise_scale() -> None:
+    """One gradient per step (dp = 1, one micro-batch): consecutive gradients are the two small batches."""
+    generator = torch.Generator().manual_seed(1)
+    problem = LinearRegression(generator)
+    batch = 64
+    previous = PreviousGradient()
+    weights = torch.ones(1)
+    tracker = NoiseScaleTracker(base_batch=LONG_MEMORY)
+    first = True
+    for _ in range(800):
+        problem.zero_grad()
+        problem.loss(*problem.sample(batch, generator)).backward()
+        grads = [problem.linear.weight.grad]
+        sqr = grads[0].square().sum().item()
+        pair = previous.sum_sqr(grads, weights).item()
+        small, big, small_batch, big_batch = difference_estimate(previous.sqr, sqr, pair, batch)
+        previous.hold([g.clone() for g in grads], sqr)
+        if first:
+            assert math.isnan(small) and math.isnan(big)  # nothing to pair the first gradient with
+            first = False
+        assert (small_batch, big_batch) == (batch, 2 * batch)
+        tracker = tracker.update(small_sqr=small, big_sqr=big, small_batch=small_batch, big_batch=big_batch)
+    assert tracker.noise_scale() == pytest.approx(problem.true_noise_scale(), rel=0.10)
+
+
+def test_pair_norm_is_the_norm_of_the_sum_even_after_clipping() -> None:
+    previous = PreviousGradient()
+    a = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
+    b = [torch.tensor([0.5, -1.0]), torch.tensor([[1.0]])]
+    weights = torch.tensor([1.0, 0.5])
+    assert previous.sum_sqr(a, weights).item() == 0.0
+    previous.hold(a, 14.0)
+    torch._foreach_mul_(a, 0.25)  # the engine clips the held gradient in place
+    previous.note_scaled(0.25)
+    expected = (1.5**2 + 1.0**2) + 0.5 * 4.0**2
+    assert previous.sum_sqr(b, weights).item() == pytest.approx(expected)
+    assert difference_estimate(14.0, 2.25, expected, 4) == (8.125, expected / 4, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A 1-process gloo group in this pytest process (the engine builds its mesh on it)."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def tiny_engine(gbs: int, mbs: int) -> tuple[TrainingModel, ConaConfig]:
+    config = ConaConfig(
+        model=ModelConfig(
+            layers=2, hidden=32, heads=2, seq=8, vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0
+        ),
+        training=TrainingConfig(device="cpu", seed=3),
+    )
+    strategy = Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=gbs)
+    return build_training_model(config, strategy, build_mesh(strategy, "cpu"), torch.device("cpu")), config
+
+
+def token_batches(
+    config: ConaConfig, rows: int, mbs: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(0, 64, (rows, config.model.seq + 1), generator=torch.Generator().manual_seed(seed))
+    return list(zip(tokens[:, :-1].split(mbs), tokens[:, 1:].split(mbs), strict=True))
+
+
+def plain_gns_sqr(config: ConaConfig, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, list]:
+    """|grad|^2 (without the tied matrix) of the plain model's mean loss, and the gradients."""
+    model = GPT(config.model)
+    init_weights(model, config.model, config.training.seed)
+    token_cross_entropy(model(inputs), targets).backward()
+    grads = [(name, p.grad) for name, p in model.named_parameters() if not is_tied(name)]
+    return sum(g.square().sum().item() for _, g in grads), grads
+
+
+def test_engine_reports_micro_batch_norms_with_accumulation(one_process_group) -> None:
+    engine, config = tiny_engine(gbs=4, mbs=2)
+    batches = token_batches(config, 4, 2, seed=0)
+    out = engine.train_step(batches)
+    per_micro = [plain_gns_sqr(config, *batch)[0] for batch in batches]
+    big = plain_gns_sqr(config, *(torch.cat(parts) for parts in zip(*batches, strict=True)))[0]
+    assert (out.gns_small_batch, out.gns_big_batch) == (2, 4)
+    assert out.gns_small_sqr == pytest.approx(sum(per_micro) / 2, rel=1e-5)
+    assert out.gns_big_sqr == pytest.approx(big, rel=1e-5)
+
+
+def test_engine_pairs_consecutive_steps_with_one_micro_batch(one_process_group) -> None:
+    engine, config = tiny_engine(gbs=2, mbs=2)
+    first_batch, second_batch = token_batches(config, 2, 2, seed=1)[0], token_batches(config, 2, 2, seed=2)[0]
+    first = engine.train_step([first_batch])
+    assert math.isnan(first.gns_small_sqr) and math.isnan(first.gns_big_sqr)
+    engine.clip_grad_norm_(0.01)  # clipping the held gradient must not change the estimate
+    second = engine.train_step([second_batch])  # no optimizer step: same parameters, two batches
+    sqr_a, grads_a = plain_gns_sqr(config, *first_batch)
+    sqr_b, grads_b = plain_gns_sqr(config, *second_batch)
+    pair = sum(((a + b) / 2).square().sum().item() for (_, a), (_, b) in zip(grads_a, grads_b, strict=True))
+    assert (second.gns_small_batch, second.gns_big_batch) == (2, 4)
+    assert second.gns_small_sqr == pytest.approx((sqr_a + sqr_b) / 2, rel=1e-5)
+    assert second.gns_big_sqr == pytest.approx(pair, rel=1e-5)
+
+
+def test_clip_and_optimizer_step(one_process_group) -> None:
+    engine, config = tiny_engine(gbs=4, mbs=2)
+    batches = token_batches(config, 4, 2, seed=4)
+    optimizer = torch.optim.SGD([p for part in engine.model_parts for p in part.parameters()], lr=0.5)
+    first = engine.train_step(batches)
+    tied_sqr = engine.model_parts[0].tok_embeddings.weight.grad.square().sum().item()
+    norm = engine.clip_grad_norm_(0.1)
+    assert norm == pytest.approx(math.sqrt(first.gns_big_sqr + tied_sqr), rel=1e-5)
+    assert norm > 0.1
+    clipped = math.sqrt(sum(p.grad.square().sum().item() for p in engine.model_parts[0].parameters()))
+    assert clipped == pytest.approx(0.1, rel=1e-4)
+    assert engine.optimizer_step(optimizer) is True
+    assert all(p.grad is None for p in engine.model_parts[0].parameters())
+    assert engine.train_step(batches).loss < first.loss
+    assert engine.eval_loss(batches) < first.loss
+
+
+def test_loss_scaler_backs_off_and_grows() -> None:
+    scaler = LossScaler(enabled=True, initial_scale=1024.0, growth_interval=2)
+    scaler.update(found_inf=True)
+    assert scaler.scale == 512.0
+    scaler.update(found_inf=False)
+    scaler.update(found_inf=False)
+    assert scaler.scale == 1024.0
+    disabled = LossScaler(enabled=False)
+    disabled.update(found_inf=True)
+    assert disabled.scale == 1.0
+
+
+def test_fp16_loss_scaling_unscales_and_skips_overflow(one_process_group) -> None:
+    """The scaler's path, driven on CPU: a scaled step equals the unscaled one; an overflow is skipped."""
+    engine, config = tiny_engine(gbs=4, mbs=2)
+    batches = token_batches(config, 4, 2, seed=5)
+    reference = engine.train_step(batches)
+    reference_norm = engine.clip_grad_norm_(0.0)
+    engine.scaler = LossScaler(enabled=True, initial_scale=1024.0)
+    scaled = engine.train_step(batches)
+    assert scaled.loss == pytest.approx(reference.loss, rel=1e-6)
+    assert scaled.gns_small_sqr == pytest.approx(reference.gns_small_sqr, rel=1e-5)
+    assert engine.clip_grad_norm_(0.0) == pytest.approx(reference_norm, rel=1e-5)
+    engine.scaler.scale = 3e38  # the scaled loss overflows fp32 like an fp16 one would
+    params = [p.detach().clone() for p in engine.model_parts[0].parameters()]
+    optimizer = torch.optim.SGD(engine.model_parts[0].parameters(), lr=0.1)
+    engine.train_step(batches)
+    assert not math.isfinite(engine.clip_grad_norm_(1.0))
+    assert engine.optimizer_step(optimizer) is False
+    assert engine.scaler.scale == 1.5e38
+    assert all(torch.equal(p, q) for p, q in zip(params, engine.model_parts[0].parameters(), strict=True))
+
+
+def test_gns_can_be_switched_off(one_process_group) -> None:
+    engine, config = tiny_engine(gbs=4, mbs=2)
+    batches = token_batches(config, 4, 2, seed=6)
+    measured = engine.train_step(batches)
+    norm = engine.clip_grad_norm_(0.0)
+    engine.disable_gns()
+    off = engine.train_step(batches)
+    assert math.isnan(off.gns_small_sqr) and math.isnan(off.gns_big_sqr)
+    assert off.loss == measured.loss and engine.clip_grad_norm_(0.0) == pytest.approx(norm, rel=1e-6)

@@ -1,0 +1,79 @@
+"""Parity: one training step under each parallel layout equals the 1-process step on the same global batch.
+
+Two torchrun launches (2 and 4 gloo processes) run all layouts; each worker rank compares against the
+plain model it computes itself (see parity_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tests.torchrun_util import run_torchrun
+
+WORKER = str(Path(__file__).with_name("parity_worker.py"))
+
+TWO_PROCESS_LAYOUTS = {
+    "dp2 zero0": "dp=2,zero_stage=0",
+    "dp2 zero1": "dp=2,zero_stage=1",
+    "dp2 zero3 full recompute": "dp=2,zero_stage=3,recompute=full",
+    "tp2": "tp=2",
+    "tp2 sequence parallel selective recompute": "tp=2,sequence_parallel=1,recompute=selective",
+    "pp2 1f1b": "pp=2",
+    "pp2 gpipe": "pp=2,pipeline_schedule=gpipe",
+    "pp2 interleaved v2": "pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2",
+}
+FOUR_PROCESS_LAYOUTS = {
+    "dp2xtp2": "dp=2,tp=2",
+    "dp2xpp2": "dp=2,pp=2",
+    "tp2xpp2": "tp=2,pp=2",
+    "dp2xtp2 sp zero3": "dp=2,tp=2,sequence_parallel=1,zero_stage=3",
+    "dp2xpp2 zero0": "dp=2,pp=2,zero_stage=0",
+    "dp2xpp2 interleaved v2": "dp=2,pp=2,pipeline_schedule=interleaved_1f1b,virtual_stages=2",
+    "dp2xpp2 gpipe zero3 one micro-batch": "dp=2,pp=2,pipeline_schedule=gpipe,zero_stage=3,gbs=4",
+}
+
+
+def run_layouts(layouts: dict[str, str], nproc: int) -> dict[str, dict]:
+    args = [WORKER, *(f"{name.replace(' ', '_')}:{spec}" for name, spec in layouts.items())]
+    done = run_torchrun(args, nproc, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [
+        json.loads(line.removeprefix("PARITY "))
+        for line in done.stdout.splitlines()
+        if line.startswith("PARITY ")
+    ]
+    by_name = {r["layout"].replace("_", " "): r for r in results}
+    assert set(by_name) == set(layouts), done.stdout[-2000:]
+    return by_name
+
+
+def relative(value: float, reference: float) -> float:
+    return abs(value - reference) / abs(reference)
+
+
+def check(result: dict) -> None:
+    assert relative(result["loss"], result["ref_loss"]) < 1e-5, result
+    assert relative(result["eval_loss"], result["ref_loss"]) < 1e-5, result
+    assert relative(result["loss_after_eval"], result["loss"]) < 1e-6, result
+    assert relative(result["gns_small_sqr_after_eval"], result["gns_small_sqr"]) < 1e-5, result
+    assert relative(result["probe_loss"], result["ref_probe_loss"]) < 1e-5, result
+    assert relative(result["norm"], result["ref_norm"]) < 1e-4, result
+    assert result["max_grad_diff"] < 1e-6, result
+    assert relative(result["gns_small_sqr"], result["ref_small_sqr"]) < 1e-4, result
+    assert relative(result["gns_big_sqr"], result["ref_big_sqr"]) < 1e-4, result
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_process_layouts_match_one_process() -> None:
+    for result in run_layouts(TWO_PROCESS_LAYOUTS, 2).values():
+        check(result)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_four_process_layouts_match_one_process() -> None:
+    for result in run_layouts(FOUR_PROCESS_LAYOUTS, 4).values():
+        check(result)

@@ -1,0 +1,261 @@
+"""A stand-in for the training workers, for testing the chain runner's sequencing and resume logic.
+
+:class:`FakeEngine` is a launcher: it "trains" a stage in-process by reading the trainer state of the
+checkpoint the spec names, advancing iteration and consumed samples/tokens exactly as training would, and
+saving a real (tiny) checkpoint with the engine's own ``save_checkpoint``, then writing ``stage_result.json``.
+It can kill its own process at chosen points, to test resume after SIGKILL.
+
+:func:`run_until_killed` runs a whole chain with the fake engine in a child process that dies by SIGKILL at
+one of :data:`KILL_POINTS`; the tests rerun the chain afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from cona.config import load_config
+from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint
+from cona.engine.spec import StageResult
+from cona.runner.sequence import ChainRun, StageLaunch, run_chain
+
+KILL_POINTS = ("training", "save", "between_stages", "publish", "prune")
+
+TINY_CONFIG = {
+    "model": {"name": "tiny", "layers": 4, "hidden": 16, "heads": 4, "seq": 8, "vocab_size": 64},
+    "training": {
+        "device": "cpu",
+        "base_gbs": 8,
+        "base_lr": 1e-3,
+        "base_min_lr": 1e-4,
+        "log_root": "logs",
+        "lr_scale_strategy": "sqrt",
+    },
+}
+
+
+def write_tiny_config(directory: Path) -> Path:
+    path = directory / ".conaconfig"
+    path.write_text(json.dumps(TINY_CONFIG))
+    return path
+
+
+def tiny_layout(tp: int, pp: int, dp: int) -> str:
+    return f"checkpoints/tiny/z1/fp32/tp{tp}_pp{pp}_dp{dp}_sp1"
+
+
+def seed_shaped_chain(iters: int = 3) -> dict:
+    """The seed's three-stage shape on 4 processes: dp2/pp2 gbs 8 -> dp4 gbs 16 -> dp4 gbs 32."""
+    return {
+        "steps": [
+            {
+                "step_num": 1,
+                "dp": 2,
+                "tp": 1,
+                "pp": 2,
+                "gbs": 8,
+                "mbs": 2,
+                "train_iters": iters,
+                "is_initial": True,
+                "convert": True,
+            },
+            {
+                "step_num": 2,
+                "dp": 4,
+                "tp": 1,
+                "pp": 1,
+                "gbs": 16,
+                "mbs": 4,
+                "extra_iters": iters,
+                "load_dp": 2,
+                "load_tp": 1,
+                "load_pp": 2,
+                "convert": True,
+            },
+            {
+                "step_num": 3,
+                "dp": 4,
+                "tp": 1,
+                "pp": 1,
+                "gbs": 32,
+                "mbs": 4,
+                "target_iters": 3 * iters,
+                "load_dp": 4,
+                "load_tp": 1,
+                "load_pp": 1,
+            },
+        ],
+        "pruning": [
+            {"stage": 1, "ckpt_dir": tiny_layout(1, 2, 2), "mode": "keep-latest"},
+            {"stage": 3, "ckpt_dir": tiny_layout(1, 1, 4), "mode": "delete-all"},
+        ],
+    }
+
+
+@dataclass
+class FakeEngine:
+    """Launcher that trains nothing but keeps the books (and the checkpoints) as the engine would."""
+
+    kill_at: str | None = None
+    """``training``: after a mid-stage checkpoint; ``save``: with a save's shards half written."""
+    kill_stage: int = 2
+    launches: list[StageLaunch] = field(default_factory=list)
+
+    def __call__(self, launch: StageLaunch) -> None:
+        self.launches.append(launch)
+        spec = launch.spec
+        started = time.time()
+        iteration, samples, tokens = 0, 0, 0
+        if spec.load_path is not None:
+            loaded = read_checkpoint_info(spec.load_path).trainer_state
+            iteration, samples, tokens = (
+                loaded["iteration"],
+                loaded["consumed_samples"],
+                loaded["consumed_tokens"],
+            )
+        loaded_at = time.time()
+        target_dir = layout_dir(spec.workdir, spec.config, spec.strategy, "fp32")
+        gbs, seq = spec.strategy.gbs, spec.config.model.seq
+        killing = self.kill_at is not None and spec.stage == self.kill_stage
+        if killing and self.kill_at == "training":
+            half = iteration + (spec.target_iteration - iteration) // 2
+            self._save(
+                spec,
+                target_dir,
+                half,
+                samples + (half - iteration) * gbs,
+                tokens + (half - iteration) * gbs * seq,
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+        if killing and self.kill_at == "save":
+            dcp.save(
+                {"model": {"w": torch.zeros(4)}},
+                checkpoint_id=target_dir / ".tmp-global_step99-dead",
+                no_dist=True,
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+        steps = spec.target_iteration - iteration
+        samples, tokens = samples + steps * gbs, tokens + steps * gbs * seq
+        trained = time.time()
+        checkpoint = self._save(spec, target_dir, spec.target_iteration, samples, tokens)
+        timings = {
+            "process_start": started,
+            "setup_done": loaded_at,
+            "first_step_done": loaded_at,
+            "train_done": trained,
+            "save_done": time.time(),
+        }
+        StageResult(
+            stage=spec.stage,
+            reason="completed",
+            last_iteration=spec.target_iteration,
+            consumed_samples=samples,
+            consumed_tokens=tokens,
+            checkpoint=str(checkpoint),
+            timings=timings,
+        ).write(spec.result_path)
+
+    @staticmethod
+    def _save(spec, target_dir: Path, iteration: int, samples: int, tokens: int) -> Path:
+        model = torch.nn.Linear(2, 2)
+        torch.nn.init.constant_(model.weight, float(iteration))
+        optimizer = torch.optim.AdamW(model.parameters())
+        trainer_state = {
+            "iteration": iteration,
+            "consumed_samples": samples,
+            "consumed_tokens": tokens,
+            "stage": spec.stage,
+            "lr_factor": spec.lr_factor,
+        }
+        return save_checkpoint(
+            target_dir,
+            iteration=iteration,
+            model_parts=[model],
+            optimizer=optimizer,
+            trainer_state=trainer_state,
+            config=spec.config,
+            strategy=spec.strategy,
+        )
+
+
+def chain_run(workdir: Path, chain_path: Path, *, fresh: bool = False) -> ChainRun:
+    config = load_config(workdir / ".conaconfig")
+    return ChainRun(
+        chain_path=chain_path,
+        config=config,
+        workdir=workdir,
+        run_dir=workdir / "logs" / "run",
+        world_size=4,
+        device_type="cpu",
+        fresh=fresh,
+    )
+
+
+def _kill_self(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill_point(point: str, engine: FakeEngine) -> None:
+    """Arrange for this process to die at ``point`` (stage 2 for the engine's points, else after stage 1)."""
+    import cona.runner.publish as publish_module
+    import cona.runner.sequence as sequence_module
+
+    if point in ("training", "save"):
+        engine.kill_at = point
+    elif point == "publish":  # one file linked, the rest not: a half-built universal directory
+        real_link = publish_module._link_or_copy
+        calls = []
+
+        def link_then_die(source, target):
+            calls.append(source)
+            if len(calls) == 2:
+                _kill_self()
+            real_link(source, target)
+
+        publish_module._link_or_copy = link_then_die
+    elif point == "prune":  # a directory renamed aside but not yet deleted
+
+        def rename_then_die(path):
+            os.replace(path, path.with_name(path.name + ".deleting"))
+            _kill_self()
+
+        publish_module._remove_dir = rename_then_die
+    elif point == "between_stages":  # stage 1 recorded done, stage 2 not planned yet
+        real_save = sequence_module.save_state
+
+        def save_then_die(run_dir, state):
+            real_save(run_dir, state)
+            if state.stage(1).status == "done":
+                _kill_self()
+
+        sequence_module.save_state = save_then_die
+    else:
+        raise ValueError(f"unknown kill point {point!r}")
+
+
+def run_until_killed(workdir: Path, chain_path: Path, kill_point: str) -> int:
+    """Run the chain in a forked child that SIGKILLs itself at ``kill_point``; returns its wait status.
+
+    Forking (rather than starting a new interpreter) saves the seconds of importing torch again; the child
+    uses one thread, as forked DataLoader workers do, and never returns into the test."""
+    pid = os.fork()
+    if pid == 0:
+        status = 3  # reaching the end means the kill point was never hit
+        try:
+            torch.set_num_threads(1)
+            engine = FakeEngine()
+            install_kill_point(kill_point, engine)
+            run_chain(chain_run(workdir, chain_path), launcher=engine, out=lambda line: None)
+        except BaseException:  # noqa: BLE001 (any failure must end the child, not continue the test in it)
+            status = 4
+        finally:
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    return wait_status

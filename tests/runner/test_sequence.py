@@ -1,0 +1,207 @@
+"""Stage sequencing and resume, with a fake engine (chain_fakes.FakeEngine) in place of the workers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from chain_fakes import (
+    KILL_POINTS,
+    FakeEngine,
+    chain_run,
+    run_until_killed,
+    seed_shaped_chain,
+    tiny_layout,
+    write_tiny_config,
+)
+
+from cona.errors import ChainError, LaunchError
+from cona.runner.publish import LATEST_UNIVERSAL
+from cona.runner.sequence import chain_run_from_args, run_chain
+from cona.runner.state import load_state
+
+ITERS = 3
+FINAL_SAMPLES = ITERS * (8 + 16 + 32)
+
+
+def setup_run(workdir: Path, chain: dict | None = None) -> Path:
+    write_tiny_config(workdir)
+    path = workdir / "chain.json"
+    path.write_text(json.dumps(chain or seed_shaped_chain(ITERS)))
+    return path
+
+
+def run(workdir: Path, engine: FakeEngine, *, fresh: bool = False) -> tuple[list[str], object]:
+    lines: list[str] = []
+    state = run_chain(
+        chain_run(workdir, workdir / "chain.json", fresh=fresh), launcher=engine, out=lines.append
+    )
+    return lines, state
+
+
+def stage_books(state) -> list[tuple]:
+    return [
+        (s.status, s.start_iteration, s.target_iteration, s.consumed_samples, s.consumed_tokens)
+        for s in state.stages
+    ]
+
+
+def test_chain_hands_each_stage_the_previous_checkpoint(tmp_path):
+    setup_run(tmp_path)
+    engine = FakeEngine()
+    lines, state = run(tmp_path, engine)
+    assert lines[0].startswith("starting run run: 3 stages")
+    assert stage_books(state) == [("done", 0, 3, 24, 192), ("done", 3, 6, 72, 576), ("done", 6, 9, 168, 1344)]
+    specs = [launch.spec for launch in engine.launches]
+    layout1, layout2 = tmp_path / tiny_layout(1, 2, 2), tmp_path / tiny_layout(1, 1, 4)
+    assert [spec.load_path for spec in specs] == [
+        None,
+        layout1 / "global_step3_universal",
+        layout2 / "global_step6_universal",
+    ]
+    assert [spec.target_iteration for spec in specs] == [3, 6, 9]
+    assert [spec.lr_factor for spec in specs] == pytest.approx(
+        [1.0, math.sqrt(2), 2.0]
+    )  # sqrt rule, base_gbs 8
+    assert {spec.planned_tokens for spec in specs} == {FINAL_SAMPLES * 8}
+    assert [launch.topology.master_port for launch in engine.launches] == [29401, 29402, 29403]
+    assert [launch.topology.nproc_per_node for launch in engine.launches] == [4, 4, 4]
+    # stage 1's copy stays (keep-latest); delete-all after stage 3 removed stage 2's copy in the shared layout
+    assert (layout1 / LATEST_UNIVERSAL).is_file() and (layout1 / "global_step3_universal").is_dir()
+    assert not (layout2 / "global_step6_universal").exists() and not (layout2 / LATEST_UNIVERSAL).exists()
+    assert state.stage(3).pruned == (str(layout2 / "global_step6_universal"),)
+    assert set(state.stage(2).switch_cost) == {
+        "save_s",
+        "publish_s",
+        "process_start_s",
+        "load_s",
+        "first_step_s",
+    }
+    assert any(line.startswith("switch 1->2: save ") for line in lines)
+    assert (
+        lines[-1] == f"run run finished: 3 stages, iteration 9, consumed_samples={FINAL_SAMPLES}, "
+        f"consumed_tokens={FINAL_SAMPLES * 8}"
+    )
+
+
+def test_rerun_of_a_finished_chain_does_nothing_and_fresh_starts_over(tmp_path):
+    setup_run(tmp_path)
+    engine = FakeEngine()
+    run(tmp_path, engine)
+    lines, _ = run(tmp_path, engine)
+    assert len(engine.launches) == 3
+    assert lines == [
+        f"run run already finished at iteration 9, consumed_samples={FINAL_SAMPLES}; nothing to do "
+        f"(--fresh starts it over)"
+    ]
+    lines, state = run(tmp_path, engine, fresh=True)
+    assert lines[0].startswith("starting run") and len(engine.launches) == 6
+    assert engine.launches[3].spec.load_path is None and state.stage(3).consumed_samples == FINAL_SAMPLES
+
+
+def test_run_directory_of_another_chain_or_config_is_refused(tmp_path):
+    setup_run(tmp_path)
+    run(tmp_path, FakeEngine())
+    (tmp_path / "chain.json").write_text(json.dumps(seed_shaped_chain(ITERS + 1)))
+    with pytest.raises(ChainError, match="was made for a different chain"):
+        run(tmp_path, FakeEngine())
+    (tmp_path / "chain.json").write_text(json.dumps(seed_shaped_chain(ITERS)))
+    config = json.loads((tmp_path / ".conaconfig").read_text())
+    config["training"]["base_lr"] = 5e-4
+    (tmp_path / ".conaconfig").write_text(json.dumps(config))
+    with pytest.raises(ChainError, match="was made for a different .conaconfig"):
+        run(tmp_path, FakeEngine())
+
+
+def test_a_stage_that_stops_short_is_an_error(tmp_path):
+    setup_run(tmp_path)
+
+    class StopsEarly(FakeEngine):
+        def __call__(self, launch):
+            super().__call__(launch)
+            result = json.loads(launch.spec.result_path.read_text())
+            launch.spec.result_path.write_text(
+                json.dumps({**result, "reason": "switch_requested", "last_iteration": 2})
+            )
+
+    with pytest.raises(
+        LaunchError,
+        match=r"stage 1 stopped at iteration 2 \(switch_requested\) instead of its "
+        r"target 3",
+    ):
+        run(tmp_path, StopsEarly())
+    assert load_state(tmp_path / "logs" / "run").stage(1).status == "running"
+
+
+def test_options_from_the_command_line(tmp_path):
+    setup_run(tmp_path)
+    config = json.loads((tmp_path / ".conaconfig").read_text())
+    config["training"]["data_prefix"] = "data"
+    (tmp_path / ".conaconfig").write_text(json.dumps(config))
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"data{suffix}").write_bytes(b"")
+    args = argparse.Namespace(
+        chain=str(tmp_path / "chain.json"),
+        config=str(tmp_path / ".conaconfig"),
+        workdir=tmp_path,
+        gpus=4,
+        fresh=True,
+        device="cpu",
+    )
+    options = chain_run_from_args(args)
+    assert (options.world_size, options.device_type, options.fresh) == (4, "cpu", True)
+    assert options.run_dir == tmp_path / "logs" / "chain-chain" and options.base_port == 29400
+    assert (
+        chain_run_from_args(
+            argparse.Namespace(**{**vars(args), "gpus": None, "num_nodes": 1, "gpus_per_node": 4})
+        ).world_size
+        == 4
+    )
+    with pytest.raises(ChainError, match="pass --gpus N"):
+        chain_run_from_args(argparse.Namespace(**{**vars(args), "gpus": None}))
+    with pytest.raises(LaunchError, match="issue 7"):
+        chain_run_from_args(argparse.Namespace(**{**vars(args), "num_nodes": 3, "gpus_per_node": 4}))
+
+
+def test_a_marker_moved_by_someone_else_is_refused(tmp_path):
+    chain_path = setup_run(tmp_path)
+    run_until_killed(tmp_path, chain_path, "between_stages")
+    layout = tmp_path / tiny_layout(1, 2, 2)
+    (layout / "global_step99_universal").mkdir()
+    (layout / LATEST_UNIVERSAL).write_text("global_step99_universal")
+    with pytest.raises(ChainError, match="names global_step99_universal, not global_step3_universal"):
+        run(tmp_path, FakeEngine())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[tuple]:
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    setup_run(workdir)
+    return stage_books(run(workdir, FakeEngine())[1])
+
+
+@pytest.mark.parametrize("kill_point", KILL_POINTS)
+def test_sigkill_then_rerun_finishes_with_the_same_books(tmp_path, kill_point, uninterrupted):
+    chain_path = setup_run(tmp_path)
+    wait_status = run_until_killed(tmp_path, chain_path, kill_point)
+    assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
+    before = load_state(tmp_path / "logs" / "run")
+    engine = FakeEngine()
+    lines, state = run(tmp_path, engine)
+    current = before.current
+    assert lines[0].startswith(f"resuming run run at stage {current.step_num} ({current.status})")
+    assert "consumed_samples=" in lines[0]
+    assert stage_books(state) == uninterrupted
+    assert state.stages[-1].consumed_samples == FINAL_SAMPLES
+    if kill_point == "training":  # relaunched from the checkpoint the stage saved before it died
+        assert engine.launches[0].spec.load_path == tmp_path / tiny_layout(1, 1, 4) / "global_step4"
+        assert "iteration=4, consumed_samples=40" in lines[0]
+    leftovers = [
+        p.name for p in (tmp_path / "checkpoints").rglob("*") if p.name.endswith((".tmp", ".deleting"))
+    ]
+    assert leftovers == []

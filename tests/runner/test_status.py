@@ -1,0 +1,107 @@
+"""``cona status`` on the recorded run directory, finished and made to look mid-run."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from cona.cli import main
+from cona.runner.run_dir import point_latest
+from cona.runner.state import load_state, save_state
+from cona.runner.status import collect_status, find_processes, render_status, status_lines
+
+FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
+LAST_METRICS_TIME = 1795945186.711  # the fixture's last metrics line
+
+
+def rendered(status) -> str:
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    render_status(status, console)
+    return console.file.getvalue()
+
+
+def test_status_of_a_finished_run():
+    status = collect_status(FIXTURE, now=LAST_METRICS_TIME + 30)
+    lines = dict(status_lines(status))
+
+    assert lines["stage"] == "3 of 3 (finished)"
+    assert lines["strategy"] == "dp2 tp2 pp1 mbs8 gbs32"
+    assert lines["iteration"] == "180 (last metrics 30 s ago)"  # an online stage stops at a token budget
+    assert lines["tokens"] == "460,800 of 460,800 (100%), 3,600 samples"
+    assert lines["eval"] == "perplexity 373.15 (loss 5.9220) at iteration 180"
+    assert lines["checkpoint"].startswith("work/checkpoints/gpt-tiny/z1/fp32/tp2_pp1_dp2_sp1/global_step180")
+    assert "missing on disk" in lines["checkpoint"]  # the fixture carries no checkpoints
+    assert lines["decision"] == "stay at iteration 180: gbs 32 is the largest allowed (max gbs)"
+    assert lines["processes"] == "none (the run finished)"
+    text = rendered(status)
+    for label in ("stage", "iteration", "checkpoint", "markers", "decision", "processes"):
+        assert f" {label}  " in text
+
+
+def test_status_of_a_running_run_with_live_workers(tmp_path, monkeypatch):
+    run_dir = Path(shutil.copytree(FIXTURE, tmp_path / "run_chain_small")).resolve()
+    state = load_state(run_dir)
+    save_state(
+        run_dir, state.with_stage(dataclasses.replace(state.stage(3), status="running", checkpoint=None))
+    )
+    (run_dir / "stages" / "3" / "stage_result.json").unlink()
+    monkeypatch.chdir(tmp_path)  # the fixture's checkpoint paths are relative
+    layout = tmp_path / "work/checkpoints/gpt-tiny/z1/fp32/tp1_pp1_dp4_sp1"
+    (layout / "global_step110").mkdir(parents=True)
+    (layout / "latest").write_text("global_step110\n")
+    spec = run_dir / "stages" / "3" / "spec.json"
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(spec)])
+    try:
+        deadline = time.monotonic() + 10
+        while not find_processes(run_dir).workers and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the child's command line is visible
+        lines = dict(status_lines(collect_status(run_dir, now=LAST_METRICS_TIME + 600)))
+    finally:
+        worker.kill()
+        worker.wait()
+
+    assert lines["stage"] == "3 of 3 (running)"
+    assert lines["iteration"] == "180 (last metrics 10.0 min ago)"
+    assert lines["checkpoint"] == "work/checkpoints/gpt-tiny/z1/fp32/tp1_pp1_dp4_sp1/global_step110"
+    assert lines["markers"] == "latest -> global_step110, latest_universal missing"
+    assert lines["processes"] == f"1 worker(s) alive on this host (pids {worker.pid}), torchrun none"
+    after = dict(status_lines(collect_status(run_dir)))
+    assert after["processes"].startswith("no worker of this run alive on this host")
+
+
+def test_status_of_a_run_without_state_or_metrics(tmp_path):
+    run_dir = tmp_path / "fresh"
+    (run_dir / "stages" / "1").mkdir(parents=True)
+    shutil.copy(FIXTURE / "stages" / "1" / "spec.json", run_dir / "stages" / "1" / "spec.json")
+
+    status = collect_status(run_dir)
+    lines = dict(status_lines(status))
+
+    assert lines["stage"] == "1 (running)"
+    assert lines["strategy"] == "dp2 tp1 pp2 mbs2 gbs8"
+    assert lines["iteration"] == "no metrics yet"
+    assert lines["checkpoint"] == "none recorded yet"
+    assert any("no metrics yet" in warning for warning in status.run.warnings)
+
+
+def test_cli_status_finds_the_latest_run_from_the_config(tmp_path, monkeypatch, capsys):
+    config = {"model": {"name": "gpt-tiny", "layers": 4, "hidden": 64, "heads": 4, "seq": 128}}
+    (tmp_path / ".conaconfig").write_text(json.dumps(config))
+    run_dir = Path(shutil.copytree(FIXTURE, tmp_path / "logs" / "run_chain_small"))
+    point_latest(run_dir)
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "run run_chain_small" in out and "3 of 3 (finished)" in out
+
+    assert main(["status", str(tmp_path / "nowhere")]) == 2
+    assert f"run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err

@@ -1,0 +1,171 @@
+"""``cona train --dp --tp --pp ...``: refusals before launch, and one real stage on 2 CPU processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cona.cli import main
+from cona.data.indexed import IndexedDatasetWriter
+
+VOCAB = 300
+METRIC_FIELDS = {
+    "stage",
+    "iteration",
+    "consumed_samples",
+    "consumed_tokens",
+    "loss",
+    "lr",
+    "gbs",
+    "mbs",
+    "dp",
+    "tp",
+    "pp",
+    "step_time_s",
+    "tokens_per_s",
+    "mfu",
+    "grad_norm",
+    "gns_small_sqr",
+    "gns_big_sqr",
+    "gns_small_batch",
+    "gns_big_batch",
+    "time",
+}
+
+
+def free_port_base() -> int:
+    """A base port whose stage-1 port (base + 1) is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1] - 1
+
+
+def write_tiny_setup(directory: Path) -> Path:
+    """A random-token dataset and a .conaconfig for a 2-layer GPT; returns the config path."""
+    rng = np.random.default_rng(0)
+    prefix = directory / "data" / "tiny"
+    prefix.parent.mkdir(parents=True)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(300):
+            writer.add_document(rng.integers(0, VOCAB, size=int(rng.integers(10, 60))))
+    config = {
+        "model": {
+            "name": "gpt-tiny",
+            "layers": 2,
+            "hidden": 32,
+            "heads": 4,
+            "seq": 16,
+            "vocab_size": VOCAB,
+            "attention_dropout": 0.0,
+            "hidden_dropout": 0.0,
+        },
+        "training": {
+            "device": "cpu",
+            "dtype": "fp32",
+            "base_gbs": 8,
+            "base_lr": 1e-3,
+            "base_min_lr": 1e-4,
+            "lr_warmup_tokens": 64,
+            "split": "90,10,0",
+            "data_prefix": "data/tiny",
+            "log_interval": 2,
+            "eval_interval": 2,
+            "eval_iters": 1,
+            "log_root": "logs",
+        },
+    }
+    path = directory / ".conaconfig"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def train_args(
+    config: Path, workdir: Path, *extra: str, dp=2, tp=1, pp=1, gbs=8, mbs=2, iters=4
+) -> list[str]:
+    return [
+        "train",
+        "--config",
+        str(config),
+        "--workdir",
+        str(workdir),
+        "--dp",
+        str(dp),
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--gbs",
+        str(gbs),
+        "--mbs",
+        str(mbs),
+        "--iters",
+        str(iters),
+        "--master-port-base",
+        str(free_port_base()),
+        *extra,
+    ]
+
+
+def test_a_bad_layout_is_refused_before_anything_is_launched(tmp_path, capsys):
+    config = write_tiny_setup(tmp_path)
+    assert main(train_args(config, tmp_path / "work", dp=1, tp=3)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cona: error: ") and "tp" in err and "heads" in err
+    assert not (tmp_path / "logs").exists()  # nothing was started
+    assert main(train_args(config, tmp_path / "work", dp=3, gbs=8, mbs=2)) == 2
+    assert "gbs" in capsys.readouterr().err
+
+
+def test_flags_of_other_modes_say_which_issue_adds_them(tmp_path, capsys):
+    assert main(["train", "--chain", "chain.json"]) == 2
+    assert "cona train --chain: not available yet (issue 4)" in capsys.readouterr().err
+    assert main(["train", "--no-ssh"]) == 2
+    assert "issue 7" in capsys.readouterr().err
+
+
+def test_missing_fixed_strategy_flags_are_named(tmp_path, capsys):
+    assert main(["train", "--dp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "missing --tp, --pp, --gbs, --mbs, --iters, --workdir" in err
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_train_runs_one_stage_on_two_cpu_processes(tmp_path, capfd):
+    config = write_tiny_setup(tmp_path)
+    assert main(train_args(config, tmp_path / "work", "--run-name", "e2e")) == 0
+    out = capfd.readouterr().out
+    run_dir = (tmp_path / "logs" / "e2e").resolve()
+    assert out.splitlines()[0] == f"run directory: {run_dir}"
+    assert (tmp_path / "logs" / "latest").resolve() == run_dir
+    assert "stage 1 iter      2 | loss" in out  # the console line of a log interval
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [2, 4]
+    for line in lines:
+        assert line.keys() >= METRIC_FIELDS
+        assert line["gbs"] == 8 and line["dp"] == 2 and line["mfu"] is None  # no MFU on a CPU
+        assert np.isfinite(line["loss"]) and 0 < line["loss"] < 10 and line["eval_ppl"] > 1
+    assert lines[-1]["consumed_samples"] == 32 and lines[-1]["consumed_tokens"] == 32 * 16
+
+    result = json.loads((run_dir / "stages" / "1" / "stage_result.json").read_text())
+    assert result["reason"] == "completed" and result["last_iteration"] == 4
+    layout = tmp_path / "work" / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    assert Path(result["checkpoint"]) == layout / "global_step4"
+    assert (layout / "latest").read_text().strip() == "global_step4"
+    assert (run_dir / "stages" / "1" / "rank1.log").exists()
+
+
+@pytest.mark.multiproc
+def test_a_worker_error_fails_the_command_with_that_message_once(tmp_path, capfd):
+    config = write_tiny_setup(tmp_path)
+    bin_path = tmp_path / "data" / "tiny.bin"
+    bin_path.write_bytes(bin_path.read_bytes()[:100])  # the index now points past the end of the data
+    assert main(train_args(config, tmp_path / "work")) != 0
+    err = capfd.readouterr().err
+    assert err.count("cona: error: stage 1: rank 0 failed: DataError") == 1
+    assert err.count("Traceback") == 0
