@@ -1,0 +1,126 @@
+import numpy as np
+import pytest
+
+from cona.errors import PlanError
+from cona.planner.efficiency import (
+    NoiseScaleEstimate,
+    NoiseScaleTracker,
+    adascale_gain,
+    progress_per_second,
+    statistical_efficiency,
+    two_batch_estimate,
+)
+
+
+def test_two_batch_estimate_inverts_the_expected_norms():
+    grad_sqr, trace_sigma, small, big = 3.0, 120.0, 4, 32
+    small_sqr = grad_sqr + trace_sigma / small
+    big_sqr = grad_sqr + trace_sigma / big
+    g, s = two_batch_estimate(small_sqr, big_sqr, small, big)
+    assert float(g) == pytest.approx(grad_sqr)
+    assert float(s) == pytest.approx(trace_sigma)
+
+
+def test_two_batch_estimate_is_vectorised_and_checks_batches():
+    g, s = two_batch_estimate(np.array([2.0, 5.0]), np.array([1.0, 1.0]), np.array([1, 1]), np.array([2, 5]))
+    assert g.tolist() == pytest.approx([0.0, 0.0])
+    assert s.tolist() == pytest.approx([2.0, 5.0])
+    with pytest.raises(PlanError, match="gns_small_batch"):
+        two_batch_estimate(1.0, 1.0, 8, 8)
+
+
+def regression_gradient_norms(rng, steps, small, big, dim, error_sqr, label_noise):
+    """Squared norms of per-chunk and whole-batch mean gradients of 0.5 (x.w - y)^2 with x ~ N(0, I).
+
+    With e = w - w*, the per-sample gradient g = x (x.e - eps) has mean G = e and covariance
+    e e^T + (|e|^2 + sigma^2) I (Isserlis), so tr(Sigma) = |e|^2 + dim (|e|^2 + sigma^2).
+    """
+    error = np.zeros(dim)
+    error[0] = np.sqrt(error_sqr)
+    x = rng.standard_normal((steps, big, dim))
+    eps = rng.normal(0.0, np.sqrt(label_noise), size=(steps, big))
+    per_sample = x * (x @ error - eps)[..., None]
+    chunks = per_sample.reshape(steps, big // small, small, dim).mean(axis=2)
+    small_sqr = (chunks**2).sum(axis=-1).mean(axis=1)
+    big_sqr = (per_sample.mean(axis=1) ** 2).sum(axis=-1)
+    return small_sqr, big_sqr
+
+
+def test_tracker_recovers_a_planted_noise_scale():
+    dim, error_sqr, label_noise = 10, 1.0, 1.0
+    true_phi = (error_sqr + dim * (error_sqr + label_noise)) / error_sqr  # 21 samples
+    rng = np.random.default_rng(0)
+    small_sqr, big_sqr = regression_gradient_norms(rng, 3000, 4, 64, dim, error_sqr, label_noise)
+    tracker = NoiseScaleTracker(base_batch=64)
+    for s, b in zip(small_sqr, big_sqr, strict=True):
+        tracker = tracker.update(small_sqr=float(s), big_sqr=float(b), small_batch=4, big_batch=64)
+    assert tracker.noise_scale() == pytest.approx(true_phi, rel=0.10)
+    estimate = tracker.estimate()
+    assert estimate.grad_sqr == pytest.approx(error_sqr, rel=0.10)
+    assert estimate.trace_sigma == pytest.approx(true_phi * error_sqr, rel=0.10)
+
+
+def test_one_measurement_averages_to_itself_thanks_to_bias_correction():
+    tracker = NoiseScaleTracker(base_batch=16, min_samples=1).update(
+        small_sqr=3.0 + 40.0 / 4, big_sqr=3.0 + 40.0 / 32, small_batch=4, big_batch=32
+    )
+    estimate = tracker.estimate()
+    assert estimate.grad_sqr == pytest.approx(3.0)
+    assert estimate.trace_sigma == pytest.approx(40.0)
+    assert tracker.weight == pytest.approx(1 - 0.999**2)  # decay 0.999 ** (32 / 16)
+
+
+def test_negative_grad_sqr_average_is_unknown_not_infinite():
+    # small_sqr > big_sqr * big/small makes |G|^2 negative: pure noise, nothing to divide by.
+    tracker = NoiseScaleTracker(base_batch=8, min_samples=1)
+    for _ in range(5):
+        tracker = tracker.update(small_sqr=10.0, big_sqr=0.5, small_batch=1, big_batch=8)
+    assert tracker.estimate().grad_sqr < 0
+    assert tracker.noise_scale() is None
+    assert NoiseScaleEstimate(grad_sqr=0.0, trace_sigma=1.0, samples=9).noise_scale is None
+
+
+def test_too_few_samples_is_unknown():
+    tracker = NoiseScaleTracker(base_batch=8, min_samples=3)
+    for count in range(3):
+        assert tracker.noise_scale() is None, count
+        tracker = tracker.update(small_sqr=5.0, big_sqr=2.0, small_batch=2, big_batch=8)
+    assert tracker.noise_scale() == pytest.approx(8.0)  # |G|^2 = (16 - 10)/6 = 1, tr = 3/(1/2 - 1/8)
+
+
+def test_updates_leave_the_old_tracker_alone_and_skip_bad_records():
+    empty = NoiseScaleTracker(base_batch=8, min_samples=1)
+    updated = empty.update(small_sqr=5.0, big_sqr=2.0, small_batch=2, big_batch=8)
+    assert empty.samples == 0 and updated.samples == 1
+    assert updated.update(small_sqr=float("inf"), big_sqr=2.0, small_batch=2, big_batch=8) is updated
+    assert updated.update_from_metrics({"loss": 3.0, "gns_small_sqr": None}) is updated
+    record = {"gns_small_sqr": 5.0, "gns_big_sqr": 2.0, "gns_small_batch": 2, "gns_big_batch": 8}
+    assert updated.update_from_metrics(record).samples == 2
+    with pytest.raises(PlanError, match="base_gbs"):
+        NoiseScaleTracker(base_batch=0)
+
+
+def test_efficiency_is_one_at_the_base_and_falls_with_batch():
+    batches = np.array([16, 32, 64, 128, 1024])
+    efficiency = statistical_efficiency(batches, noise_scale=100.0, base_batch=16)
+    assert efficiency[0] == pytest.approx(1.0)
+    assert efficiency[2] == pytest.approx(116 / 164)
+    assert np.all(np.diff(efficiency) < 0)
+
+
+def test_more_noise_makes_large_batches_more_efficient():
+    noise = np.array([0.0, 10.0, 100.0, 1e4])
+    efficiency = [float(statistical_efficiency(256, phi, 16)) for phi in noise]
+    assert efficiency[0] == pytest.approx(16 / 256)
+    assert np.all(np.diff(efficiency) > 0)
+
+
+def test_progress_per_second_and_gain():
+    assert float(progress_per_second(1000.0, 64, 48.0, 16)) == pytest.approx(1000.0 * 64 / 112)
+    gains = adascale_gain(np.array([16, 64, 256]), 48.0, 16)
+    assert gains.tolist() == pytest.approx([1.0, 64 / 28, 64 / 19])
+    assert gains == pytest.approx(
+        np.array([16, 64, 256]) / 16 * statistical_efficiency(np.array([16, 64, 256]), 48.0, 16)
+    )
+    with pytest.raises(PlanError, match="noise scale"):
+        statistical_efficiency(32, float("inf"), 16)
