@@ -191,8 +191,8 @@ def _print_report(result: PlanResult) -> None:
     best, worst = result.best_static, result.worst_static
     print(
         f"\nCONA: {result.online.time_s / optimum - 1:+.2%} vs the hindsight optimum; "
-        f"{best.time_s / result.online.time_s:.3f}x faster than the best static ({best.name}), "
-        f"{worst.time_s / result.online.time_s:.3f}x faster than the worst ({worst.name}); "
+        f"the best static ({best.name}) takes {best.time_s / result.online.time_s:.3f}x CONA's time, "
+        f"the worst ({worst.name}) {worst.time_s / result.online.time_s:.3f}x; "
         f"switch cost {result.switch_cost_s:.1f} s"
     )
     for record in result.decisions:

@@ -1,0 +1,438 @@
+"""Offline planning on a recorded trace: static strategies, the hindsight-optimal chain, CONA's chain.
+
+Training progress is counted in base-batch-equivalent tokens: a token at global batch ``M`` advances training
+by the statistical efficiency ``(phi + M0) / (phi + M)``. The noise scale ``phi`` is a function of how far
+training has got, so the trace's noise scale is re-indexed by the progress the trace itself had made, and
+every chain is simulated on that axis: the time to a target is the time to accumulate the progress the trace
+needed to reach it. The progress range is cut into equal segments; within a segment the noise scale is the
+one the tracker reported at its start (what an online policy could know), and strategy ``j`` takes
+``progress / (tokens_per_s_j x efficiency_j)`` seconds over it. Switching costs ``switch_cost_s`` seconds.
+
+Compared over the same candidates (the best strategy of each gbs of the frontier, by predicted iteration
+time): every static strategy (the paper's baselines), the hindsight optimum (dynamic programming over
+(segment, candidate) with the switch cost on every change, starting from any candidate), and CONA's online
+chain (:func:`policy.decide` at every segment boundary, seeing only the past, from the initial gbs).
+Throughputs are the calibrated model's, for all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+import numpy as np
+
+from cona.config import ConaConfig, TrainingConfig
+from cona.errors import PlanError
+from cona.planner.calibration import Calibration
+from cona.planner.efficiency import NoiseScaleEstimate
+from cona.planner.policy import (
+    Candidate,
+    Measurement,
+    PolicySettings,
+    after_switch,
+    decide,
+    initial_state,
+    next_frontier,
+    next_gbs,
+)
+from cona.planner.search import bayesian_search, exhaustive_search
+from cona.planner.space import SpaceOptions
+from cona.planner.systems import System
+from cona.planner.trace import Trace
+from cona.strategy import Strategy
+
+DEFAULT_SEGMENTS = 400
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoiseProfile:
+    """The noise scale over equal segments of progress, from 0 to the target."""
+
+    edges: np.ndarray
+    """``segments + 1`` progress values (base-batch-equivalent tokens)."""
+    estimates: tuple[NoiseScaleEstimate | None, ...]
+    """The tracker's estimate at each segment's start (None: no estimate yet)."""
+
+    @cached_property
+    def noise_scale(self) -> np.ndarray:
+        """Per segment, in samples; an unknown noise scale counts as 0 (no evidence that big batches help)."""
+        values = [
+            e.noise_scale if e is not None and e.noise_scale is not None else 0.0 for e in self.estimates
+        ]
+        return np.asarray(values, dtype=np.float64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """A run of one strategy in a chain."""
+
+    strategy: Strategy
+    iterations: int
+    tokens: float
+    time_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainPlan:
+    """One way to train to the target: the candidate index per segment and what it costs."""
+
+    name: str
+    assignment: np.ndarray
+    time_s: float
+    stages: tuple[Stage, ...]
+
+    @property
+    def switches(self) -> int:
+        return len(self.stages) - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    candidates: tuple[Candidate, ...]
+    static: tuple[ChainPlan, ...]
+    """One per candidate, in candidate order."""
+    optimum: ChainPlan
+    online: ChainPlan
+    decisions: tuple[dict, ...]
+    """CONA's switch and fallback decision records."""
+    target_progress: float
+    switch_cost_s: float
+
+    @property
+    def best_static(self) -> ChainPlan:
+        return min(self.static, key=lambda plan: plan.time_s)
+
+    @property
+    def worst_static(self) -> ChainPlan:
+        return max(self.static, key=lambda plan: plan.time_s)
+
+
+def trace_progress(trace: Trace, base_gbs: int) -> np.ndarray:
+    """Base-batch-equivalent tokens the trace had made at each of its measurements.
+
+    The interval before a measurement counts at the efficiency of the estimate known at its start, with
+    ``(phi + M0) / (phi + M)`` written out because ``phi`` varies along the trace.
+    """
+    steps = np.diff(trace.tokens, prepend=0.0)
+    noise = np.asarray([0.0] + [_phi(trace.estimate(i)) for i in range(len(trace.tokens) - 1)])
+    return np.cumsum(steps * (noise + base_gbs) / (noise + trace.gbs))
+
+
+def _phi(estimate: NoiseScaleEstimate | None) -> float:
+    if estimate is None or estimate.noise_scale is None:
+        return 0.0
+    return estimate.noise_scale
+
+
+def progress_at_tokens(trace: Trace, base_gbs: int, tokens: float) -> float:
+    """The trace's progress after ``tokens`` consumed tokens (PlanError beyond its end)."""
+    if tokens > trace.tokens[-1] * (1 + 1e-9):
+        raise PlanError(
+            f"{trace.source}: the trace covers {trace.tokens[-1]:.4g} tokens, fewer than the {tokens:.4g} "
+            "asked for (--total-tokens / --total-iters)"
+        )
+    points = np.concatenate([[0.0], trace.tokens])
+    progress = np.concatenate([[0.0], trace_progress(trace, base_gbs)])
+    return float(np.interp(tokens, points, progress))
+
+
+def noise_profile(trace: Trace, base_gbs: int, target_progress: float, segments: int) -> NoiseProfile:
+    """The trace's noise scale on ``segments`` equal steps of progress up to ``target_progress``."""
+    if segments < 1:
+        raise PlanError(f"--segments must be at least 1, got {segments}")
+    if not target_progress > 0:
+        raise PlanError("the target lies at the very start of the trace: nothing to plan")
+    progress = trace_progress(trace, base_gbs)
+    edges = np.linspace(0.0, target_progress, segments + 1)
+    # The last measurement at or before each segment's start is what the tracker knows there.
+    known = np.searchsorted(progress, edges[:-1], side="right") - 1
+    estimates = tuple(None if index < 0 else trace.estimate(int(index)) for index in known)
+    return NoiseProfile(edges=edges, estimates=estimates)
+
+
+def frontier_sizes(initial_gbs: int, settings: PolicySettings) -> list[int]:
+    """``initial_gbs`` and every frontier after it, up to ``settings.max_gbs``."""
+    sizes = [initial_gbs]
+    while (size := next_gbs(sizes[-1], settings)) is not None:
+        sizes.append(size)
+    return sizes
+
+
+def space_options(training: TrainingConfig) -> SpaceOptions:
+    """What a chain file can express: a step gives dp/tp/pp/mbs/gbs, the other options are the config's.
+
+    GPipe configs are searched (and predicted) as 1F1B, which has the same bubble. Interleaved 1F1B is
+    refused: a chain gives every step the config's virtual stages, which a pp = 1 step cannot have, and the
+    space cannot be limited to exactly that many."""
+    if training.pipeline_schedule == "interleaved_1f1b" and training.pipeline_virtual_stages > 1:
+        raise PlanError(
+            "training.pipeline_schedule: planning chains for 'interleaved_1f1b' is not supported; "
+            "plan with '1f1b' (the chain's strategies are the same apart from the schedule)"
+        )
+    return SpaceOptions(
+        zero_stages=(training.zero_stage,),
+        recompute=(training.recompute,),
+        sequence_parallel=(training.sequence_parallel,),
+        interleave=False,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSettings:
+    """How the best strategy of each frontier gbs is found."""
+
+    system: System
+    n_gpus: int
+    dtype: str = "bf16"
+    options: SpaceOptions | None = None
+    calibration: Calibration | None = None
+    botorch: bool = True
+
+
+def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Candidate:
+    """The fastest strategy at ``gbs`` that fits, with its predicted throughput (PlanError when none fits)."""
+    run = bayesian_search if search.botorch else exhaustive_search
+    result = run(
+        config.model,
+        search.system,
+        search.n_gpus,
+        gbs,
+        options=search.options,
+        dtype=search.dtype,
+        calibration=search.calibration,
+        top_k=1,
+    )
+    return Candidate(strategy=result.best, predicted_tokens_per_s=float(result.prediction.tokens_per_s[0]))
+
+
+def best_candidates(config: ConaConfig, sizes: list[int], search: SearchSettings) -> tuple[Candidate, ...]:
+    """The fastest strategy of each gbs (a gbs where nothing fits is left out; the first must fit)."""
+    candidates = []
+    for gbs in sizes:
+        try:
+            candidates.append(best_candidate(config, gbs, search))
+        except PlanError:
+            if gbs == sizes[0]:
+                raise
+    return tuple(candidates)
+
+
+def segment_times(profile: NoiseProfile, candidates: tuple[Candidate, ...], base_gbs: int) -> np.ndarray:
+    """Seconds each candidate needs for each segment: ``[segments, candidates]``."""
+    width = np.diff(profile.edges)[:, None]
+    noise = profile.noise_scale[:, None]
+    gbs = np.asarray([c.strategy.gbs for c in candidates], dtype=np.float64)[None, :]
+    tokens_per_s = np.asarray([c.predicted_tokens_per_s for c in candidates])[None, :]
+    return width / (tokens_per_s * (noise + base_gbs) / (noise + gbs))
+
+
+def chain_time(times: np.ndarray, assignment: np.ndarray, switch_cost_s: float) -> float:
+    """Total seconds of a chain: its segment times plus the switch cost at every change of candidate."""
+    changes = int(np.count_nonzero(np.diff(assignment)))
+    return float(times[np.arange(times.shape[0]), assignment].sum() + switch_cost_s * changes)
+
+
+def optimal_assignment(times: np.ndarray, switch_cost_s: float) -> np.ndarray:
+    """The hindsight-optimal candidate of every segment: dynamic programming over (segment, candidate) with
+    the switch cost on every change; any candidate may start."""
+    segments, count = times.shape
+    change = switch_cost_s * (1.0 - np.eye(count))
+    best = times[0].copy()
+    previous = np.zeros((segments, count), dtype=np.int64)
+    for k in range(1, segments):
+        arriving = best[:, None] + change  # [from, to]
+        previous[k] = np.argmin(arriving, axis=0)
+        best = arriving[previous[k], np.arange(count)] + times[k]
+    assignment = np.empty(segments, dtype=np.int64)
+    assignment[-1] = int(np.argmin(best))
+    for k in range(segments - 1, 0, -1):
+        assignment[k - 1] = previous[k, assignment[k]]
+    return assignment
+
+
+def raw_tokens(profile: NoiseProfile, candidates: tuple[Candidate, ...], base_gbs: int) -> np.ndarray:
+    """Tokens each candidate trains over each segment: its progress divided by its efficiency."""
+    width = np.diff(profile.edges)[:, None]
+    noise = profile.noise_scale[:, None]
+    gbs = np.asarray([c.strategy.gbs for c in candidates], dtype=np.float64)[None, :]
+    return width * (noise + gbs) / (noise + base_gbs)
+
+
+def online_assignment(
+    profile: NoiseProfile,
+    candidates: tuple[Candidate, ...],
+    settings: PolicySettings,
+    *,
+    switch_cost_s: float,
+    seq: int,
+    believed: tuple[Candidate, ...] | None = None,
+) -> tuple[np.ndarray, tuple[dict, ...]]:
+    """CONA's chain: :func:`decide` at every segment boundary on what is known there, starting at the first
+    candidate; the frontier is :func:`next_frontier` over the candidates (in increasing gbs order).
+    ``candidates`` hold the true throughputs (what the running strategy is measured at); ``believed`` the
+    same strategies with the throughputs the policy is told for the frontier (default: the true ones), to
+    test a model's error.
+    Returns the assignment and the records of the switch and fallback decisions."""
+    believed = believed or candidates
+    times = segment_times(profile, candidates, settings.base_gbs)
+    tokens = raw_tokens(profile, candidates, settings.base_gbs)
+    index_of = {candidate.strategy: index for index, candidate in enumerate(candidates)}
+    by_gbs = {candidate.strategy.gbs: candidate for candidate in believed}
+    current, state = 0, initial_state(believed[0])
+    clock, consumed, iteration = 0.0, 0.0, 0.0
+    assignment = np.empty(len(profile.estimates), dtype=np.int64)
+    decisions = []
+    for k in range(len(profile.estimates)):
+        if k > 0:
+            running = candidates[current]
+            measured = running.predicted_tokens_per_s
+            measurement = Measurement(
+                time=clock,
+                iteration=int(iteration),
+                consumed_tokens=int(consumed),
+                noise=profile.estimates[k],
+                measured_tokens_per_s=measured,
+                remaining_tokens=_remaining_tokens(profile, k, running.strategy.gbs, settings.base_gbs),
+            )
+            frontier = next_frontier(running.strategy.gbs, measured, settings, by_gbs.get)
+            decision = decide(state, measurement, frontier, settings)
+            state = decision.state
+            if decision.target is not None:
+                decisions.append(decision.record)
+                current = index_of[decision.target.strategy]
+                state = after_switch(
+                    state,
+                    new=decision.target,
+                    old_measured_tokens_per_s=measured,
+                    switch_cost_s=switch_cost_s,
+                )
+                clock += switch_cost_s
+        assignment[k] = current
+        clock += times[k, current]
+        consumed += tokens[k, current]
+        iteration += tokens[k, current] / (candidates[current].strategy.gbs * seq)
+    return assignment, tuple(decisions)
+
+
+def _remaining_tokens(profile: NoiseProfile, segment: int, gbs: int, base_gbs: int) -> float:
+    """Tokens from ``segment``'s start to the target at ``gbs`` and the noise scale known there."""
+    noise = profile.noise_scale[segment]
+    return float((profile.edges[-1] - profile.edges[segment]) * (noise + gbs) / (noise + base_gbs))
+
+
+def stages_of(
+    assignment: np.ndarray,
+    profile: NoiseProfile,
+    candidates: tuple[Candidate, ...],
+    *,
+    base_gbs: int,
+    seq: int,
+) -> tuple[Stage, ...]:
+    """The chain's stages: runs of one candidate, with their tokens, iterations (at least 1) and seconds."""
+    times = segment_times(profile, candidates, base_gbs)
+    tokens = raw_tokens(profile, candidates, base_gbs)
+    stages = []
+    boundaries = np.flatnonzero(np.diff(assignment)) + 1
+    for run in np.split(np.arange(len(assignment)), boundaries):
+        index = int(assignment[run[0]])
+        strategy = candidates[index].strategy
+        stage_tokens = float(tokens[run, index].sum())
+        iterations = max(1, round(stage_tokens / (strategy.gbs * seq)))
+        time_s = float(times[run, index].sum())
+        stages.append(Stage(strategy=strategy, iterations=iterations, tokens=stage_tokens, time_s=time_s))
+    return tuple(stages)
+
+
+def chain_config(stages: tuple[Stage, ...]) -> dict:
+    """A chain file (:mod:`cona.runner.chain`) that trains ``stages`` in order."""
+    steps = []
+    for number, stage in enumerate(stages, start=1):
+        s = stage.strategy
+        step: dict = {"step_num": number, "dp": s.dp, "tp": s.tp, "pp": s.pp, "gbs": s.gbs, "mbs": s.mbs}
+        if number == 1:
+            step.update(train_iters=stage.iterations, is_initial=True)
+        else:
+            previous = stages[number - 2].strategy
+            step.update(
+                extra_iters=stage.iterations, load_dp=previous.dp, load_tp=previous.tp, load_pp=previous.pp
+            )
+        step["convert"] = number < len(stages)
+        steps.append(step)
+    return {"steps": steps}
+
+
+def target_progress(
+    trace: Trace, base_gbs: int, *, target_loss: float | None = None, total_tokens: float | None = None
+) -> float:
+    """The progress to reach: where the trace's loss first reached ``target_loss``, or the trace's progress
+    after ``total_tokens`` tokens, or at its end when neither is given."""
+    if target_loss is not None:
+        return progress_at_tokens(trace, base_gbs, trace.tokens_at_loss(target_loss))
+    tokens = total_tokens if total_tokens is not None else float(trace.tokens[-1])
+    return progress_at_tokens(trace, base_gbs, tokens)
+
+
+def plan(
+    config: ConaConfig,
+    trace: Trace,
+    *,
+    search: SearchSettings,
+    policy: PolicySettings,
+    initial_gbs: int,
+    progress: float,
+    switch_cost_s: float,
+    segments: int = DEFAULT_SEGMENTS,
+) -> PlanResult:
+    """Static, optimal and online chains over the frontier's best strategies, to ``progress``."""
+    if switch_cost_s < 0:
+        raise PlanError(f"--switch-cost-s must be non-negative, got {switch_cost_s}")
+    candidates = best_candidates(config, frontier_sizes(initial_gbs, policy), search)
+    return simulate(
+        candidates,
+        noise_profile(trace, policy.base_gbs, progress, segments),
+        policy=policy,
+        switch_cost_s=switch_cost_s,
+        seq=config.model.seq,
+    )
+
+
+def simulate(
+    candidates: tuple[Candidate, ...],
+    profile: NoiseProfile,
+    *,
+    policy: PolicySettings,
+    switch_cost_s: float,
+    seq: int,
+    believed: tuple[Candidate, ...] | None = None,
+) -> PlanResult:
+    """The comparison on given candidates (increasing gbs) and noise profile; ``believed`` as in
+    :func:`online_assignment`."""
+    base = policy.base_gbs
+    times = segment_times(profile, candidates, base)
+
+    def chain(name: str, assignment: np.ndarray) -> ChainPlan:
+        return ChainPlan(
+            name=name,
+            assignment=assignment,
+            time_s=chain_time(times, assignment, switch_cost_s),
+            stages=stages_of(assignment, profile, candidates, base_gbs=base, seq=seq),
+        )
+
+    static = tuple(
+        chain(f"static gbs {c.strategy.gbs}", np.full(len(profile.estimates), index))
+        for index, c in enumerate(candidates)
+    )
+    settings = replace(policy, predicted_switch_cost_s=switch_cost_s)
+    online, decisions = online_assignment(
+        profile, candidates, settings, switch_cost_s=switch_cost_s, seq=seq, believed=believed
+    )
+    return PlanResult(
+        candidates=candidates,
+        static=static,
+        optimum=chain("hindsight optimum", optimal_assignment(times, switch_cost_s)),
+        online=chain("CONA online", online),
+        decisions=decisions,
+        target_progress=float(profile.edges[-1]),
+        switch_cost_s=switch_cost_s,
+    )

@@ -1,0 +1,395 @@
+"""The online switching policy: when to move to the next global batch size, and when to fall back (pure).
+
+Progress is counted in base-batch-equivalent tokens (``training.base_gbs`` = ``M0``): a token trained at
+global batch ``M`` is worth the statistical efficiency ``(phi + M0) / (phi + M)`` of one at ``M0``
+(:mod:`cona.planner.efficiency`), so progress per second = tokens/s x efficiency. Every evaluation compares
+
+* the current strategy: its *measured* tokens/s x its efficiency at the current noise scale, with
+* the frontier candidate (the best strategy at the next larger gbs): its *predicted* tokens/s (calibrated
+  performance model) x its efficiency,
+
+and switches only when the time the candidate saves over the rest of training beats the switch cost with a
+margin: ``(1 - progress_now / progress_candidate) x remaining_s > switch_cost_s x (1 + hysteresis)``. The
+first factor is the fraction of every remaining second the candidate saves ("gain per second"). The noise
+scale used is today's; it normally grows as the loss falls, so the estimate of the saving is conservative.
+
+A switch is never made on an unknown noise scale (the tracker's ``|G|^2`` average <= 0, or fewer than
+``min_measurements`` measurements): with no noise information the efficiency of a larger batch is unknowable,
+and AdaptDL's habit of reading that as an infinite noise scale jumps to the largest batch exactly when the
+estimate is worst.
+
+With ``fallback`` on, an exponential moving average of the noise scale is compared with the noise scale at
+which the previous (smaller) gbs and the current one make equal progress per second (both measured). When the
+average stays below that break-even point for ``fallback_patience`` consecutive evaluations, the policy falls
+back to the previous strategy.
+
+Everything here is a pure function over frozen dataclasses: the runner's search thread and the offline
+simulator (:mod:`cona.planner.plan`) call the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cona.config import TrainingConfig
+from cona.errors import PlanError
+from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate, statistical_efficiency
+from cona.strategy import Strategy
+
+DEFAULT_HYSTERESIS = 0.05
+"""Relative margin a switch must clear (AdaptDL uses 5 % on goodput, its issue #27)."""
+
+Action = Literal["stay", "switch", "fallback"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicySettings:
+    """What the policy is allowed to do; :meth:`from_training` reads the config's fallback keys."""
+
+    base_gbs: int
+    """``M0``: the batch the efficiency is relative to (``training.base_gbs``)."""
+    max_gbs: int
+    """The frontier never goes past this."""
+    gbs_factor: int = 2
+    """Next frontier = current gbs x this (capped at ``max_gbs``) unless ``gbs_list`` is given."""
+    gbs_list: tuple[int, ...] | None = None
+    """Explicit frontier: the next gbs is the smallest listed one above the current."""
+    hysteresis: float = DEFAULT_HYSTERESIS
+    min_measurements: int = MIN_SAMPLES
+    """Noise-scale measurements needed before any switch."""
+    predicted_switch_cost_s: float = 0.0
+    """Switch cost assumed until a switch has been measured."""
+    fallback: bool = False
+    fallback_ema_alpha: float = 0.1
+    fallback_patience: int = 3
+
+    def __post_init__(self) -> None:
+        if self.base_gbs < 1 or self.max_gbs < 1:
+            raise PlanError(f"gbs bounds must be positive, got base {self.base_gbs}, max {self.max_gbs}")
+        if self.gbs_factor < 2:
+            raise PlanError(f"the frontier's gbs factor must be at least 2, got {self.gbs_factor}")
+        if self.gbs_list is not None and (not self.gbs_list or min(self.gbs_list) < 1):
+            raise PlanError(f"the frontier's gbs list must hold positive sizes, got {self.gbs_list}")
+        if self.hysteresis < 0 or self.predicted_switch_cost_s < 0:
+            raise PlanError("hysteresis and switch cost must be non-negative")
+        if not 0.0 < self.fallback_ema_alpha <= 1.0 or self.fallback_patience < 1:
+            raise PlanError("fallback_ema_alpha must be in (0, 1] and fallback_patience at least 1")
+
+    @classmethod
+    def from_training(cls, training: TrainingConfig, *, max_gbs: int, **overrides: Any) -> PolicySettings:
+        values: dict[str, Any] = {
+            "base_gbs": training.base_gbs,
+            "max_gbs": max_gbs,
+            "fallback": training.fallback,
+            "fallback_ema_alpha": training.fallback_ema_alpha,
+            "fallback_patience": training.fallback_patience,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+def next_gbs(current_gbs: int, settings: PolicySettings) -> int | None:
+    """The frontier: the next larger gbs to search, or None when ``max_gbs`` is reached."""
+    if settings.gbs_list is not None:
+        larger = [g for g in settings.gbs_list if current_gbs < g <= settings.max_gbs]
+        return min(larger) if larger else None
+    if current_gbs >= settings.max_gbs:
+        return None
+    return min(current_gbs * settings.gbs_factor, settings.max_gbs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """A strategy with the performance model's predicted throughput."""
+
+    strategy: Strategy
+    predicted_tokens_per_s: float
+
+
+def next_frontier(
+    current_gbs: int,
+    measured_tokens_per_s: float,
+    settings: PolicySettings,
+    best_at: Callable[[int], Candidate | None],
+) -> Candidate | None:
+    """The first frontier candidate (the best strategy of the next gbs, then of the one after, ...) that can
+    ever win: one no faster in tokens/s than the current strategy never does, since every efficiency tends
+    to 1 as the noise scale grows. ``best_at(gbs)`` is the search (None when nothing fits at that gbs).
+
+    Without this, one frontier whose best strategy is slow (a search that stopped early, a gbs the layout
+    suits badly) would hold training at the current gbs for good.
+    """
+    gbs = next_gbs(current_gbs, settings)
+    while gbs is not None:
+        candidate = best_at(gbs)
+        if candidate is not None and candidate.predicted_tokens_per_s > measured_tokens_per_s:
+            return candidate
+        gbs = next_gbs(gbs, settings)
+    return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FinishedStage:
+    """An earlier stage, kept as the fallback target: its strategy and its measured throughput."""
+
+    strategy: Strategy
+    measured_tokens_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyState:
+    """What the policy remembers between evaluations. Start with :func:`initial_state`."""
+
+    current: Candidate
+    """The running strategy and what the model predicted for it."""
+    earlier: tuple[FinishedStage, ...] = ()
+    """Stages at smaller gbs that led here, oldest first (a fallback pops the last one)."""
+    measured_switch_cost_s: float | None = None
+    """Mean of the measured switch costs so far."""
+    switches: int = 0
+    noise_ema: float | None = None
+    """The fallback EMA of the noise scale (samples)."""
+    below_break_even: int = 0
+    """Consecutive evaluations with the EMA below the fallback break-even noise scale."""
+
+
+def initial_state(current: Candidate) -> PolicyState:
+    return PolicyState(current=current)
+
+
+def after_switch(
+    state: PolicyState, *, new: Candidate, old_measured_tokens_per_s: float, switch_cost_s: float | None
+) -> PolicyState:
+    """The state once the runner has carried out a switch (or fallback) to ``new``.
+
+    ``switch_cost_s`` is the measured time the switch took (None if it could not be measured); the mean of
+    the measured costs replaces the predicted one in later decisions.
+    """
+    if new.strategy.gbs < state.current.strategy.gbs:
+        earlier = state.earlier[:-1] if state.earlier else ()
+    else:
+        finished = FinishedStage(
+            strategy=state.current.strategy, measured_tokens_per_s=old_measured_tokens_per_s
+        )
+        earlier = (*state.earlier, finished)
+    cost = state.measured_switch_cost_s
+    switches = state.switches
+    if switch_cost_s is not None:
+        cost = switch_cost_s if cost is None else (cost * switches + switch_cost_s) / (switches + 1)
+        switches += 1
+    return dataclasses.replace(
+        state,
+        current=new,
+        earlier=earlier,
+        measured_switch_cost_s=cost,
+        switches=switches,
+        below_break_even=0,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """What the runner knows at one evaluation (only the past)."""
+
+    time: float
+    """Unix time (or simulated seconds)."""
+    iteration: int
+    consumed_tokens: int
+    noise: NoiseScaleEstimate | None
+    """The tracker's estimate (None before it has ``min_samples``)."""
+    measured_tokens_per_s: float | None
+    """The current strategy's measured throughput (None before a step was timed)."""
+    remaining_tokens: float
+    """Tokens still to train under the current strategy (the run's budget minus what is done)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    """What to do, why, the numbers behind it (``record``: one line of decisions.jsonl), the next state."""
+
+    action: Action
+    target: Candidate | None
+    """What to switch (or fall back) to, with the throughput expected of it; None when staying. A fallback's
+    throughput is the one measured when that strategy last ran."""
+    reason: str
+    record: dict[str, Any]
+    state: PolicyState
+
+
+def progress_per_second(tokens_per_s: float, gbs: int, noise_scale: float, base_gbs: int) -> float:
+    """Base-batch-equivalent tokens per second."""
+    return tokens_per_s * float(statistical_efficiency(gbs, noise_scale, base_gbs))
+
+
+def break_even_noise_scale(small: FinishedStage, current_gbs: int, current_tokens_per_s: float) -> float:
+    """Noise scale at which the smaller-gbs stage and the current one make equal progress per second.
+
+    Solving ``T_c / (phi + M_c) = T_s / (phi + M_s)`` for ``phi``. Infinite when the larger batch is not even
+    faster in tokens/s (it never pays, whatever the noise).
+    """
+    t_small, m_small = small.measured_tokens_per_s, small.strategy.gbs
+    if current_tokens_per_s <= t_small:
+        return math.inf
+    return max(
+        (t_small * current_gbs - current_tokens_per_s * m_small) / (current_tokens_per_s - t_small), 0.0
+    )
+
+
+def decide(
+    state: PolicyState, measurement: Measurement, candidate: Candidate | None, settings: PolicySettings
+) -> Decision:
+    """One evaluation: stay, switch to ``candidate`` (the frontier, e.g. from :func:`next_frontier`; None
+    when there is none) or fall back to the previous stage's strategy."""
+    noise = _usable_noise_scale(measurement.noise, settings)
+    record = _record_base(state, measurement, settings)
+    measured = measurement.measured_tokens_per_s
+    if noise is None or measured is None or measured <= 0:
+        return _decision("stay", None, _unknown_reason(measurement, settings), record, state)
+    current = state.current.strategy
+    current_progress = progress_per_second(measured, current.gbs, noise, settings.base_gbs)
+    remaining_s = measurement.remaining_tokens / measured
+    record["current"].update(
+        efficiency=_efficiency(current.gbs, noise, settings), progress_per_s=current_progress
+    )
+    record["remaining_s"] = remaining_s
+    state = _with_ema(state, noise, settings)
+    record["noise_scale_ema"] = state.noise_ema
+    state, fallback = _fallback_check(state, measured, settings, record)
+    if fallback is not None:
+        return fallback
+    if candidate is None:
+        return _decision("stay", None, f"no frontier beyond gbs {current.gbs} can win", record, state)
+    return _compare(state, candidate, current_progress, remaining_s, noise, settings, record)
+
+
+def _compare(
+    state: PolicyState,
+    candidate: Candidate,
+    current_progress: float,
+    remaining_s: float,
+    noise: float,
+    settings: PolicySettings,
+    record: dict[str, Any],
+) -> Decision:
+    """The switch rule: the time the candidate saves over the remaining training against the switch cost."""
+    gbs = candidate.strategy.gbs
+    candidate_progress = progress_per_second(candidate.predicted_tokens_per_s, gbs, noise, settings.base_gbs)
+    record["candidate"] = {
+        "strategy": strategy_dict(candidate.strategy),
+        "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
+        "efficiency": _efficiency(gbs, noise, settings),
+        "progress_per_s": candidate_progress,
+    }
+    saved_s = max(1.0 - current_progress / candidate_progress, 0.0) * remaining_s
+    cost_s = record["switch_cost_s"]
+    record["time_saved_s"] = saved_s
+    ratio = f"candidate makes {candidate_progress / current_progress:.3f}x the progress per second"
+    margin = f"the switch cost {cost_s:.1f} s x {1 + settings.hysteresis:g}"
+    if saved_s > cost_s * (1.0 + settings.hysteresis) and candidate_progress > current_progress:
+        why = f"{ratio}; saves {saved_s:.1f} s over the remaining {remaining_s:.1f} s, more than {margin}"
+        return _decision("switch", candidate, why, record, state)
+    why = (
+        f"{ratio}; would save {saved_s:.1f} s over the remaining {remaining_s:.1f} s, not more than {margin}"
+    )
+    return _decision("stay", None, why, record, state)
+
+
+def switch_cost_s(state: PolicyState, settings: PolicySettings) -> tuple[float, str]:
+    """The cost to charge a switch, and whether it was measured or predicted."""
+    if state.measured_switch_cost_s is not None:
+        return state.measured_switch_cost_s, "measured"
+    return settings.predicted_switch_cost_s, "predicted"
+
+
+def strategy_dict(strategy: Strategy) -> dict[str, Any]:
+    return {field.name: getattr(strategy, field.name) for field in dataclasses.fields(strategy)}
+
+
+def _usable_noise_scale(noise: NoiseScaleEstimate | None, settings: PolicySettings) -> float | None:
+    if noise is None or noise.samples < settings.min_measurements:
+        return None
+    return noise.noise_scale
+
+
+def _unknown_reason(measurement: Measurement, settings: PolicySettings) -> str:
+    noise = measurement.noise
+    if noise is None or noise.samples < settings.min_measurements:
+        have = 0 if noise is None else noise.samples
+        return f"noise scale unknown: {have} of {settings.min_measurements} measurements needed"
+    if noise.noise_scale is None:
+        return f"noise scale unknown: the smoothed |G|^2 is {noise.grad_sqr:.3g} (not positive)"
+    return "no measured throughput of the current strategy yet"
+
+
+def _efficiency(gbs: int, noise: float, settings: PolicySettings) -> float:
+    return float(statistical_efficiency(gbs, noise, settings.base_gbs))
+
+
+def _with_ema(state: PolicyState, noise: float, settings: PolicySettings) -> PolicyState:
+    alpha = settings.fallback_ema_alpha
+    ema = noise if state.noise_ema is None else alpha * noise + (1.0 - alpha) * state.noise_ema
+    return dataclasses.replace(state, noise_ema=ema)
+
+
+def _fallback_check(
+    state: PolicyState, measured_tokens_per_s: float, settings: PolicySettings, record: dict[str, Any]
+) -> tuple[PolicyState, Decision | None]:
+    """Count evaluations with the EMA below the break-even point; a fallback decision after ``patience``."""
+    if not settings.fallback or not state.earlier or state.noise_ema is None:
+        return state, None
+    previous = state.earlier[-1]
+    break_even = break_even_noise_scale(previous, state.current.strategy.gbs, measured_tokens_per_s)
+    below = state.below_break_even + 1 if state.noise_ema * (1.0 + settings.hysteresis) < break_even else 0
+    # None stands for "never breaks even" (JSON has no infinity).
+    record.update(fallback_break_even_noise_scale=break_even if math.isfinite(break_even) else None)
+    record["below_break_even"] = below
+    if below < settings.fallback_patience:
+        return dataclasses.replace(state, below_break_even=below), None
+    why = (
+        f"smoothed noise scale {state.noise_ema:.4g} below the break-even {break_even:.4g} of gbs "
+        f"{previous.strategy.gbs} vs {state.current.strategy.gbs} for {below} evaluations"
+    )
+    record["fallback_candidate"] = {
+        "strategy": strategy_dict(previous.strategy),
+        "measured_tokens_per_s": previous.measured_tokens_per_s,
+    }
+    target = Candidate(strategy=previous.strategy, predicted_tokens_per_s=previous.measured_tokens_per_s)
+    decision = _decision("fallback", target, why, record, dataclasses.replace(state, below_break_even=0))
+    return state, decision
+
+
+def _record_base(state: PolicyState, measurement: Measurement, settings: PolicySettings) -> dict[str, Any]:
+    cost, source = switch_cost_s(state, settings)
+    noise = measurement.noise
+    measured = measurement.measured_tokens_per_s
+    predicted = state.current.predicted_tokens_per_s
+    return {
+        "time": measurement.time,
+        "iteration": measurement.iteration,
+        "consumed_tokens": measurement.consumed_tokens,
+        "noise_scale": None if noise is None else noise.noise_scale,
+        "noise_samples": 0 if noise is None else noise.samples,
+        "current": {
+            "strategy": strategy_dict(state.current.strategy),
+            "measured_tokens_per_s": measured,
+            "efficiency": None,
+            "progress_per_s": None,
+        },
+        "candidate": None,
+        "current_predicted_tokens_per_s": predicted,
+        "predicted_over_measured": predicted / measured if measured else None,
+        "switch_cost_s": cost,
+        "switch_cost_source": source,
+        "remaining_s": None,
+    }
+
+
+def _decision(
+    action: Action, target: Candidate | None, reason: str, record: dict[str, Any], state: PolicyState
+) -> Decision:
+    record.update(decision=action, reason=reason)
+    return Decision(action=action, target=target, reason=reason, record=record, state=state)

@@ -1,0 +1,363 @@
+"""Find the fastest strategy for N GPUs at one global batch size: exhaustively, or by Bayesian optimisation.
+
+Both score strategies with the performance model's predicted iteration time (a fixed ``gbs``, so the
+fastest iteration is the highest throughput) and keep only strategies that fit in memory. The exhaustive
+search makes one vectorised model call over the whole space. The Bayesian search (as in CONA's original, where
+one Calculon evaluation cost milliseconds of Python) evaluates one strategy per model call and counts the
+calls: a Gaussian process on a numeric encoding of the strategy, and expected improvement evaluated on every
+not-yet-evaluated candidate of the discrete space (no continuous optimisation, so every proposal is a valid
+strategy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from cona.config import ModelConfig
+from cona.errors import PlanError
+from cona.planner.perf_model import Prediction, predict
+from cona.planner.space import SpaceOptions, enumerate_strategies
+from cona.planner.systems import System
+from cona.strategy import Strategy, StrategyArray
+
+if TYPE_CHECKING:
+    from cona.planner.calibration import Calibration
+
+BOOTSTRAP_SAMPLES = 10
+"""Random strategies evaluated before the first Gaussian-process fit, one per (tp, pp) layout first
+(see :func:`bootstrap_order`)."""
+EI_STOP_FRACTION = 0.001
+"""Stop when the largest expected improvement is below this fraction of the best throughput found (EI is
+computed on log throughput, so an EI of ``log(1 + f)`` is an expected ``f`` relative gain). 0.01 stopped
+too early: on 12 random frontiers, half of the searches ended more than 2% from the optimum
+(docs/bench-planner-search.md)."""
+MAX_GP_UPDATES = 60
+"""Most Gaussian-process updates (one new evaluation each) after the bootstrap."""
+
+GP_FIT_STEPS = 60
+"""L-BFGS steps of one GP hyperparameter fit (warm-started from the previous fit)."""
+GP_REFIT_GROWTH = 1.2
+"""Refit the GP hyperparameters once the observations have grown by this factor since the last fit."""
+GP_THREADS = 1
+"""Torch threads while fitting: a GP on tens of points gains nothing from threads, and on a shared machine
+they cost seconds per fit in synchronisation."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult:
+    """Ranked strategies (fastest first), all fitting in memory, with their predictions."""
+
+    method: Literal["exhaustive", "bayesian"]
+    candidates: StrategyArray
+    prediction: Prediction
+    """Rows aligned with ``candidates``."""
+    evaluations: int
+    """Strategies the performance model evaluated to find them."""
+    space_size: int
+    """Valid strategies in the space searched (before the memory check)."""
+
+    @property
+    def best(self) -> Strategy:
+        return self.candidates[0]
+
+
+def exhaustive_search(
+    model: ModelConfig,
+    system: System,
+    n_gpus: int,
+    gbs: int,
+    *,
+    options: SpaceOptions | None = None,
+    dtype: str = "bf16",
+    calibration: Calibration | None = None,
+    top_k: int = 10,
+) -> SearchResult:
+    """Evaluate every strategy of the space in one vectorised model call and rank those that fit."""
+    space = enumerate_strategies(model, n_gpus, gbs, gpus_per_node=system.gpus_per_node, options=options)
+    prediction = predict(model, space, system, dtype=dtype, calibration=calibration)
+    fits = np.flatnonzero(~prediction.oom)
+    if len(fits) == 0:
+        _raise_nothing_fits(system, n_gpus, gbs, prediction.memory_gib)
+    ranked = fits[np.lexsort((prediction.memory_gib[fits], prediction.iteration_time_s[fits]))][:top_k]
+    return SearchResult(
+        method="exhaustive",
+        candidates=space.select(ranked),
+        prediction=select_rows(prediction, ranked, len(space)),
+        evaluations=len(space),
+        space_size=len(space),
+    )
+
+
+def bayesian_search(
+    model: ModelConfig,
+    system: System,
+    n_gpus: int,
+    gbs: int,
+    *,
+    options: SpaceOptions | None = None,
+    dtype: str = "bf16",
+    calibration: Calibration | None = None,
+    top_k: int = 10,
+    seed: int = 0,
+    bootstrap_samples: int = BOOTSTRAP_SAMPLES,
+    ei_stop_fraction: float = EI_STOP_FRACTION,
+    max_gp_updates: int = MAX_GP_UPDATES,
+) -> SearchResult:
+    """BoTorch search over the same space; deterministic for a given ``seed``.
+
+    Two GP outputs on the strategy encoding: log throughput (``-log`` iteration time, known for every
+    evaluated strategy, fitting or not) and log memory per GPU; the acquisition is expected improvement of the
+    first times the probability that the second is under the memory limit (constrained EI).
+    """
+    torch = _import_botorch_stack()
+    if bootstrap_samples < 1 or max_gp_updates < 0 or ei_stop_fraction < 0:
+        raise PlanError("BO settings: bootstrap samples must be >= 1, GP updates and EI stop fraction >= 0")
+    space = enumerate_strategies(model, n_gpus, gbs, gpus_per_node=system.gpus_per_node, options=options)
+    observed = _Observations()
+
+    def evaluate(index: int) -> None:
+        row = predict(model, space.select(np.array([index])), system, dtype=dtype, calibration=calibration)
+        observed.add(index, float(row.iteration_time_s[0]), float(row.memory_gib[0]), bool(row.oom[0]))
+
+    rng = np.random.default_rng(seed)
+    for index in bootstrap_order(space, rng)[:bootstrap_samples]:
+        evaluate(int(index))
+    features = encode(space)
+    # perf_model's rule: out of memory when memory_gib + reserved exceeds the GPU's memory.
+    log_memory_limit = math.log(max(system.gpu.memory_gib - system.gpu.reserved_gib, 1e-9))
+    hyperparameters: _Hyperparameters | None = None
+    with torch.random.fork_rng(), _torch_threads(GP_THREADS):
+        torch.manual_seed(seed)
+        for _ in range(max_gp_updates):
+            if len(observed.indices) == len(space):
+                break
+            proposal, hyperparameters = _propose(
+                features, observed, log_memory_limit, ei_stop_fraction, rng, hyperparameters
+            )
+            if proposal is None:
+                break
+            evaluate(proposal)
+    return _ranked_result(model, system, space, observed, dtype, calibration, top_k, n_gpus, gbs)
+
+
+def _import_botorch_stack():
+    """torch, after checking that BoTorch is importable (deferred: the rest of the planner needs neither)."""
+    try:
+        import botorch  # noqa: F401
+        import torch
+    except ImportError:
+        raise PlanError(
+            "the Bayesian search needs BoTorch: pip install 'cona[search]', or use the exhaustive search "
+            "(--no-botorch)"
+        ) from None
+    return torch
+
+
+def bootstrap_order(space: StrategyArray, rng: np.random.Generator) -> np.ndarray:
+    """A random order of the space in which one strategy of every (tp, pp) layout comes first.
+
+    The layout decides most of the time (bubble, communication, per-GPU work), and uniform draws mostly land
+    in the layouts with the most execution options (deep pipelines with many interleavings): stratifying the
+    first draws by layout lets the GP see every part of the space before it extrapolates.
+    """
+    order = rng.permutation(len(space))
+    layout = space.tp[order] * (int(space.pp.max()) + 1) + space.pp[order]
+    _, first = np.unique(layout, return_index=True)
+    representatives = np.sort(first)
+    rest = np.setdiff1d(np.arange(len(order)), representatives, assume_unique=True)
+    return order[np.concatenate([representatives, rest])]
+
+
+@dataclass(slots=True)
+class _Observations:
+    """What the search has evaluated so far (one entry per model call), in evaluation order."""
+
+    indices: list[int] = dataclasses.field(default_factory=list)
+    times: list[float] = dataclasses.field(default_factory=list)
+    memory: list[float] = dataclasses.field(default_factory=list)
+    oom: list[bool] = dataclasses.field(default_factory=list)
+
+    def add(self, index: int, time: float, memory: float, oom: bool) -> None:
+        self.indices.append(index)
+        self.times.append(time)
+        self.memory.append(memory)
+        self.oom.append(oom)
+
+
+@contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    """Run with ``count`` torch threads, then restore the previous setting."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Hyperparameters:
+    """A fitted GP's hyperparameters and the number of observations they were fitted on."""
+
+    state: dict
+    fitted_on: int
+
+
+def _propose(
+    features: np.ndarray,
+    observed: _Observations,
+    log_memory_limit: float,
+    ei_stop_fraction: float,
+    rng: np.random.Generator,
+    hyperparameters: _Hyperparameters | None,
+) -> tuple[int | None, _Hyperparameters | None]:
+    """The unevaluated candidate of largest constrained EI (None when none is worth evaluating), and the GP
+    hyperparameters used, for the next proposal."""
+    import torch
+    from botorch.acquisition.analytic import LogConstrainedExpectedImprovement
+
+    pending = np.setdiff1d(np.arange(len(features)), np.asarray(observed.indices))
+    log_throughput = -np.log(np.asarray(observed.times))
+    if np.ptp(log_throughput) == 0.0:  # every evaluation alike: nothing to learn from yet, explore
+        return int(rng.choice(pending)), hyperparameters
+    try:
+        gp, hyperparameters = _surrogate(features, observed, log_throughput, hyperparameters)
+    except (RuntimeError, ValueError):  # a numerically failed fit (e.g. not positive definite): explore
+        return int(rng.choice(pending)), None
+    fits = ~np.asarray(observed.oom)
+    # Until something fits, improving on the worst time seen is easy: the acquisition is then mostly the
+    # probability of fitting, which leads the search into the feasible region.
+    best = float(log_throughput[fits].max()) if fits.any() else float(log_throughput.min())
+    acquisition = LogConstrainedExpectedImprovement(
+        gp, best_f=best, objective_index=0, constraints={1: (None, log_memory_limit)}
+    )
+    with torch.no_grad():
+        log_ei = acquisition(torch.as_tensor(features[pending], dtype=torch.float64).unsqueeze(1)).numpy()
+    chosen = int(np.argmax(log_ei))
+    # The objective is log throughput, so EI is a relative gain; keep searching while nothing fits yet.
+    if fits.any() and log_ei[chosen] < math.log(math.log1p(ei_stop_fraction)):
+        return None, hyperparameters
+    return int(pending[chosen]), hyperparameters
+
+
+def _surrogate(
+    features: np.ndarray,
+    observed: _Observations,
+    log_throughput: np.ndarray,
+    hyperparameters: _Hyperparameters | None,
+):
+    """A two-output GP (log throughput, log memory) on the observations, in eval mode.
+
+    Its hyperparameters are refitted only when the observations have grown by :data:`GP_REFIT_GROWTH` since
+    the last fit (warm-started from it); in between the GP conditions on the new data with the previous ones.
+    Fitting is most of a proposal's cost, and hyperparameters move little from one point to the next.
+    """
+    import torch
+    from botorch.models import SingleTaskGP
+    from botorch.models.transforms.outcome import Standardize
+    from botorch.optim.fit import fit_gpytorch_mll_scipy
+    from gpytorch.mlls import ExactMarginalLogLikelihood
+
+    targets = np.stack([log_throughput, np.log(np.asarray(observed.memory))], axis=1)
+    train_x = torch.as_tensor(features[observed.indices], dtype=torch.float64)
+    gp = SingleTaskGP(train_x, torch.as_tensor(targets), outcome_transform=Standardize(m=2))
+    count = len(observed.indices)
+    if hyperparameters is not None:
+        gp.load_state_dict(hyperparameters.state, strict=False)
+    if hyperparameters is None or count >= GP_REFIT_GROWTH * hyperparameters.fitted_on:
+        # One L-BFGS run, no random restarts: botorch's fit_gpytorch_mll retries from sampled
+        # hyperparameters whenever the step limit is hit, which costs seconds per proposal.
+        fit_gpytorch_mll_scipy(
+            ExactMarginalLogLikelihood(gp.likelihood, gp), options={"maxiter": GP_FIT_STEPS}
+        )
+        state = {
+            key: value for key, value in gp.state_dict().items() if not key.startswith("outcome_transform")
+        }
+        hyperparameters = _Hyperparameters(state=state, fitted_on=count)
+    gp.eval()
+    return gp, hyperparameters
+
+
+def encode(strategies: StrategyArray) -> np.ndarray:
+    """Numeric features of each strategy in [0, 1]: log2 of the degrees, micro-batch size, micro-batch count
+    and virtual stages, then ZeRO stage, recompute mode and sequence parallelism.
+
+    dp and the micro-batch count are functions of the others (N and gbs are fixed) but enter the time
+    directly (DP all-reduce size, pipeline bubble ``(pp - 1) / (v m)``), so giving them to the GP makes its
+    job easier. Each column is scaled by its range over the candidate set (a constant column becomes 0), so
+    the GP's length scales are comparable.
+    """
+    micro_batches = strategies.gbs // (strategies.mbs * strategies.dp)
+    columns = np.stack(
+        [
+            np.log2(strategies.dp),
+            np.log2(strategies.tp),
+            np.log2(strategies.pp),
+            np.log2(strategies.mbs),
+            np.log2(micro_batches),
+            np.log2(strategies.virtual_stages),
+            strategies.zero_stage,
+            strategies.recompute,
+            strategies.sequence_parallel,
+        ],
+        axis=1,
+    ).astype(np.float64)
+    low, span = columns.min(axis=0), np.ptp(columns, axis=0)
+    return (columns - low) / np.where(span > 0, span, 1.0)
+
+
+def _ranked_result(
+    model: ModelConfig,
+    system: System,
+    space: StrategyArray,
+    observed: _Observations,
+    dtype: str,
+    calibration: Calibration | None,
+    top_k: int,
+    n_gpus: int,
+    gbs: int,
+) -> SearchResult:
+    indices, times, memory = (np.asarray(v) for v in (observed.indices, observed.times, observed.memory))
+    fits = ~np.asarray(observed.oom)
+    if not fits.any():
+        _raise_nothing_fits(system, n_gpus, gbs, memory, searched="of the strategies the search evaluated ")
+    order = np.lexsort((memory[fits], times[fits]))[:top_k]
+    best = space.select(indices[fits][order])
+    # One vectorised call for the winners' full prediction rows (already evaluated: not counted again).
+    prediction = predict(model, best, system, dtype=dtype, calibration=calibration)
+    return SearchResult(
+        method="bayesian",
+        candidates=best,
+        prediction=prediction,
+        evaluations=len(indices),
+        space_size=len(space),
+    )
+
+
+def select_rows(prediction: Prediction, rows: np.ndarray, count: int) -> Prediction:
+    """The prediction restricted to ``rows`` (every per-strategy array field; other fields kept)."""
+    changes = {}
+    for field in dataclasses.fields(prediction):
+        value = getattr(prediction, field.name)
+        if isinstance(value, np.ndarray) and value.ndim >= 1 and value.shape[0] == count:
+            changes[field.name] = value[rows]
+    return dataclasses.replace(prediction, **changes)
+
+
+def _raise_nothing_fits(
+    system: System, n_gpus: int, gbs: int, memory_gib: np.ndarray, searched: str = ""
+) -> None:
+    raise PlanError(
+        f"no strategy {searched}for {n_gpus} GPUs at gbs {gbs} fits in the memory of {system.name} "
+        f"({system.gpu.memory_gib:g} GiB per GPU): the smallest needs {float(np.min(memory_gib)):.1f} GiB; "
+        "use more GPUs, allow more ZeRO stages or recomputation, or a smaller model"
+    )
