@@ -164,7 +164,7 @@ def test_options_from_the_command_line(tmp_path):
     )
     with pytest.raises(ChainError, match="pass --gpus N"):
         chain_run_from_args(argparse.Namespace(**{**vars(args), "gpus": None}))
-    with pytest.raises(LaunchError, match="issue 7"):
+    with pytest.raises(LaunchError, match="--gpus is the process count of one node"):
         chain_run_from_args(argparse.Namespace(**{**vars(args), "num_nodes": 3, "gpus_per_node": 4}))
 
 

@@ -121,10 +121,10 @@ def test_a_bad_layout_is_refused_before_anything_is_launched(tmp_path, capsys):
 
 
 def test_flags_of_other_modes_say_which_issue_adds_them(tmp_path, capsys):
-    assert main(["train", "--chain", "chain.json"]) == 2
-    assert "cona train --chain: not available yet (issue 4)" in capsys.readouterr().err
+    assert main(["train", "--backend", "megatron-deepspeed"]) == 2
+    assert "cona train --backend: not available yet (issue 11)" in capsys.readouterr().err
     assert main(["train", "--no-ssh"]) == 2
-    assert "issue 7" in capsys.readouterr().err
+    assert "cona train: --no-ssh go with --chain" in capsys.readouterr().err
 
 
 def test_missing_fixed_strategy_flags_are_named(tmp_path, capsys):

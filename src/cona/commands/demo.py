@@ -1,5 +1,169 @@
-from cona.commands import not_yet
+"""``cona demo [--out DIR] [--gpus N]``: the README's first command, the main job on the demo text.
+
+It does not depend on the directory it is started from: the config is embedded here (the tiny GPT of
+``examples/tiny/.conaconfig``), its data paths point at the project's ``data/demo`` (obtained first when
+missing), and it is written into the demo's own directory ``<out>/<UTC time>/`` together with the logs
+and checkpoints. The job is online strategy chaining (:mod:`cona.runner.online`): 4 CPU worker processes,
+or one per GPU when GPUs are visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import cona
+from cona.errors import ConaError
+
+PROJECT_ROOT = Path(cona.__file__).resolve().parents[2]
+"""The checkout cona is installed from (editable install: src/cona/__init__.py -> the project root)."""
+CPU_PROCESSES = 4
+
+DEMO_MODEL: dict[str, Any] = {
+    "name": "gpt-tiny",
+    "layers": 4,
+    "hidden": 64,
+    "heads": 4,
+    "seq": 128,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+}
+DEMO_TRAINING: dict[str, Any] = {
+    "seed": 1234,
+    "zero_stage": 1,
+    "base_gbs": 8,
+    "base_lr": 1e-3,
+    "base_min_lr": 1e-4,
+    "lr_scale_strategy": "sqrt",
+    "lr_warmup_tokens": 16384,
+    "lr_decay_tokens": 100_000,
+    "weight_decay": 0.1,
+    "split": "949,50,1",
+    "tokenizer_type": "GPT2BPETokenizer",
+    "log_interval": 2,
+    "eval_interval": 20,
+    "eval_iters": 4,
+    "wandb_mode": "disabled",
+}
+DEMO_ONLINE: dict[str, Any] = {
+    "initial_gbs": 1,
+    "max_gbs": 32,
+    "total_tokens": 100_000,
+}
+"""The online run: from gbs 1 (which 4 processes can only share by tensor parallelism, so the search picks
+another layout than at the larger sizes) up to 32, for 100k tokens of the demo text."""
+NOISE_SCALE_FLOOR = 64.0
+"""The noise scale (samples) the demo's decisions assume at least. A few minutes of the tiny model measure
+one of a few samples (the loss is still falling fast), where no larger batch pays; the noise scale grows
+as the loss falls, and this is the regime a longer run reaches. Printed, and logged beside the measured
+value in every decision."""
 
 
 def register(subparsers) -> None:
-    not_yet(subparsers, "demo", "Run the CPU demo (online strategy chaining on the tiny GPT)", 6)
+    parser = subparsers.add_parser(
+        "demo",
+        help="Run the demo: online strategy chaining of the tiny GPT on the demo text",
+        description=(
+            "Train the tiny GPT on the demo text with online strategy chaining: the search runs beside "
+            "training and switches gbs and layout when that pays. 4 CPU processes, or the visible GPUs."
+        ),
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=PROJECT_ROOT / "runs" / "demo",
+        help="where the demo's runs go (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--gpus", type=int, default=None, help="processes: default the GPU count, or 4 CPU processes"
+    )
+    parser.set_defaults(func=_demo)
+
+
+def demo_config(data_dir: Path, run_root: Path, *, device: str) -> dict[str, Any]:
+    """The embedded config with absolute paths: data under ``data_dir``, logs under ``run_root``."""
+    training = {
+        **DEMO_TRAINING,
+        "device": device,
+        "dtype": "bf16" if device == "cuda" else "fp32",
+        "data_prefix": str(data_dir / "wiki_text_document"),
+        "vocab_file": str(data_dir / "gpt2-vocab.json"),
+        "merge_file": str(data_dir / "gpt2-merges.txt"),
+        "data_cache_path": str(data_dir / "index-cache"),
+        "log_root": str(run_root / "logs"),
+    }
+    return {"model": dict(DEMO_MODEL), "training": training}
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch  # deferred: `cona --help` should not pay for it
+
+    gpus_visible = torch.cuda.device_count()
+    device = "cuda" if gpus_visible > 0 else "cpu"
+    processes = args.gpus if args.gpus is not None else (gpus_visible or CPU_PROCESSES)
+    if processes < 1:
+        raise ConaError(f"cona demo --gpus: must be at least 1, got {processes}")
+    data_dir = PROJECT_ROOT / "data" / "demo"
+    _ensure_demo_data(data_dir)
+    run_root = (args.out / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")).resolve()
+    run_root.mkdir(parents=True, exist_ok=False)
+    config_path = run_root / ".conaconfig"
+    config_path.write_text(json.dumps(demo_config(data_dir, run_root, device=device), indent=1) + "\n")
+    print(
+        f"cona demo: {processes} {'GPU' if device == 'cuda' else 'CPU'} processes, config {config_path}",
+        flush=True,
+    )
+    from cona.runner.online import online_run_from_args, run_online  # imports torch and the planner
+
+    system = demo_system(torch.cuda.get_device_name(0) if device == "cuda" else None)
+    run = online_run_from_args(_online_args(config_path, run_root, processes, system))
+    run_online(dataclasses.replace(run, noise_scale_floor=NOISE_SCALE_FLOOR))
+    print(f"cona demo: done; run directory, checkpoints and realized_chain.json under {run_root}")
+    return 0
+
+
+def demo_system(gpu_name: str | None) -> str:
+    """The system description of this machine: ``cpu_gloo`` on CPU, else the shipped GPU whose name the
+    device's name contains (an unknown GPU is refused: the search would plan for another machine)."""
+    from cona.planner.systems import available_systems
+
+    if gpu_name is None:
+        return "cpu_gloo"
+    for system in available_systems():
+        if system.split("_")[0] in gpu_name.lower():
+            return system
+    raise ConaError(
+        f"cona demo: no system description for the GPU {gpu_name!r}; run cona train --system with one "
+        f"(cona predict lists them)"
+    )
+
+
+def _online_args(config_path: Path, run_root: Path, processes: int, system: str) -> argparse.Namespace:
+    """What ``cona train --gpus N --system S --initial-gbs ...`` passes to the online runner."""
+    return argparse.Namespace(
+        config=str(config_path),
+        device=None,
+        workdir=run_root,
+        run_name="online",
+        gpus=processes,
+        master_port_base=None,
+        quiet=True,
+        fresh=False,
+        no_botorch=True,
+        target_ppl=None,
+        total_iters=None,
+        system=system,
+        **DEMO_ONLINE,
+    )
+
+
+def _ensure_demo_data(data_dir: Path) -> None:
+    from cona.data.demo import COMPLETE_MARKER, obtain_demo_data
+
+    if not (data_dir / COMPLETE_MARKER).is_file():
+        print(f"cona demo: obtaining the demo data into {data_dir} first", flush=True)
+        obtain_demo_data(data_dir)

@@ -3,8 +3,8 @@
 The layout is checked before anything is launched; then the run directory is made (and printed on the
 first line), the stage spec written, and ``dp*tp*pp`` workers started under torchrun (CPU processes with
 gloo, or one per GPU with NCCL). ``--chain FILE`` runs a chain of strategies
-(cona.runner.sequence). Online search and multi-node runs are other modes that later issues add; their flags
-are recognised and refused with the issue that adds them.
+(cona.runner.sequence), also across nodes (--num-nodes, --hostfile; cona.runner.multinode). Online search is
+another mode that a later issue adds; its flags are recognised and refused with the issue that adds it.
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ from cona.runner.run_dir import create_run_dir, default_run_name, resolve_log_ro
 from cona.strategy import Strategy
 
 FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters", "workdir")
+CHAIN_ONLY_FLAGS = ("fresh", "num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
 # Flags of the other modes of `cona train`: (flag, takes a value, issue that adds it).
 OTHER_MODE_FLAGS = (
-    ("--system", True, 6), ("--initial-gbs", True, 6), ("--max-gbs", True, 6),
-    ("--total-iters", True, 6), ("--total-tokens", True, 6), ("--target-ppl", True, 6),
-    ("--no-botorch", False, 6),
-    ("--hostfile", True, 7),
-    ("--master-addr", True, 7), ("--node-rank", True, 7), ("--no-ssh", False, 7),
     ("--backend", True, 11), ("--repo-path", True, 11),
 )  # fmt: skip
+ONLINE_FLAGS = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "no_botorch")
 
 
 def register(subparsers) -> None:
@@ -81,9 +78,9 @@ def register(subparsers) -> None:
     chain.add_argument(
         "--gpus", type=int, default=None, help="processes of every stage: GPUs, or CPU workers"
     )
-    chain.add_argument("--num-nodes", type=int, default=None, help="nodes (with --gpus-per-node)")
-    chain.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (with --num-nodes)")
     chain.add_argument("--fresh", action="store_true", help="discard the chain's run state and start it over")
+    _add_online_flags(parser)
+    _add_multi_node_flags(parser)
     later = parser.add_argument_group("other modes (not available yet)")
     for flag, takes_value, issue in OTHER_MODE_FLAGS:
         later.add_argument(
@@ -94,6 +91,44 @@ def register(subparsers) -> None:
             **({"metavar": "X"} if takes_value else {"action": "store_const", "const": True}),
         )
     parser.set_defaults(func=_train)
+
+
+def _add_online_flags(parser: argparse.ArgumentParser) -> None:
+    online = parser.add_argument_group("online strategy chaining (--gpus without --chain)")
+    online.add_argument(
+        "--system", default=None, help="system the performance model plans for (cona predict lists them)"
+    )
+    online.add_argument("--initial-gbs", type=int, default=None, help="global batch size of the first stage")
+    online.add_argument(
+        "--max-gbs", type=int, default=None, help="largest gbs a switch may reach (default: --initial-gbs)"
+    )
+    online.add_argument("--total-iters", type=int, default=None, help="stop after this many iterations")
+    online.add_argument("--total-tokens", type=int, default=None, help="stop after this many tokens")
+    online.add_argument(
+        "--target-ppl", type=float, default=None, help="stop at the first evaluation with perplexity <= this"
+    )
+    online.add_argument(
+        "--no-botorch",
+        action="store_true",
+        default=None,
+        help="search each frontier exhaustively instead of by Bayesian optimisation",
+    )
+
+
+def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
+    nodes = parser.add_argument_group("multi-node (with --chain; run the same command on every node)")
+    nodes.add_argument("--num-nodes", type=int, default=None, help="nodes (with --gpus-per-node)")
+    nodes.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (or CPU workers) per node")
+    nodes.add_argument(
+        "--hostfile", default=None, help="DeepSpeed hostfile: '<host> slots=<gpus-per-node>' per line"
+    )
+    nodes.add_argument("--master-addr", default=None, help="node 0's address, one of the hostfile's")
+    nodes.add_argument("--node-rank", type=int, default=None, help="this node's rank (with --no-ssh)")
+    nodes.add_argument(
+        "--no-ssh",
+        action="store_true",
+        help="every node is started by hand (else node 0 starts them over ssh)",
+    )
 
 
 def _dest(flag: str) -> str:
@@ -109,14 +144,39 @@ def _train(args: argparse.Namespace) -> int:
             raise ConaError(
                 f"cona train: --chain takes the strategies from the chain file; drop {', '.join(fixed)}"
             )
+        online = [f"--{name.replace('_', '-')}" for name in ONLINE_FLAGS if getattr(args, name) is not None]
+        if online:
+            raise ConaError(
+                f"cona train: --chain takes the strategies from the chain file; drop {', '.join(online)}"
+            )
         from cona.runner.sequence import run_chain  # imports torch: not at `cona --help` time
 
         run_chain(args)
         return 0
     if args.gpus is not None:
-        raise ConaError("cona train --gpus without --chain is online mode: not available yet (issue 6)")
-    if args.fresh or args.num_nodes is not None or args.gpus_per_node is not None:
-        raise ConaError("cona train: --fresh, --num-nodes and --gpus-per-node go with --chain")
+        others = [f"--{name}" for name in FIXED_STRATEGY_FLAGS[:-1] if getattr(args, name) is not None]
+        others += [
+            f"--{n.replace('_', '-')}" for n in CHAIN_ONLY_FLAGS[1:] if getattr(args, n) not in (None, False)
+        ]
+        if others:
+            raise ConaError(
+                "cona train: online mode (--gpus without --chain) chooses the strategies, on one node; "
+                f"drop {', '.join(others)}"
+            )
+        from cona.runner.online import run_online  # imports torch: not at `cona --help` time
+
+        run_online(args)
+        return 0
+    online = [f"--{name.replace('_', '-')}" for name in ONLINE_FLAGS if getattr(args, name) is not None]
+    if online:
+        raise ConaError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
+    chain_only = [
+        f"--{name.replace('_', '-')}"
+        for name in CHAIN_ONLY_FLAGS
+        if getattr(args, name) is not None and getattr(args, name) is not False
+    ]
+    if chain_only:
+        raise ConaError(f"cona train: {', '.join(chain_only)} go with --chain")
     missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
     if missing:
         raise ConaError(

@@ -15,6 +15,11 @@ With one micro-batch on one dp rank (n = dp * micro_batches = 1) there is only o
 AdaptDL's difference estimator is used: the previous step's gradient is kept (by reference, no copy) and
 the two consecutive gradients play the two small batches (slightly biased: the parameters moved in between).
 
+Measuring is optional per step (the trainer measures only the few steps before each metrics line): on an
+unmeasured step the hooks return at once and the difference estimator forgets its previous gradient, so
+an estimate always pairs two consecutive steps. The norms stay device tensors; nothing here waits for
+the device.
+
 Squared norms of sharded tensors are summed over shards; a tensor replicated over r of the ranks that sum
 it is weighted 1/r, so nothing is double counted; pipeline stages add up in the same all-reduce. The tied
 embedding/LM-head matrix is left out of both norms in every layout: under pp > 1 its per-micro-batch
@@ -74,6 +79,7 @@ class MicroBatchNormMeter:
         self.ranks_per_copy = ranks_per_copy
         self.total = torch.zeros((), device=device, dtype=torch.float32)
         self.factor = 1.0
+        self.active = True
         # id -> weak reference: tensors cannot go in a (Weak)Set, whose lookups compare them with ==.
         self._seen: dict[int, weakref.ref] = {}
         self._handles: list[RemovableHandle] = []
@@ -90,10 +96,12 @@ class MicroBatchNormMeter:
         self._handles.clear()
         self._seen.clear()
 
-    def start_step(self, grad_factor: float) -> None:
-        """Zero the sum; ``grad_factor`` converts what the hooks see into the micro-batch mean gradient."""
+    def start_step(self, grad_factor: float, *, active: bool = True) -> None:
+        """Zero the sum; ``grad_factor`` converts what the hooks see into the micro-batch mean gradient.
+        With ``active`` False the hooks of this step add nothing (and cost no kernel)."""
         self.total.zero_()
         self.factor = grad_factor
+        self.active = active
 
     def _hook_parameters(self, module: nn.Module) -> None:
         for name, param in module.named_parameters():
@@ -107,6 +115,8 @@ class MicroBatchNormMeter:
         self._hook_parameters(module)
 
     def _accumulate(self, grad: torch.Tensor) -> None:
+        if not self.active:
+            return
         if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
             # Sequence-parallel norm weights: each TP rank holds a partial sum of this gradient.
             with torch.no_grad():
@@ -124,18 +134,20 @@ class PreviousGradient:
 
     They are kept by reference, not copied: the engine sets ``.grad`` to None before every step, so
     nothing else writes them, except clipping, whose factor is recorded (:meth:`note_scaled`) and divided
-    out. Each step then costs one fused in-place add and one norm over the gradients.
+    out. Each measured step then costs one fused in-place add and one norm over the gradients, plus one
+    in-place division when the clipping factor is a device tensor (it is not known on the host, and a
+    Python factor is needed to fold it into the add).
     """
 
     def __init__(self) -> None:
         self.grads: list[torch.Tensor] | None = None
-        self.sqr: float | None = None
-        self.scale = 1.0
+        self.sqr: float | torch.Tensor | None = None
+        self.scale: float | torch.Tensor = 1.0
 
-    def note_scaled(self, factor: float) -> None:
+    def note_scaled(self, factor: float | torch.Tensor) -> None:
         """The held gradients were multiplied by ``factor`` in place (gradient clipping)."""
         if self.grads is not None:
-            self.scale *= factor
+            self.scale = self.scale * factor
 
     def sum_sqr(self, grads: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
         """Weighted local ``|previous + current|^2`` (zero without a previous gradient).
@@ -144,17 +156,26 @@ class PreviousGradient:
         """
         if self.grads is None:
             return torch.zeros((), device=weights.device)
-        torch._foreach_add_(self.grads, grads, alpha=self.scale)
+        scale_sqr = 1.0
+        if isinstance(self.scale, torch.Tensor):
+            torch._foreach_div_(self.grads, self.scale.to(self.grads[0].dtype))
+            torch._foreach_add_(self.grads, grads)
+        else:
+            torch._foreach_add_(self.grads, grads, alpha=self.scale)
+            scale_sqr = self.scale**2
         norms = torch.stack(torch._foreach_norm(self.grads)).float()
-        return (norms.square() * weights).sum() / self.scale**2
+        return (norms.square() * weights).sum() / scale_sqr
 
-    def hold(self, grads: list[torch.Tensor], sqr: float) -> None:
+    def hold(self, grads: list[torch.Tensor], sqr: float | torch.Tensor) -> None:
         self.grads, self.sqr, self.scale = list(grads), sqr, 1.0
 
 
 def difference_estimate(
-    previous_sqr: float | None, current_sqr: float, sum_sqr: float, batch: int
-) -> tuple[float, float, int, int]:
+    previous_sqr: float | torch.Tensor | None,
+    current_sqr: float | torch.Tensor,
+    sum_sqr: float | torch.Tensor,
+    batch: int,
+) -> tuple[float | torch.Tensor, float | torch.Tensor, int, int]:
     """(small_sqr, big_sqr, small_batch, big_batch) from two consecutive gradients of ``batch`` samples.
 
     ``sum_sqr`` is ``|previous + current|^2``, so the big batch's mean gradient has ``sum_sqr / 4``. Without

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,57 +31,21 @@ from cona.engine.pipeline import (
     split_stage,
     stage_ids_of_rank,
 )
+from cona.engine.step_output import LossScaler, PendingStepOutput, StepOutput
 from cona.strategy import Strategy
 
-__all__ = ["StepOutput", "TrainingModel", "build_training_model", "resolved_dtype", "token_cross_entropy"]
+__all__ = [
+    "LossScaler",
+    "PendingStepOutput",
+    "StepOutput",
+    "TrainingModel",
+    "build_training_model",
+    "resolved_dtype",
+    "token_cross_entropy",
+]
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepOutput:
-    """What one training step reports (the gradient-noise inputs are explained in :mod:`cona.engine.gns`).
-
-    The GNS norms are NaN when the step gives no estimate (the first step of the difference estimator, an
-    fp16 overflow); consumers skip non-finite values.
-    """
-
-    loss: float
-    """Mean token loss over the whole global batch, identical on every rank."""
-    gns_small_sqr: float
-    """Squared gradient norm over a small batch (mean over the small batches measured)."""
-    gns_big_sqr: float
-    """Squared norm of the big-batch mean gradient (normally the global batch), before clipping."""
-    gns_small_batch: int
-    """Samples in a small batch."""
-    gns_big_batch: int
-    """Samples in the big batch."""
-
-
-class LossScaler:
-    """Dynamic loss scaling for fp16 (GradScaler's rule on plain floats, so it works with DTensor grads).
-
-    The scale doubles after ``growth_interval`` overflow-free steps and halves on an overflow (that step is
-    skipped); whether a step overflowed comes from the global grad norm, which every rank already shares.
-    """
-
-    def __init__(self, *, enabled: bool, initial_scale: float = 2.0**16, growth_interval: int = 1000) -> None:
-        self.enabled = enabled
-        self.scale = initial_scale if enabled else 1.0
-        self.growth_interval = growth_interval
-        self._good_steps = 0
-
-    def update(self, *, found_inf: bool) -> None:
-        if not self.enabled:
-            return
-        if found_inf:
-            self.scale = max(self.scale / 2, 1.0)
-            self._good_steps = 0
-            return
-        self._good_steps += 1
-        if self._good_steps % self.growth_interval == 0:
-            self.scale *= 2
 
 
 def compiles_whole_model(strategy: Strategy) -> bool:
@@ -140,7 +103,7 @@ class TrainingModel:
         )
         self._previous = gns.PreviousGradient()
         self._measure_gns = True
-        self._last_norm_sqr: float | None = None
+        self._last_norm_sqr: torch.Tensor | None = None
 
     # ---- parameter bookkeeping -------------------------------------------------------------------------
     def _unique_params(self) -> list[nn.Parameter]:
@@ -178,8 +141,20 @@ class TrainingModel:
         activations, and nothing rank-specific has to survive a reshard."""
         torch.manual_seed(parameter_seed(self.config.training.seed, f"dropout/{iteration}/{self.dp_rank}"))
 
-    def train_step(self, micro_batches: list[Batch], *, iteration: int | None = None) -> StepOutput:
-        """Forward + backward over this dp rank's micro-batches; on return the grads are fully reduced."""
+    def train_step(
+        self, micro_batches: list[Batch], *, iteration: int | None = None, measure_gns: bool = True
+    ) -> StepOutput:
+        """Forward + backward over this dp rank's micro-batches; on return the grads are fully reduced.
+
+        ``measure_gns`` False leaves out the gradient-noise inputs of this step (their fields are NaN) and
+        makes the difference estimator start afresh on the next measured step.
+        """
+        return self.train_step_pending(micro_batches, iteration=iteration, measure_gns=measure_gns).result()
+
+    def train_step_pending(
+        self, micro_batches: list[Batch], *, iteration: int | None = None, measure_gns: bool = True
+    ) -> PendingStepOutput:
+        """:meth:`train_step` without waiting for the device (except for fp16's overflow check)."""
         if iteration is not None:
             self.seed_dropout(iteration)
         n_micro = len(micro_batches)
@@ -190,11 +165,12 @@ class TrainingModel:
         for param in self._unique_params():
             param.grad = None
         scale = self.scaler.scale
+        measure = measure_gns and self._measure_gns
         if self._pipeline is None:
-            self._meter.start_step(n_micro / scale)
+            self._meter.start_step(n_micro / scale, active=measure)
             losses = self._plain_forward_backward(micro_batches, scale)
         else:  # the schedule scales the gradient by 1 / n_micro after the per-micro-batch hooks ran
-            self._meter.start_step(1 / scale)
+            self._meter.start_step(1 / scale, active=measure)
             inputs, targets = self._to_device(
                 *(torch.cat(parts) for parts in zip(*micro_batches, strict=True))
             )
@@ -208,7 +184,7 @@ class TrainingModel:
             self._grad_reducer.all_reduce()
         if self.scaler.enabled:
             torch._foreach_mul_(self._local_grads(self._unique_params()), 1 / scale)
-        return self._step_output(losses, n_micro)
+        return self._step_output(losses, n_micro, measure)
 
     def _plain_forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_cross_entropy(self.model_parts[0](inputs), targets)
@@ -235,30 +211,33 @@ class TrainingModel:
     def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
-    def _step_output(self, losses: list[torch.Tensor], n_micro: int) -> StepOutput:
+    def _step_output(self, losses: list[torch.Tensor], n_micro: int, measure: bool) -> PendingStepOutput:
         gns_grads = self._local_grads(self._gns_params)
         gns_sqr = _weighted_sqr(gns_grads, self._gns_weights)
         tied_sqr = _weighted_sqr(self._local_grads(self._tied_params), self._tied_weights)
         n_small = self.strategy.dp * n_micro
-        differences = n_small == 1 and self._measure_gns
+        differences = n_small == 1 and measure
+        if not differences:  # an estimate pairs two consecutive steps: forget an older gradient
+            self._previous = gns.PreviousGradient()
         pair_sqr = self._previous.sum_sqr(gns_grads, self._gns_weights) if differences else gns_sqr * 0
         totals = self._all_reduce_sum(
             [self._local_loss(losses), gns_sqr, tied_sqr, self._meter.total, pair_sqr]
         )
-        loss, big_sqr, tied, small_sum, pair_sum = totals
+        loss, big_sqr, tied, small_sum, pair_sum = totals.unbind()
         self._last_norm_sqr = big_sqr + tied
         gbs = self.strategy.gbs
-        if not self._measure_gns:
-            return StepOutput(
+        if not measure:
+            nan = self._device_scalar(math.nan)
+            return PendingStepOutput(
                 loss=loss,
-                gns_small_sqr=math.nan,
-                gns_big_sqr=math.nan,
+                gns_small_sqr=nan,
+                gns_big_sqr=nan,
                 gns_small_batch=gbs // n_small,
                 gns_big_batch=gbs,
             )
         if differences:
             return self._difference_output(loss, big_sqr, pair_sum, gns_grads)
-        return StepOutput(
+        return PendingStepOutput(
             loss=loss,
             gns_small_sqr=small_sum / n_small,
             gns_big_sqr=big_sqr,
@@ -273,25 +252,32 @@ class TrainingModel:
         self._previous = gns.PreviousGradient()
 
     def _difference_output(
-        self, loss: float, big_sqr: float, pair_sqr: float, gns_grads: list[torch.Tensor]
-    ) -> StepOutput:
+        self, loss: torch.Tensor, big_sqr: torch.Tensor, pair_sqr: torch.Tensor, gns_grads: list[torch.Tensor]
+    ) -> PendingStepOutput:
         """One gradient per step: the previous and this step's gradients are the two small batches."""
         batch = self.strategy.gbs
-        if math.isfinite(big_sqr):
-            small, big, small_batch, big_batch = gns.difference_estimate(
-                self._previous.sqr, big_sqr, pair_sqr, batch
+        # Only fp16 can overflow without the run being broken; its check waits for the device.
+        if self.scaler.enabled and not math.isfinite(big_sqr.item()):
+            self._previous = gns.PreviousGradient()  # the memory (added to in place) is dropped
+            nan = self._device_scalar(math.nan)
+            return PendingStepOutput(
+                loss=loss, gns_small_sqr=nan, gns_big_sqr=nan, gns_small_batch=batch, gns_big_batch=2 * batch
             )
-            self._previous.hold(gns_grads, big_sqr)
-        else:  # fp16 overflow: no estimate, and the memory (added to in place) is dropped
-            small, big, small_batch, big_batch = math.nan, math.nan, batch, 2 * batch
-            self._previous = gns.PreviousGradient()
-        return StepOutput(
+        small, big, small_batch, big_batch = gns.difference_estimate(
+            self._previous.sqr, big_sqr, pair_sqr, batch
+        )
+        self._previous.hold(gns_grads, big_sqr)
+        return PendingStepOutput(
             loss=loss,
-            gns_small_sqr=small,
-            gns_big_sqr=big,
+            gns_small_sqr=self._device_scalar(small) if isinstance(small, float) else small,
+            gns_big_sqr=self._device_scalar(big) if isinstance(big, float) else big,
             gns_small_batch=small_batch,
             gns_big_batch=big_batch,
         )
+
+    def _device_scalar(self, value: float) -> torch.Tensor:
+        # torch.full fills on the device; torch.tensor(value, device=...) would copy from the host and wait.
+        return torch.full((), value, dtype=torch.float32, device=self.device)
 
     def _local_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """This rank's share of the global mean loss (the last stage's dp*tp ranks each hold one copy)."""
@@ -301,34 +287,70 @@ class TrainingModel:
         local = torch.stack([gns.local_tensor(loss) for loss in losses])
         return local.float().mean() / (self.strategy.dp * self.strategy.tp)
 
-    def _all_reduce_sum(self, values: list[torch.Tensor]) -> list[float]:
-        """One collective and one host sync for all of a step's scalars."""
+    def _all_reduce_sum(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """One collective for all of a step's scalars; the sums stay on the device (no host sync)."""
         stacked = torch.stack([v.float() for v in values])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stacked)
-        return stacked.tolist()
+        return stacked
 
     # ---- after the step ------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient norm of the last step (all ranks, shards, stages; tied matrix once); clips in place
         to ``max_norm`` when it is > 0."""
+        return self.clip_grad_norm_pending(max_norm).item()
+
+    def clip_grad_norm_pending(self, max_norm: float) -> torch.Tensor:
+        """:meth:`clip_grad_norm_` with the norm and the clipping factor kept on the device (float64 scalar).
+
+        The gradients are multiplied by ``max_norm / (norm + 1e-6)`` where the norm is finite and above
+        ``max_norm``, by exactly 1 elsewhere (a no-op on the values), so no host decision is needed.
+        """
         if self._last_norm_sqr is None:
             raise RuntimeError("clip_grad_norm_ called before train_step")
-        norm = math.sqrt(self._last_norm_sqr) if self._last_norm_sqr >= 0 else math.nan
-        if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-            factor = max_norm / (norm + 1e-6)
+        norm = self._last_norm_sqr.double().sqrt()
+        if max_norm > 0:
+            clips = torch.isfinite(norm) & (norm > max_norm)
+            factor = torch.where(clips, max_norm / (norm + 1e-6), torch.ones_like(norm)).float()
             torch._foreach_mul_(self._local_grads(self._unique_params()), factor)
             self._previous.note_scaled(factor)
         return norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step unless the fp16 gradients overflowed (then skip and lower the loss scale); False = skipped."""
-        finite = self._last_norm_sqr is not None and math.isfinite(self._last_norm_sqr)
-        if finite:
+        """Step unless the gradients are not finite (fp16 overflow: then also lower the loss scale);
+        False = skipped."""
+        return bool(self.optimizer_step_pending(optimizer).item())
+
+    def optimizer_step_pending(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """:meth:`optimizer_step` returning whether it stepped as a device bool tensor.
+
+        With an optimizer that takes ``found_inf`` (fused AdamW, as GradScaler uses it) the skip happens in
+        its kernel and nothing waits for the device; otherwise (CPU, foreach on DTensor shards) and under
+        fp16 (whose loss scale needs the answer) the finiteness is read on the host.
+        """
+        if self._last_norm_sqr is None:
+            raise RuntimeError("optimizer_step called before train_step")
+        finite = torch.isfinite(self._last_norm_sqr)
+        if self._skips_on_device(optimizer):
+            optimizer.found_inf = (~finite).float()
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+        elif bool(finite.item()):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.scaler.update(found_inf=not finite)
+        if self.scaler.enabled:
+            self.scaler.update(found_inf=not bool(finite.item()))
         return finite
+
+    def _skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.scaler.enabled
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in optimizer.param_groups)
+        )
 
     # ---- evaluation ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -346,7 +368,7 @@ class TrainingModel:
                 for module in part.modules():
                     if isinstance(module, FSDPModule):
                         module.reshard()
-        return self._all_reduce_sum([self._local_loss(losses)])[0]
+        return self._all_reduce_sum([self._local_loss(losses)]).item()
 
     def _eval_losses(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
         if self._pipeline is None:

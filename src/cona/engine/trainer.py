@@ -1,8 +1,11 @@
 """The training loop of one stage: step, log, evaluate, check the stop rule and switch requests, save.
 
 Everything it needs is built by the worker and passed in a :class:`StageContext`; the loop holds no global
-state. Step timing uses the host clock over each log interval: ``train_step`` returns the loss as a Python
-float, which already waits for the device, so no extra synchronisation is added.
+state. Nothing in a step waits for the device (bf16/fp32 with a fused optimizer): the step's scalars stay
+device tensors, summed on the device over the log interval and read once per metrics line, so the host
+queues the next step while the device still runs this one. Step timing uses the host clock over each log
+interval, read after that one read, which waits for the device. The gradient-noise inputs are measured only
+on the last steps before each metrics line (:func:`gns_due`), which the line's means cover.
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
 from cona.engine.metrics import MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
 from cona.engine.spec import StageSpec
-from cona.engine.train_model import StepOutput, TrainingModel
+from cona.engine.train_model import PendingStepOutput, TrainingModel
 
 Batch = list[tuple[Tensor, Tensor]]
+GNS_MIN_STEPS_PER_LINE = 2
+"""Measured steps before each metrics line: the difference estimator needs two consecutive gradients."""
+GNS_STEP_FRACTION = 10
+"""Longer log intervals measure one step in this many (more estimates per line, under 1% of step time)."""
 
 
 @dataclass(kw_only=True)
@@ -70,48 +77,57 @@ class StageContext:
 
 
 @dataclass(kw_only=True)
-class _Interval:
-    """Sums over the steps since the last metrics line (the line reports their means)."""
+class IntervalSums:
+    """Sums over the steps since the last metrics line, kept on the device (the line reports their means)."""
 
     steps: int = 0
-    skipped: int = 0
-    loss: float = 0.0
-    grad_norm: float = 0.0
-    gns_small_sqr: float = 0.0
-    gns_big_sqr: float = 0.0
-    gns_measured: int = 0
-    """Steps with finite GNS inputs (the first step of a difference estimate and fp16 overflows have none)."""
-    last: StepOutput | None = None
+    sums: Tensor | None = None
+    """float64 [loss, grad_norm, gns_small_sqr, gns_big_sqr, gns_measured, skipped]: GNS sums and count
+    cover only steps with finite inputs (the first step of a difference estimate, unmeasured steps and
+    fp16 overflows have none)."""
+    last: PendingStepOutput | None = None
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, out: StepOutput, grad_norm: float, stepped: bool) -> None:
+    def add(self, out: PendingStepOutput, grad_norm: Tensor, stepped: Tensor) -> None:
+        measured = torch.isfinite(out.gns_small_sqr) & torch.isfinite(out.gns_big_sqr)
+        zero = torch.zeros_like(out.gns_small_sqr)
+        values = [
+            out.loss,
+            grad_norm,
+            torch.where(measured, out.gns_small_sqr, zero),
+            torch.where(measured, out.gns_big_sqr, zero),
+            measured,
+            ~stepped,
+        ]
+        step_sums = torch.stack([v.to(torch.float64) for v in values])
+        self.sums = step_sums if self.sums is None else self.sums + step_sums
         self.steps += 1
-        self.skipped += 0 if stepped else 1
-        self.loss += out.loss
-        self.grad_norm += grad_norm
-        if math.isfinite(out.gns_small_sqr) and math.isfinite(out.gns_big_sqr):
-            self.gns_small_sqr += out.gns_small_sqr
-            self.gns_big_sqr += out.gns_big_sqr
-            self.gns_measured += 1
         self.last = out
 
-    def gns_means(self) -> tuple[float, float]:
-        """Mean small- and big-batch squared norms over the measured steps (NaN if none was measured)."""
-        if not self.gns_measured:
-            return math.nan, math.nan
-        return self.gns_small_sqr / self.gns_measured, self.gns_big_sqr / self.gns_measured
+    def means(self) -> dict[str, float]:
+        """The interval's means (one host read, which waits for the device); GNS NaN if none measured."""
+        assert self.sums is not None  # a metrics line always follows at least one step
+        loss, grad_norm, small, big, measured, skipped = self.sums.tolist()
+        return {
+            "loss": loss / self.steps,
+            "grad_norm": grad_norm / self.steps,
+            "gns_small_sqr": small / measured if measured else math.nan,
+            "gns_big_sqr": big / measured if measured else math.nan,
+            "skipped_steps": int(skipped),
+        }
 
 
 def train_stage(ctx: StageContext, progress: Progress) -> str:
     """Train until the stop rule or a switch request; returns the stop reason (see ``STOP_REASONS``)."""
     spec = ctx.spec
-    interval = _Interval()
+    interval = IntervalSums()
     while not stop_rule_met(spec, progress):
         lr = ctx.schedule.lr_at(progress.consumed_tokens)
-        out, grad_norm, stepped = _step(ctx, progress, lr)
+        out, grad_norm, stepped = _step(ctx, progress, lr, measure_gns=gns_due(spec, progress))
         _advance(progress, spec)
         interval.add(out, grad_norm, stepped)
         if "first_step_done" not in ctx.timings:
+            out.loss.item()  # once per stage: the milestone is the first step finished on the device
             ctx.timings["first_step_done"] = time.time()
         switch = switch_requested(spec.switch_request_path, ctx.control_group)
         ending = switch or stop_rule_met(spec, progress)
@@ -141,17 +157,46 @@ def switch_requested(request_path: Path, group: dist.ProcessGroup | None) -> boo
     return bool(flag.item())
 
 
-def _step(ctx: StageContext, progress: Progress, lr: float) -> tuple[StepOutput, float, bool]:
+def gns_due(spec: StageSpec, progress: Progress) -> bool:
+    """Whether the coming step is one of the last steps before a planned metrics line (log, eval, end).
+
+    A line forced early by a switch request may fall before them; its GNS inputs are then NaN.
+    """
+    upcoming = progress.iteration + 1  # the iteration number the step ends at
+    log_interval = spec.config.training.log_interval
+    steps = gns_steps_per_line(log_interval)
+    if any((-upcoming) % interval < steps for interval in (log_interval, spec.resolved_eval_interval())):
+        return True
+    if spec.target_iteration is not None and spec.target_iteration - upcoming < steps:
+        return True
+    tokens_per_step = spec.strategy.gbs * spec.config.model.seq
+    return (
+        spec.max_tokens is not None and spec.max_tokens - progress.consumed_tokens <= steps * tokens_per_step
+    )
+
+
+def gns_steps_per_line(log_interval: int) -> int:
+    """How many steps before each metrics line measure the gradient-noise inputs."""
+    return max(GNS_MIN_STEPS_PER_LINE, log_interval // GNS_STEP_FRACTION)
+
+
+def _step(
+    ctx: StageContext, progress: Progress, lr: float, *, measure_gns: bool
+) -> tuple[PendingStepOutput, Tensor, Tensor]:
     spec = ctx.spec
     strategy = spec.strategy
     sample_ids = micro_batch_sample_ids(
         progress.consumed_samples, strategy.gbs, strategy.mbs, strategy.dp, ctx.dp_rank
     )
     micro_batches = [collate(ctx.train_data, ids) for ids in sample_ids]  # the model moves them to its device
+    if ctx.model.device.type == "cuda":  # pinned: the non-blocking copy then never makes the host wait
+        micro_batches = [(inputs.pin_memory(), targets.pin_memory()) for inputs, targets in micro_batches]
     set_lr(ctx.optimizer, lr)
-    out = ctx.model.train_step(micro_batches, iteration=progress.iteration)  # also seeds dropout
-    grad_norm = ctx.model.clip_grad_norm_(spec.config.training.clip_grad)
-    stepped = ctx.model.optimizer_step(ctx.optimizer)
+    out = ctx.model.train_step_pending(  # also seeds dropout
+        micro_batches, iteration=progress.iteration, measure_gns=measure_gns
+    )
+    grad_norm = ctx.model.clip_grad_norm_pending(spec.config.training.clip_grad)
+    stepped = ctx.model.optimizer_step_pending(ctx.optimizer)
     ctx.optimizer.zero_grad(set_to_none=True)
     return out, grad_norm, stepped
 
@@ -163,27 +208,33 @@ def _advance(progress: Progress, spec: StageSpec) -> None:
 
 
 def _maybe_log(
-    ctx: StageContext, progress: Progress, interval: _Interval, lr: float, *, force: bool
-) -> _Interval:
+    ctx: StageContext, progress: Progress, interval: IntervalSums, lr: float, *, force: bool
+) -> IntervalSums:
     """Write a metrics line at log and eval boundaries (and at the end); returns the next interval."""
     spec = ctx.spec
     log_due = progress.iteration % spec.config.training.log_interval == 0
     eval_due = progress.iteration % spec.resolved_eval_interval() == 0
     if not (log_due or eval_due or force):
         return interval
+    means = interval.means()  # waits for the device: the elapsed time then covers the interval's steps
     elapsed = time.perf_counter() - interval.started
-    record = _record(ctx, progress, interval, lr, elapsed)
+    record = _record(ctx, progress, interval, means, lr, elapsed)
     if eval_due:
         eval_loss = ctx.model.eval_loss(ctx.eval_batches)
         record["eval_loss"] = eval_loss
         record["eval_ppl"] = math.exp(eval_loss) if eval_loss < 700 else math.inf
     if ctx.logger is not None:
         ctx.logger.write(record)
-    return _Interval()  # starts its clock now: evaluation and logging are not step time
+    return IntervalSums()  # starts its clock now: evaluation and logging are not step time
 
 
 def _record(
-    ctx: StageContext, progress: Progress, interval: _Interval, lr: float, elapsed: float
+    ctx: StageContext,
+    progress: Progress,
+    interval: IntervalSums,
+    means: dict[str, float],
+    lr: float,
+    elapsed: float,
 ) -> dict[str, Any]:
     spec = ctx.spec
     strategy = spec.strategy
@@ -191,13 +242,12 @@ def _record(
     tokens_per_s = strategy.gbs * spec.config.model.seq / step_time
     last = interval.last
     assert last is not None  # a log boundary always follows at least one step
-    gns_small_sqr, gns_big_sqr = interval.gns_means()
     return {
         "stage": spec.stage,
         "iteration": progress.iteration,
         "consumed_samples": progress.consumed_samples,
         "consumed_tokens": progress.consumed_tokens,
-        "loss": interval.loss / interval.steps,
+        "loss": means["loss"],
         "lr": lr,
         "gbs": strategy.gbs,
         "mbs": strategy.mbs,
@@ -209,13 +259,13 @@ def _record(
         "mfu": model_flops_utilization(
             tokens_per_s, ctx.flops_per_token, ctx.peak_flops_per_device, strategy.world_size
         ),
-        "grad_norm": interval.grad_norm / interval.steps,
-        "gns_small_sqr": gns_small_sqr,
-        "gns_big_sqr": gns_big_sqr,
+        "grad_norm": means["grad_norm"],
+        "gns_small_sqr": means["gns_small_sqr"],
+        "gns_big_sqr": means["gns_big_sqr"],
         "gns_small_batch": last.gns_small_batch,
         "gns_big_batch": last.gns_big_batch,
         "steps_in_interval": interval.steps,
-        "skipped_steps": interval.skipped,
+        "skipped_steps": means["skipped_steps"],
         "time": time.time(),
     }
 

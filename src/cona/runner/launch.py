@@ -2,7 +2,8 @@
 
 Each worker writes its own output to ``stages/<N>/rank<r>.log`` and, when it fails, its traceback to
 ``stages/<N>/rank<r>.error`` (JSON, see :func:`cona.engine.worker.write_error`). torchrun's own output
-goes to ``stages/<N>/torchrun.log``. When a stage fails, :func:`run_stage` raises one :class:`LaunchError`
+goes to ``stages/<N>/torchrun.log`` (``torchrun.node<r>.log`` on node r > 0 of a multi-node run, whose nodes
+share the stage directory). When a stage fails, :func:`run_stage` raises one :class:`LaunchError`
 naming the rank that failed FIRST (the others usually fail afterwards, as a consequence) and its message,
 instead of the interleaved tracebacks of every process.
 """
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ DEFAULT_MASTER_PORT_BASE = 29400
 WORKER_MODULE = "cona.engine.worker"
 TORCHRUN_LOG = "torchrun.log"
 _LOG_TAIL_LINES = 8
+_WATCH_INTERVAL_S = 0.5
+_TERMINATE_GRACE_S = 15.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,15 @@ class Topology:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks of this node's processes (torchrun numbers them node by node)."""
+        return range(self.node_rank * self.nproc_per_node, (self.node_rank + 1) * self.nproc_per_node)
+
+    @property
+    def torchrun_log(self) -> str:
+        return TORCHRUN_LOG if self.node_rank == 0 else f"torchrun.node{self.node_rank}.log"
 
 
 def stage_master_port(base_port: int, stage: int) -> int:
@@ -104,13 +116,18 @@ def run_stage(
     quiet: bool = False,
     worker_module: str = WORKER_MODULE,
     env: Mapping[str, str] | None = None,
+    watch: Callable[[], None] | None = None,
 ) -> None:
-    """Run one stage's workers on this node and wait. Raises :class:`LaunchError` if any worker failed."""
+    """Run one stage's workers on this node and wait. Raises :class:`LaunchError` if any worker failed.
+
+    ``watch`` is called about twice a second while the workers run (a multi-node run checks the other
+    nodes there); if it raises, the workers are stopped and its exception propagates."""
     if topology.node_rank == 0:
         check_port_free(topology.master_port)
     stage_dir.mkdir(parents=True, exist_ok=True)
-    for stale in stage_dir.glob("rank*.error"):
-        stale.unlink()  # a retried stage must not report the errors of an earlier attempt
+    for rank in topology.local_ranks:
+        # A retried stage must not report the errors of an earlier attempt; other nodes' ranks are theirs.
+        (stage_dir / f"rank{rank}.error").unlink(missing_ok=True)
     command = torchrun_command(spec_path, topology, worker_module=worker_module)
     full_env = worker_env(
         env if env is not None else os.environ,
@@ -118,21 +135,35 @@ def run_stage(
         nproc_per_node=topology.nproc_per_node,
     )
     full_env[LAUNCH_TIME_ENV] = str(time.time())
-    with open(stage_dir / TORCHRUN_LOG, "w") as torchrun_log:
+    with open(stage_dir / topology.torchrun_log, "w") as torchrun_log:
         torchrun_log.write(" ".join(command) + "\n")
         torchrun_log.flush()
-        completed = subprocess.run(
-            command,
-            env=full_env,
-            stdout=subprocess.DEVNULL if quiet else None,
-            stderr=torchrun_log,
-            check=False,
+        process = subprocess.Popen(
+            command, env=full_env, stdout=subprocess.DEVNULL if quiet else None, stderr=torchrun_log
         )
-    if completed.returncode != 0:
-        raise LaunchError(describe_failure(stage_dir, completed.returncode))
+        returncode = _wait(process, watch)
+    if returncode != 0:
+        raise LaunchError(describe_failure(stage_dir, returncode, torchrun_log=topology.torchrun_log))
 
 
-def describe_failure(stage_dir: Path, returncode: int) -> str:
+def _wait(process: subprocess.Popen, watch: Callable[[], None] | None) -> int:
+    """Wait for torchrun, calling ``watch`` meanwhile; stop torchrun (it stops its workers) if it raises."""
+    try:
+        while watch is not None and process.poll() is None:
+            watch()
+            time.sleep(_WATCH_INTERVAL_S)
+        return process.wait()
+    except BaseException:
+        process.terminate()
+        try:
+            process.wait(timeout=_TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        raise
+
+
+def describe_failure(stage_dir: Path, returncode: int, *, torchrun_log: str = TORCHRUN_LOG) -> str:
     """One message about the first rank that failed: its error if it wrote one, else the end of its log."""
     stage = stage_dir.name
     errors = _read_errors(stage_dir)
@@ -145,8 +176,8 @@ def describe_failure(stage_dir: Path, returncode: int) -> str:
             f"stage {stage}: rank {first['rank']} failed: {first['type']}: {first['message']} "
             f"(traceback: {error_path}{also})"
         )
-    rank = _root_cause_rank(stage_dir / TORCHRUN_LOG)
-    log = stage_dir / f"rank{rank}.log" if rank is not None else stage_dir / TORCHRUN_LOG
+    rank = _root_cause_rank(stage_dir / torchrun_log)
+    log = stage_dir / f"rank{rank}.log" if rank is not None else stage_dir / torchrun_log
     who = f"rank {rank}" if rank is not None else "the workers"
     tail = " | ".join(_tail(log))
     return f"stage {stage}: {who} failed (torchrun exit code {returncode}); end of {log}: {tail}"

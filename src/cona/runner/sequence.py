@@ -7,6 +7,10 @@ applies the step's pruning entries, and logs what the switch into the stage cost
 in ``runner_state.json`` (see :mod:`cona.runner.state`), so rerunning the same command after a kill
 continues where the run stood.
 
+Across nodes (``--num-nodes``) every node runs the same command: node 0 drives the chain as above, announcing
+each stage to the other nodes' runners and publishing only once all of them left it
+(:mod:`cona.runner.multinode_sync`); the others run their part of each stage it announces.
+
 The load path of a stage is ``latest_universal`` of the previous stage's layout when that stage converts
 (checked to name the copy this run published), else the previous stage's own ``global_step`` directory.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +40,8 @@ from cona.runner.chain import (
     planned_tokens,
 )
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology, run_stage, stage_master_port
+from cona.runner.multinode import NodePlacement, RemoteRunners, resolve_placement, runner_command
+from cona.runner.multinode_sync import Coordinator, follow
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.run_dir import check_run_name, point_latest, resolve_log_root
 from cona.runner.state import (
@@ -43,6 +50,7 @@ from cona.runner.state import (
     advance,
     durations,
     finished_result,
+    load_state,
     measured_noise_scale,
     open_run,
     own_checkpoint,
@@ -68,6 +76,8 @@ class ChainRun:
     """Discard the run directory's state and start the chain over."""
     quiet: bool = False
     """No per-interval console lines from the workers."""
+    nodes: NodePlacement = NodePlacement()
+    """Where this node stands in a multi-node run (one node by default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,9 +89,12 @@ class StageLaunch:
     topology: Topology
     device_type: str
     quiet: bool = False
+    watch: Callable[[], None] | None = None
+    """Called while the workers run (checks the other nodes); when it raises, the stage is stopped."""
 
 
 Launcher = Callable[[StageLaunch], None]
+PLACEMENT_FLAGS = ("num_nodes", "gpus_per_node", "gpus", "hostfile", "master_addr", "node_rank", "no_ssh")
 
 
 def torchrun_launcher(launch: StageLaunch) -> None:
@@ -92,6 +105,7 @@ def torchrun_launcher(launch: StageLaunch) -> None:
         launch.topology,
         device_type=launch.device_type,
         quiet=launch.quiet,
+        watch=launch.watch,
     )
 
 
@@ -120,6 +134,12 @@ def run_chain(
 ) -> RunState:
     """Run (or resume) a chain to its end; returns the final run state."""
     run = args_or_options if isinstance(args_or_options, ChainRun) else chain_run_from_args(args_or_options)
+    if run.nodes.num_nodes > 1:
+        return _run_on_nodes(run, launcher, out)
+    return _drive_chain(run, launcher, out)
+
+
+def _drive_chain(run: ChainRun, launcher: Launcher, out: Callable[[str], None]) -> RunState:
     dtype = checkpoint_dtype(run.config.training, run.device_type)
     chain = load_chain(
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
@@ -147,11 +167,7 @@ def chain_run_from_args(args: argparse.Namespace) -> ChainRun:
             config, training=dataclasses.replace(config.training, device=args.device)
         )
     device_type = _device_type(config.training)
-    num_nodes = getattr(args, "num_nodes", None) or 1
-    if num_nodes > 1:
-        raise LaunchError(
-            "--chain across nodes is started by the multi-node runner (issue 7); on one node pass --gpus"
-        )
+    nodes = resolve_placement({name: getattr(args, name, None) for name in PLACEMENT_FLAGS}, os.environ)
     chain_path = Path(args.chain)
     run_name = check_run_name(getattr(args, "run_name", None) or f"chain-{chain_path.stem}")
     return ChainRun(
@@ -159,12 +175,69 @@ def chain_run_from_args(args: argparse.Namespace) -> ChainRun:
         config=config,
         workdir=Path(getattr(args, "workdir", None) or Path.cwd()).resolve(),
         run_dir=Path(config.training.log_root) / run_name,
-        world_size=_world_size(args, device_type),
+        world_size=nodes.num_nodes * nodes.gpus_per_node
+        if nodes.num_nodes > 1
+        else _world_size(args, device_type),
         device_type=device_type,
         base_port=getattr(args, "master_port_base", None) or DEFAULT_MASTER_PORT_BASE,
         fresh=bool(getattr(args, "fresh", False)),
         quiet=bool(getattr(args, "quiet", False)),
+        nodes=nodes,
     )
+
+
+def stage_topology(run: ChainRun, port: int) -> Topology:
+    """This node's part of every stage: all processes, or one node's share of a multi-node run."""
+    nodes = run.nodes
+    if nodes.num_nodes == 1:
+        return Topology(nproc_per_node=run.world_size, master_port=port)
+    return Topology(
+        nproc_per_node=nodes.gpus_per_node,
+        master_port=port,
+        master_addr=nodes.master_addr,
+        nnodes=nodes.num_nodes,
+        node_rank=nodes.node_rank,
+    )
+
+
+def _run_on_nodes(run: ChainRun, launcher: Launcher, out: Callable[[str], None]) -> RunState:
+    """Node 0 drives the chain and announces every stage; the other nodes follow its announcements."""
+    nodes, timeout_s = run.nodes, run.config.training.distributed_timeout_minutes * 60.0
+    if nodes.node_rank > 0:
+        dtype = checkpoint_dtype(run.config.training, run.device_type)  # every node validates the chain
+        load_chain(
+            run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
+        )
+
+        def run_local(stage: int, spec_path: Path, port: int, watch: Callable[[], None]) -> None:
+            launch = StageLaunch(
+                spec=StageSpec.read(spec_path),
+                spec_path=spec_path,
+                topology=stage_topology(run, port),
+                device_type=run.device_type,
+                quiet=run.quiet,
+                watch=watch,
+            )
+            launcher(launch)
+
+        follow(run.run_dir, nodes, timeout_s=timeout_s, run_local=run_local, out=out)
+        return load_state(run.run_dir)
+    remote = (
+        RemoteRunners(nodes, runner_command(run), cwd=Path.cwd(), env=os.environ, out=out)
+        if nodes.ssh
+        else None
+    )
+    with Coordinator(run.run_dir, nodes, timeout_s=timeout_s, out=out, remote=remote) as coordinator:
+
+        def coordinated(launch: StageLaunch) -> None:
+            coordinator.run_stage(
+                launch.spec.stage,
+                launch.spec_path,
+                launch.topology.master_port,
+                lambda watch: launcher(dataclasses.replace(launch, watch=watch)),
+            )
+
+        return _drive_chain(run, coordinated, out)
 
 
 def checkpoint_dtype(training: TrainingConfig, device_type: str) -> str:
@@ -267,8 +340,7 @@ def _launch(ctx: _Context, state: RunState, spec: StageSpec, step: ChainStep) ->
     spec.switch_request_path.unlink(missing_ok=True)  # a chain's stages end by their stop rule only
     stage = state.stage(step.step_num)
     state = ctx.save(state, dataclasses.replace(stage, attempts=stage.attempts + 1))
-    port = stage_master_port(ctx.run.base_port, step.step_num)
-    topology = Topology(nproc_per_node=ctx.run.world_size, master_port=port)
+    topology = stage_topology(ctx.run, stage_master_port(ctx.run.base_port, step.step_num))
     launch = StageLaunch(
         spec=spec,
         spec_path=spec_path,

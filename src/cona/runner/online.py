@@ -1,0 +1,443 @@
+"""Online strategy chaining (``cona train --gpus N --system S --initial-gbs G0 --max-gbs G ...``).
+
+A chain whose next step is decided while it trains. Stage 1 runs the best strategy the search finds for
+``G0``; beside every stage a search thread (:mod:`cona.runner.online_search`) reads ``metrics.jsonl`` and
+asks the policy whether the frontier's best strategy pays for a switch. When it does, the workers save at
+the next step boundary and exit; the runner records the new stage, publishes the checkpoint, rescales the
+LR for the new gbs (``training.lr_scale_strategy``; adascale with the noise scale measured so far) and
+launches the next stage from the published copy. The run stops at ``--total-iters``, ``--total-tokens``
+or the first evaluation at or below ``--target-ppl``.
+
+The run state is the chain runner's (``runner_state.json``, :mod:`cona.runner.state`), grown by one stage
+per switch; the strategies chosen so far are kept in ``online_stages.json``. Rerunning the same command
+after a kill continues where the run stood. At the end ``realized_chain.json`` is a chain file that
+``cona train --chain`` replays to the same strategies and consumed samples, and a table summarises the
+stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cona.engine.spec import StageResult, StageSpec
+from cona.errors import ChainError, LaunchError
+from cona.planner.efficiency import NoiseScaleTracker
+from cona.planner.lr_scaling import scaled_lr
+from cona.planner.policy import Candidate, PolicySettings, PolicyState, initial_state
+from cona.planner.systems import load_system
+from cona.runner.chain import content_digest
+from cona.runner.launch import Topology, stage_master_port
+from cona.runner.online_options import OnlineRun, online_run_from_args
+from cona.runner.online_report import print_summary, realized_chain, stage_rows
+from cona.runner.online_search import Budget, FrontierSearch, PendingSwitch, StageOutcome, StageSearch
+from cona.runner.publish import publish
+from cona.runner.run_dir import point_latest
+from cona.runner.sequence import Launcher, StageLaunch, checkpoint_dtype, torchrun_launcher
+from cona.runner.state import (
+    RunState,
+    StageState,
+    advance,
+    check_same_run,
+    durations,
+    finished_result,
+    load_state,
+    measured_noise_scale,
+    own_checkpoint,
+    save_state,
+    switch_cost,
+)
+from cona.strategy import Strategy
+
+STAGES_NAME = "online_stages.json"
+REALIZED_NAME = "realized_chain.json"
+
+
+@dataclass
+class _Memory:
+    """What carries from one stage's search to the next."""
+
+    settings: PolicySettings
+    policy_state: PolicyState
+    tracker: NoiseScaleTracker
+    pending: PendingSwitch | None = None
+
+
+class _Runner:
+    def __init__(self, run: OnlineRun, launcher: Launcher, out: Callable[[str], None]) -> None:
+        self.run, self.launcher, self.out = run, launcher, out
+        training = run.config.training
+        self.dtype = checkpoint_dtype(training, run.device_type)
+        system = load_system(run.system)
+        self.frontier = FrontierSearch(
+            config=run.config,
+            system=system,
+            n_gpus=run.world_size,
+            dtype=system.resolve_dtype(self.dtype),
+            botorch=run.botorch,
+        )
+        self.budget = Budget(
+            total_iters=run.total_iters,
+            total_tokens=run.total_tokens if run.total_tokens is not None else training.lr_decay_tokens,
+            target_ppl=run.target_ppl,
+            seq=run.config.model.seq,
+        )
+        self.stages: list[dict[str, Any]] = []
+        """Per stage: the strategy, its predicted tokens/s, and why it was chosen (online_stages.json)."""
+
+    # --- run state -------------------------------------------------------------------------------------
+
+    def open(self) -> RunState:
+        run, run_dir = self.run, self.run.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if run.fresh:
+            for name in ("runner_state.json", STAGES_NAME, "metrics.jsonl", "decisions.jsonl",
+                         "switch_request.json", REALIZED_NAME):  # fmt: skip
+                (run_dir / name).unlink(missing_ok=True)
+            import shutil
+
+            shutil.rmtree(run_dir / "stages", ignore_errors=True)
+        config_digest = content_digest(run.config.to_dict())
+        state = load_state(run_dir)
+        point_latest(run_dir)
+        if state is not None:
+            check_same_run(
+                state,
+                run_dir=run_dir,
+                chain_digest=run.identity(),
+                config_digest=config_digest,
+                world_size=run.world_size,
+            )
+            self.stages = json.loads((run_dir / STAGES_NAME).read_text())
+            self.out(f"resuming online run {run_dir.name} at stage {len(state.stages)} ({run_dir})")
+            return state
+        first = self.frontier(run.initial_gbs)
+        if first is None:
+            raise ChainError(
+                f"no strategy for {run.world_size} processes at --initial-gbs {run.initial_gbs} fits and "
+                f"trains under this config"
+            )
+        self._add_stage(first, action="initial", reason=f"best strategy at --initial-gbs {run.initial_gbs}")
+        state = RunState(
+            chain_path="online",
+            chain_digest=run.identity(),
+            config_digest=config_digest,
+            world_size=run.world_size,
+            stages=(StageState(step_num=1),),
+        )
+        save_state(run_dir, state)
+        self.out(f"starting online run {run_dir.name} (run directory {run_dir})")
+        return state
+
+    def _add_stage(self, candidate: Candidate, *, action: str, reason: str) -> None:
+        self.stages.append(
+            {
+                "strategy": dataclasses.asdict(candidate.strategy),
+                "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
+                "action": action,
+                "reason": reason,
+            }
+        )
+        path = self.run.run_dir / STAGES_NAME
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.stages, indent=1) + "\n")
+        tmp.replace(path)
+
+    def strategy(self, step_num: int) -> Strategy:
+        return Strategy(**self.stages[step_num - 1]["strategy"])
+
+    def candidate(self, step_num: int) -> Candidate:
+        entry = self.stages[step_num - 1]
+        return Candidate(
+            strategy=self.strategy(step_num), predicted_tokens_per_s=entry["predicted_tokens_per_s"]
+        )
+
+    def layout_dir(self, step_num: int) -> Path:
+        from cona.engine.checkpoint import layout_dir
+
+        return layout_dir(self.run.workdir, self.run.config, self.strategy(step_num), self.dtype)
+
+    def save(self, state: RunState, stage: StageState) -> RunState:
+        state = state.with_stage(stage)
+        save_state(self.run.run_dir, state)
+        return state
+
+    def memory(self, state: RunState) -> _Memory:
+        """The policy's memory at the start of the current stage (rebuilt from the files after a resume)."""
+        training = self.run.config.training
+        current = state.current
+        assert current is not None
+        tracker = _replay_tracker(self.run.run_dir, training.base_gbs, current.start_iteration)
+        earlier = len(state.stages) - 1
+        policy_state = initial_state(self.candidate(len(state.stages)))
+        costs = [sum(s.switch_cost.values()) for s in state.stages if s.switch_cost]
+        if costs:
+            policy_state = dataclasses.replace(
+                policy_state, measured_switch_cost_s=sum(costs) / len(costs), switches=len(costs)
+            )
+        if earlier:
+            from cona.planner.policy import FinishedStage
+
+            rates = stage_rows(self.run.run_dir, state, self.stages)
+            finished = tuple(
+                FinishedStage(
+                    strategy=self.strategy(row["stage"]), measured_tokens_per_s=row["tokens_per_s"] or 0.0
+                )
+                for row in rates[:earlier]
+            )
+            policy_state = dataclasses.replace(policy_state, earlier=finished)
+        settings = PolicySettings.from_training(
+            training, max_gbs=self.run.max_gbs, **self.run.policy_overrides
+        )
+        return _Memory(settings=settings, policy_state=policy_state, tracker=tracker)
+
+    # --- one stage -------------------------------------------------------------------------------------
+
+    def run_stage(self, state: RunState, memory: _Memory) -> tuple[RunState, _Memory]:
+        current = state.current
+        assert current is not None
+        number = current.step_num
+        outcome = None
+        if current.status in ("pending", "running"):
+            state, outcome = self._train(state, memory)
+        stage = state.stage(number)
+        if stage.status == "trained" and len(state.stages) == number:
+            state = self._maybe_next(state, stage, outcome)
+        stage = state.stage(number)
+        has_next = len(state.stages) > number
+        if stage.status == "trained":
+            changes = self._publish(stage) if has_next else {}
+            stage = advance(stage, "published", **changes)
+            state = self.save(state, advance(stage, "pruned"))
+        stage = state.stage(number)
+        if stage.status == "pruned":
+            cost = switch_cost(state.stage(number - 1), stage) if number > 1 else {}
+            state = self.save(state, advance(stage, "done", switch_cost=cost))
+        if outcome is not None:
+            memory = _Memory(
+                settings=outcome.settings, policy_state=outcome.policy_state, tracker=outcome.tracker
+            )
+            if has_next and outcome.decision is not None:
+                done = state.stage(number)
+                memory.pending = PendingSwitch(
+                    new=self.candidate(number + 1),
+                    old_measured_tokens_per_s=outcome.measured_tokens_per_s or 0.0,
+                    handoff_s=done.timings.get("save_s", 0.0) + done.timings.get("publish_s", 0.0),
+                )
+        elif has_next:
+            memory = self.memory(state)
+        return state, memory
+
+    def _train(self, state: RunState, memory: _Memory) -> tuple[RunState, StageOutcome | None]:
+        current = state.current
+        assert current is not None
+        if current.status == "pending":
+            current = self._plan(state, current)
+            state = self.save(state, current)
+        spec = self._spec(current)
+        result, outcome, launched = finished_result_any(current, spec.result_path), None, None
+        if result is None:
+            spec_path = spec.write(spec.stage_dir / "spec.json")
+            spec.result_path.unlink(missing_ok=True)
+            spec.switch_request_path.unlink(missing_ok=True)
+            state = self.save(state, dataclasses.replace(current, attempts=current.attempts + 1))
+            launched = time.time()
+            search = StageSearch(
+                run_dir=self.run.run_dir,
+                stage=current.step_num,
+                launched_at=launched,
+                settings=memory.settings,
+                policy_state=memory.policy_state,
+                tracker=memory.tracker,
+                frontier=self.frontier,
+                budget=self.budget,
+                pending=memory.pending,
+                noise_scale_floor=self.run.noise_scale_floor,
+                # a switch costs at least a restart, unless the cost to assume was given
+                startup_prices_switch="predicted_switch_cost_s" not in self.run.policy_overrides,
+                metrics_offset=_size(spec.metrics_path),
+                out=self.out,
+            )
+            search.start()
+            try:
+                self.launcher(self._launch(spec, spec_path, current.step_num))
+            finally:
+                outcome = search.stop()
+            result = StageResult.read(spec.result_path)
+        self._check_result(current, result)
+        stage = advance(
+            state.stage(current.step_num),
+            "trained",
+            checkpoint=result.checkpoint,
+            last_iteration=result.last_iteration,
+            consumed_samples=result.consumed_samples,
+            consumed_tokens=result.consumed_tokens,
+            timings=durations(result.timings, launched),
+        )
+        return self.save(state, stage), outcome
+
+    def _check_result(self, stage: StageState, result: StageResult) -> None:
+        if result.checkpoint is None:
+            raise LaunchError(f"stage {stage.step_num} saved no checkpoint at its end")
+        if result.reason == "completed" or result.reason == "switch_requested":
+            return
+        raise LaunchError(f"stage {stage.step_num} stopped for an unknown reason {result.reason!r}")
+
+    def _maybe_next(self, state: RunState, stage: StageState, outcome: StageOutcome | None) -> RunState:
+        """Record the next stage when the stage ended on a switch request (read back from the request
+        file, which stays until the next stage is recorded, so this survives a kill)."""
+        request_path = self.run.run_dir / "switch_request.json"
+        result = StageResult.read(self.run.run_dir / "stages" / str(stage.step_num) / "stage_result.json")
+        if result.reason != "switch_requested" or not request_path.is_file():
+            request_path.unlink(missing_ok=True)
+            return state
+        request = json.loads(request_path.read_text())
+        if request["action"] in ("switch", "fallback"):
+            target = Candidate(
+                strategy=Strategy(**request["strategy"]),
+                predicted_tokens_per_s=request["predicted_tokens_per_s"],
+            )
+            self._add_stage(target, action=request["action"], reason=request["reason"])
+            state = dataclasses.replace(
+                state, stages=(*state.stages, StageState(step_num=stage.step_num + 1))
+            )
+            save_state(self.run.run_dir, state)
+            self.out(
+                f"stage {stage.step_num} -> {stage.step_num + 1}: {request['action']} to "
+                f"{target.strategy.short()} at iteration {stage.last_iteration}"
+            )
+        request_path.unlink()
+        return state
+
+    def _plan(self, state: RunState, stage: StageState) -> StageState:
+        training = self.run.config.training
+        number = stage.step_num
+        previous = state.stage(number - 1) if number > 1 else None
+        start = previous.last_iteration if previous is not None else 0
+        load_path = (previous.universal or previous.checkpoint) if previous is not None else None
+        noise = (
+            measured_noise_scale(self.run.run_dir, training, start)
+            if training.lr_scale_strategy == "adascale"
+            else None
+        )
+        strategy = self.strategy(number)
+        lr = scaled_lr(training, strategy.gbs, noise_scale=noise)
+        min_lr_factor = lr.min_lr / training.base_min_lr if training.base_min_lr > 0 else lr.min_lr_factor
+        plan = {"start_iteration": start, "load_path": load_path, "lr": lr.lr, "min_lr": lr.min_lr,
+                "strategy": dataclasses.asdict(strategy)}  # fmt: skip
+        path = self.run.run_dir / "stages" / str(number) / "plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(plan, indent=1) + "\n")
+        self.out(
+            f"stage {number}: {strategy.short()} from iteration {start}, lr {lr.lr:.3g} "
+            f"(x{lr.lr / training.base_lr:.3g}), load {load_path or 'none (from scratch)'}"
+        )
+        return advance(
+            stage,
+            "running",
+            start_iteration=start,
+            target_iteration=self.run.total_iters,
+            load_path=load_path,
+            planned_at=path.stat().st_mtime,
+            lr_factor=lr.lr / training.base_lr,
+            min_lr_factor=min_lr_factor,
+        )
+
+    def _spec(self, stage: StageState) -> StageSpec:
+        # A token budget has no stop iteration: any iteration past the start is the stage's own.
+        span = dataclasses.replace(stage, target_iteration=stage.target_iteration or sys.maxsize)
+        own = own_checkpoint(span, self.layout_dir(stage.step_num))
+        load_path = own if own is not None else (Path(stage.load_path) if stage.load_path else None)
+        return StageSpec(
+            run_dir=self.run.run_dir,
+            config=self.run.config,
+            strategy=self.strategy(stage.step_num),
+            stage=stage.step_num,
+            workdir=self.run.workdir,
+            planned_tokens=self.run.planned_tokens,
+            load_path=load_path,
+            target_iteration=self.run.total_iters,
+            max_tokens=self.budget.total_tokens,
+            lr_factor=stage.lr_factor,
+            min_lr_factor=stage.min_lr_factor,
+            save_at_end=True,
+        )
+
+    def _launch(self, spec: StageSpec, spec_path: Path, number: int) -> StageLaunch:
+        topology = Topology(
+            nproc_per_node=self.run.world_size, master_port=stage_master_port(self.run.base_port, number)
+        )
+        return StageLaunch(
+            spec=spec, spec_path=spec_path, topology=topology, device_type=self.run.device_type,
+            quiet=self.run.quiet,
+        )  # fmt: skip
+
+    def _publish(self, stage: StageState) -> dict[str, Any]:
+        began = time.perf_counter()
+        universal = publish(Path(stage.checkpoint))
+        seconds = time.perf_counter() - began
+        self.out(f"stage {stage.step_num}: published {universal.name} ({seconds:.2f} s)")
+        return {"universal": str(universal), "timings": {**stage.timings, "publish_s": seconds}}
+
+
+def finished_result_any(stage: StageState, result_path: Path) -> StageResult | None:
+    """A result the stage's workers wrote after the runner was killed (completed or on a switch)."""
+    if stage.attempts == 0 or not result_path.is_file() or result_path.stat().st_mtime <= stage.planned_at:
+        return None
+    result = StageResult.read(result_path)
+    return result if result.checkpoint is not None else finished_result(stage, result_path)
+
+
+def _replay_tracker(run_dir: Path, base_gbs: int, up_to_iteration: int | None) -> NoiseScaleTracker:
+    """The noise-scale tracker over metrics.jsonl up to an iteration (each iteration once, its last line)."""
+    records: dict[int, dict] = {}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and up_to_iteration:
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record.get("iteration"), int) and record["iteration"] <= up_to_iteration:
+                records[record["iteration"]] = record
+    tracker = NoiseScaleTracker(base_batch=base_gbs)
+    for iteration in sorted(records):
+        tracker = tracker.update_from_metrics(records[iteration])
+    return tracker
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
+def run_online(
+    args_or_run: argparse.Namespace | OnlineRun,
+    *,
+    launcher: Launcher = torchrun_launcher,
+    out: Callable[[str], None] = print,
+) -> RunState:
+    """Run (or resume) an online run to its end; writes realized_chain.json and prints the summary."""
+    run = args_or_run if isinstance(args_or_run, OnlineRun) else online_run_from_args(args_or_run)
+    runner = _Runner(run, launcher, out)
+    state = runner.open()
+    if run.noise_scale_floor is not None:
+        out(
+            f"decisions assume a noise scale of at least {run.noise_scale_floor:g} samples (the measured one "
+            f"is logged beside it); policy settings overridden: {run.policy_overrides or 'none'}"
+        )
+    if state.current is not None:
+        memory = runner.memory(state)
+        while state.current is not None:
+            state, memory = runner.run_stage(state, memory)
+    chain = realized_chain(state, runner.stages)
+    (run.run_dir / REALIZED_NAME).write_text(json.dumps(chain, indent=1) + "\n")
+    print_summary(run.run_dir, state, runner.stages, target_ppl=run.target_ppl, out=out)
+    out(f"realized chain: {run.run_dir / REALIZED_NAME} (cona train --chain replays it)")
+    return state

@@ -1,0 +1,125 @@
+"""The options of an online run (``cona train --gpus N --system S --initial-gbs G0 ...``), checked."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cona.config import ConaConfig, load_config
+from cona.errors import ConaError
+from cona.runner.chain import content_digest
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.run_dir import check_run_name, resolve_log_root
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnlineRun:
+    """What ``cona train`` in online mode was asked to do."""
+
+    config: ConaConfig
+    workdir: Path
+    run_dir: Path
+    world_size: int
+    device_type: str
+    system: str
+    initial_gbs: int
+    max_gbs: int
+    total_iters: int | None = None
+    total_tokens: int | None = None
+    target_ppl: float | None = None
+    botorch: bool = True
+    base_port: int = DEFAULT_MASTER_PORT_BASE
+    fresh: bool = False
+    quiet: bool = False
+    policy_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """PolicySettings fields to override (tests and the demo), e.g. ``{"hysteresis": 0.0}``."""
+    noise_scale_floor: float | None = None
+    """Decide as if the noise scale were at least this (samples); every decision logs both numbers. For
+    the demo and tests: a short run of a tiny model measures a noise scale far below where a switch pays."""
+
+    def identity(self) -> str:
+        """A digest of what decides the run's stages: a run directory is only continued with the same."""
+        keys = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "botorch")
+        chosen = {key: getattr(self, key) for key in keys}
+        return content_digest(chosen | {"policy": self.policy_overrides, "floor": self.noise_scale_floor})
+
+    @property
+    def planned_tokens(self) -> int:
+        """The LR schedule's horizon: the token budget, else training.lr_decay_tokens, else the tokens of
+        --total-iters at the initial gbs (a larger gbs later ends the cosine early; set lr_decay_tokens)."""
+        training = self.config.training
+        if self.total_tokens is not None:
+            return self.total_tokens
+        if training.lr_decay_tokens is not None:
+            return training.lr_decay_tokens
+        assert self.total_iters is not None, "online_run_from_args requires a budget"
+        return self.total_iters * self.initial_gbs * self.config.model.seq
+
+
+def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
+    """Options from ``cona train --gpus N --system S --initial-gbs G0 --max-gbs G (--total-iters I |
+    --total-tokens T | --target-ppl P) [--no-botorch] [--config] [--device] [--workdir] [--run-name]``."""
+    config = resolve_log_root(load_config(getattr(args, "config", None), check_data_files=True))
+    if getattr(args, "device", None) is not None:
+        config = dataclasses.replace(
+            config, training=dataclasses.replace(config.training, device=args.device)
+        )
+    if (getattr(args, "num_nodes", None) or 1) > 1:
+        raise ConaError("cona train (online mode): runs on one node; drop --num-nodes")
+    required = {"--gpus": args.gpus, "--system": args.system, "--initial-gbs": args.initial_gbs}
+    missing = [flag for flag, value in required.items() if value is None]
+    if missing:
+        raise ConaError(f"cona train (online mode): missing {', '.join(missing)}")
+    budget = (args.total_iters, args.total_tokens, args.target_ppl)
+    if all(value is None for value in budget):
+        raise ConaError("cona train (online mode): give --total-iters, --total-tokens or --target-ppl")
+    if args.total_iters is None and args.total_tokens is None and config.training.lr_decay_tokens is None:
+        raise ConaError(
+            "cona train --target-ppl without --total-iters/--total-tokens trains at most to the LR horizon: "
+            "set training.lr_decay_tokens in the config"
+        )
+    for flag, value in (("--gpus", args.gpus), ("--initial-gbs", args.initial_gbs)):
+        if int(value) < 1:
+            raise ConaError(f"cona train {flag}: must be at least 1, got {value}")
+    max_gbs = int(args.max_gbs) if args.max_gbs is not None else int(args.initial_gbs)
+    if max_gbs < int(args.initial_gbs):
+        raise ConaError(f"cona train --max-gbs {max_gbs} is below --initial-gbs {args.initial_gbs}")
+    device_type = _device_type(config)
+    run_name = check_run_name(getattr(args, "run_name", None) or "online")
+    return OnlineRun(
+        config=config,
+        workdir=Path(getattr(args, "workdir", None) or Path.cwd()).resolve(),
+        run_dir=Path(config.training.log_root) / run_name,
+        world_size=int(args.gpus),
+        device_type=device_type,
+        system=args.system,
+        initial_gbs=int(args.initial_gbs),
+        max_gbs=max_gbs,
+        total_iters=_positive(args.total_iters, "--total-iters", int),
+        total_tokens=_positive(args.total_tokens, "--total-tokens", int),
+        target_ppl=_positive(args.target_ppl, "--target-ppl", float),
+        botorch=not getattr(args, "no_botorch", False),
+        base_port=getattr(args, "master_port_base", None) or DEFAULT_MASTER_PORT_BASE,
+        fresh=bool(getattr(args, "fresh", False)),
+        quiet=bool(getattr(args, "quiet", False)),
+    )
+
+
+def _positive(value: Any, flag: str, kind: type) -> Any:
+    if value is None:
+        return None
+    converted = kind(value)
+    if converted <= 0:
+        raise ConaError(f"cona train {flag}: must be positive, got {value}")
+    return converted
+
+
+def _device_type(config: ConaConfig) -> str:
+    if config.training.device != "auto":
+        return config.training.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,431 @@
+"""The search beside an online stage: a daemon thread of the runner that reads ``metrics.jsonl`` as it grows.
+
+At every new batch of metrics lines it folds the gradient-noise measurements into the noise-scale tracker,
+measures the running strategy's throughput (median over the stage's log intervals, the first one left out:
+it holds the start-up), asks the planner for the frontier candidate (:func:`cona.planner.policy.next_frontier`
+over the calibrated model's best strategy of each larger gbs) and lets :func:`cona.planner.policy.decide`
+choose. Every evaluation is appended to ``decisions.jsonl``. A switch or fall-back writes
+``switch_request.json`` (atomically); the workers see it at the next step boundary, save and exit, and the
+runner carries the switch out. A stop at ``--target-ppl`` travels the same way.
+
+The thread only reads files the workers append to and writes files they poll, so it never waits on them
+and they never wait on it; it runs on the CPU of the runner process (measured in docs/bench-online.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cona.config import ConaConfig
+from cona.errors import ConaError, PlanError
+from cona.planner.calibration import Calibration, fit_calibration
+from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
+from cona.planner.perf_model import predict
+from cona.planner.plan import space_options
+from cona.planner.policy import (
+    Candidate,
+    Decision,
+    Measurement,
+    PolicySettings,
+    PolicyState,
+    after_switch,
+    decide,
+    next_frontier,
+    strategy_dict,
+)
+from cona.planner.search import bayesian_search, exhaustive_search
+from cona.planner.systems import System
+from cona.runner.chain import validate_layout
+from cona.strategy import Strategy, StrategyArray
+
+DECISIONS_NAME = "decisions.jsonl"
+POLL_INTERVAL_S = 0.5
+PRINT_EVERY_STAY = 5
+"""Print one "stay" decision in this many (the first of each stage included)."""
+RECALIBRATE_CHANGE = 0.1
+"""Relative change of the measured throughput that triggers a refit of the performance model."""
+
+
+class MetricsTail:
+    """Reads the complete lines appended to a JSONL file since the last call (a half-written last line
+    waits for its newline)."""
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        self.path = path
+        self.offset = offset
+
+    def new_records(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        records = []
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the tail of a line a killed worker left; its stage is rerun
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingSwitch:
+    """A switch the runner carried out whose cost is complete once the new stage has logged its first
+    interval: the previous stage's save and publish, then the new stage's start until its first step."""
+
+    new: Candidate
+    old_measured_tokens_per_s: float
+    handoff_s: float
+    """Save and publish of the previous stage, measured by the runner."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budget:
+    """How much training is left: ``--total-iters`` and/or a token budget (``--total-tokens``, or the LR
+    horizon when only ``--target-ppl`` is given); ``--target-ppl`` stops early."""
+
+    total_iters: int | None
+    total_tokens: int | None
+    target_ppl: float | None
+    seq: int
+
+    def remaining_tokens(self, iteration: int, consumed_tokens: int, gbs: int) -> float:
+        left = []
+        if self.total_iters is not None:
+            left.append((self.total_iters - iteration) * gbs * self.seq)
+        if self.total_tokens is not None:
+            left.append(self.total_tokens - consumed_tokens)
+        return float(max(min(left), 0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageOutcome:
+    """What the thread leaves for the runner when its stage ends."""
+
+    decision: Decision | None
+    """The switch or fall-back it requested (None: none)."""
+    stop_reason: str | None
+    """Set when it requested a stop at --target-ppl."""
+    policy_state: PolicyState
+    settings: PolicySettings
+    tracker: NoiseScaleTracker
+    measured_tokens_per_s: float | None
+    target_reached: dict[str, Any] | None
+    """The first metrics record with eval_ppl <= --target-ppl."""
+
+
+class StageSearch:
+    """The search of one stage; :meth:`poll` does one round (tests call it directly), :meth:`start` runs
+    rounds in a daemon thread until :meth:`stop`."""
+
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        stage: int,
+        launched_at: float,
+        settings: PolicySettings,
+        policy_state: PolicyState,
+        tracker: NoiseScaleTracker,
+        frontier: FrontierSearch | Callable[[int], Candidate | None],
+        budget: Budget,
+        pending: PendingSwitch | None = None,
+        noise_scale_floor: float | None = None,
+        startup_prices_switch: bool = True,
+        metrics_offset: int = 0,
+        out: Callable[[str], None] = print,
+    ) -> None:
+        self.run_dir, self.stage, self.launched_at = run_dir, stage, launched_at
+        self.settings, self.policy_state, self.tracker = settings, policy_state, tracker
+        self.frontier, self.budget, self.pending, self.out = frontier, budget, pending, out
+        self._calibrated_rate: float | None = None
+        self._anchor: float | None = None
+        self._evaluations = 0
+        """Measured / calibrated-model tokens/s of the running strategy at the last evaluation."""
+        self.noise_scale_floor = noise_scale_floor
+        self.startup_prices_switch = startup_prices_switch
+        self.tail = MetricsTail(run_dir / "metrics.jsonl", metrics_offset)
+        self.step_rates: list[float] = []
+        self.decision: Decision | None = None
+        self.stop_reason: str | None = None
+        self.target_reached: dict[str, Any] | None = None
+        self._started_logging = False
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def switch_request_path(self) -> Path:
+        return self.run_dir / "switch_request.json"
+
+    def measured_tokens_per_s(self) -> float | None:
+        """Median over the stage's log intervals after the first (which holds start-up and warm-up)."""
+        return statistics.median(self.step_rates[1:]) if len(self.step_rates) > 1 else None
+
+    def poll(self) -> Decision | None:
+        """Read what is new, evaluate once if anything is, and request a switch or stop if due."""
+        records = self.tail.new_records()
+        if not records or self.requested:
+            return None
+        for record in records:
+            self._absorb(record)
+        if self.requested:
+            return None
+        last = next((r for r in reversed(records) if r.get("stage") == self.stage), None)
+        if last is None or "iteration" not in last:
+            return None
+        return self._evaluate(last)
+
+    @property
+    def requested(self) -> bool:
+        return self.decision is not None or self.stop_reason is not None
+
+    def _absorb(self, record: dict[str, Any]) -> None:
+        self.tracker = self.tracker.update_from_metrics(record)
+        if record.get("stage") != self.stage or record.get("tokens_per_s") is None:
+            return
+        if not self._started_logging:
+            self._started_logging = True
+            self._account_start(record)
+        self.step_rates.append(float(record["tokens_per_s"]))
+        ppl, target = record.get("eval_ppl"), self.budget.target_ppl
+        if target is not None and ppl is not None and ppl <= target and self.target_reached is None:
+            self.target_reached = record
+            self.stop_reason = f"eval perplexity {ppl:.2f} <= --target-ppl {target:g}"
+            self.out(f"stage {self.stage}: {self.stop_reason} at iteration {record['iteration']}; stopping")
+            _write_atomic(self.switch_request_path, {"action": "stop", "reason": self.stop_reason})
+
+    def _account_start(self, record: dict[str, Any]) -> None:
+        """The first interval of the stage dates its start-up: launch until the first step was done."""
+        steps_s = float(record.get("step_time_s", 0.0)) * int(record.get("steps_in_interval", 1))
+        startup_s = max(float(record.get("time", time.time())) - self.launched_at - steps_s, 0.0)
+        if self.pending is not None:
+            self.policy_state = after_switch(
+                self.policy_state,
+                new=self.pending.new,
+                old_measured_tokens_per_s=self.pending.old_measured_tokens_per_s,
+                switch_cost_s=self.pending.handoff_s + startup_s,
+            )
+            self.pending = None
+        elif self.startup_prices_switch and self.policy_state.measured_switch_cost_s is None:
+            # No switch measured yet: a switch costs at least a restart like this one.
+            cost_s = max(self.settings.predicted_switch_cost_s, startup_s)
+            self.settings = dataclasses.replace(self.settings, predicted_switch_cost_s=cost_s)
+
+    def _evaluate(self, last: dict[str, Any]) -> Decision | None:
+        if self.pending is not None:
+            return None  # the switch into this stage is not accounted yet
+        measured = self.measured_tokens_per_s()
+        current = self.policy_state.current.strategy
+        measurement = Measurement(
+            time=float(last.get("time", time.time())),
+            iteration=int(last["iteration"]),
+            consumed_tokens=int(last["consumed_tokens"]),
+            noise=self._noise_estimate(),
+            measured_tokens_per_s=measured,
+            remaining_tokens=self.budget.remaining_tokens(
+                int(last["iteration"]), int(last["consumed_tokens"]), current.gbs
+            ),
+        )
+        self._recalibrate(current, measured)
+        candidate = None
+        if measured is not None and measurement.noise is not None:
+            candidate = next_frontier(current.gbs, measured, self.settings, self._anchored(current, measured))
+        decision = decide(self.policy_state, measurement, candidate, self.settings)
+        self.policy_state = decision.state
+        self._log(decision)
+        if decision.action != "stay":
+            self.decision = decision
+            _write_atomic(self.switch_request_path, {"action": decision.action, **_target(decision)})
+        return decision
+
+    def _anchored(self, current: Strategy, measured: float) -> Callable[[int], Candidate | None]:
+        """The frontier with its predictions scaled by measured / predicted of the running strategy: the
+        calibration is a compromise over every strategy measured, and comparing its prediction for the
+        candidate with the measured rate of the current one would count its miss on the current one as a
+        difference between the two."""
+        if not isinstance(self.frontier, FrontierSearch):
+            return self.frontier
+        anchor = measured / self.frontier.predicted_tokens_per_s(current)
+        self._anchor = anchor
+        frontier = self.frontier
+
+        def best_at(gbs: int) -> Candidate | None:
+            found = frontier(gbs)
+            if found is None:
+                return None
+            return dataclasses.replace(found, predicted_tokens_per_s=found.predicted_tokens_per_s * anchor)
+
+        return best_at
+
+    def _noise_estimate(self) -> NoiseScaleEstimate | None:
+        """The tracker's estimate, raised to ``noise_scale_floor`` when one is set (the demo's stand-in for
+        the larger noise scale of a longer run). An unknown noise scale stays unknown."""
+        estimate = self.tracker.estimate()
+        floor = self.noise_scale_floor
+        if estimate is None or floor is None or estimate.noise_scale is None or estimate.noise_scale >= floor:
+            return estimate
+        return dataclasses.replace(estimate, trace_sigma=floor * estimate.grad_sqr)
+
+    def _recalibrate(self, current: Strategy, measured: float | None) -> None:
+        """Refit the model on the running strategy when its measured rate moved by more than
+        :data:`RECALIBRATE_CHANGE` since the last fit (the first intervals are still warming up, and on a
+        shared machine the rate drifts); each refit clears the frontier's cached searches."""
+        if measured is None or not isinstance(self.frontier, FrontierSearch):
+            return
+        fitted = self._calibrated_rate
+        if fitted is None or abs(measured / fitted - 1.0) > RECALIBRATE_CHANGE:
+            self.frontier.add_measurement(current, current.gbs * self.budget.seq / measured)
+            self._calibrated_rate = measured
+
+    def _log(self, decision: Decision) -> None:
+        record = {"stage": self.stage, **decision.record, "model_anchor": self._anchor}
+        if self.noise_scale_floor is not None:
+            record["measured_noise_scale"] = self.tracker.noise_scale()
+            record["noise_scale_floor"] = self.noise_scale_floor
+        with open(self.run_dir / DECISIONS_NAME, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self._evaluations += 1
+        if decision.action == "stay" and (self._evaluations - 1) % PRINT_EVERY_STAY:
+            return  # decisions.jsonl has every evaluation; the console every switch and some stays
+        noise = record.get("noise_scale")
+        noise_text = f"{noise:.1f}" if noise is not None else "unknown"
+        if self.noise_scale_floor is not None and record["measured_noise_scale"] is not None:
+            noise_text += f", measured {record['measured_noise_scale']:.1f}, floor {self.noise_scale_floor:g}"
+        self.out(
+            f"decision at iteration {record['iteration']}: {decision.action} (noise scale {noise_text}): "
+            f"{decision.reason}"
+        )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"cona-search-{self.stage}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._halt.wait(POLL_INTERVAL_S):
+                self.poll()
+        except BaseException as err:  # noqa: BLE001 (reported by stop(), in the runner's thread)
+            self.error = err
+
+    def stop(self) -> StageOutcome:
+        """Stop the thread, read what the stage logged last, and hand over the outcome."""
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        for record in self.tail.new_records():  # the stage's last lines: counted, not acted on
+            self._absorb(record)
+        return StageOutcome(
+            decision=self.decision,
+            stop_reason=self.stop_reason,
+            policy_state=self.policy_state,
+            settings=self.settings,
+            tracker=self.tracker,
+            measured_tokens_per_s=self.measured_tokens_per_s(),
+            target_reached=self.target_reached,
+        )
+
+
+def _target(decision: Decision) -> dict[str, Any]:
+    assert decision.target is not None, "a switch or fall-back always names its target"
+    return {
+        "strategy": strategy_dict(decision.target.strategy),
+        "predicted_tokens_per_s": decision.target.predicted_tokens_per_s,
+        "reason": decision.reason,
+    }
+
+
+def _write_atomic(path: Path, body: dict[str, Any]) -> None:
+    """Write through a temporary name and rename, so a worker never reads half a request."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as handle:
+        json.dump(body, handle, indent=1)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class FrontierSearch:
+    """The best engine-valid strategy of a gbs and its predicted throughput, with the performance model
+    calibrated on every strategy measured so far (refitted, and the cache cleared, on each new one)."""
+
+    def __init__(
+        self,
+        *,
+        config: ConaConfig,
+        system: System,
+        n_gpus: int,
+        dtype: str,
+        botorch: bool,
+        top_k: int = 10,
+    ) -> None:
+        self.config, self.system, self.n_gpus, self.dtype = config, system, n_gpus, dtype
+        self.botorch, self.top_k = botorch, top_k
+        self.options = space_options(config.training)
+        self.measured: dict[Strategy, float] = {}
+        self.calibration: Calibration | None = None
+        self._cache: dict[int, Candidate | None] = {}
+
+    def add_measurement(self, strategy: Strategy, step_time_s: float) -> None:
+        self.measured[strategy] = step_time_s
+        self.calibration = fit_calibration(
+            self.config.model, list(self.measured.items()), self.system, self.dtype
+        )
+        self._cache.clear()
+
+    def predicted_tokens_per_s(self, strategy: Strategy) -> float:
+        """The calibrated model's throughput of one strategy."""
+        one = StrategyArray.from_strategies([strategy])
+        prediction = predict(
+            self.config.model, one, self.system, dtype=self.dtype, calibration=self.calibration
+        )
+        return float(prediction.tokens_per_s[0])
+
+    def __call__(self, gbs: int) -> Candidate | None:
+        if gbs not in self._cache:
+            self._cache[gbs] = self._search(gbs)
+        return self._cache[gbs]
+
+    def _search(self, gbs: int) -> Candidate | None:
+        run = bayesian_search if self.botorch else exhaustive_search
+        try:
+            result = run(
+                self.config.model,
+                self.system,
+                self.n_gpus,
+                gbs,
+                options=self.options,
+                dtype=self.dtype,
+                calibration=self.calibration,
+                top_k=self.top_k,
+            )
+        except PlanError:
+            return None  # nothing valid or fitting at this gbs: the frontier skips it
+        for row in range(len(result.candidates)):
+            strategy = result.candidates[row]
+            try:
+                validate_layout(self.config, strategy, self.n_gpus)
+            except ConaError:
+                continue  # the model's space is wider than what the engine trains
+            return Candidate(
+                strategy=strategy, predicted_tokens_per_s=float(result.prediction.tokens_per_s[row])
+            )
+        return None

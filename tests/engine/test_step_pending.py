@@ -1,0 +1,188 @@
+"""The step without host syncs: device-side outputs, GNS measured on chosen steps, the trainer's interval
+sums, and a smoke run of the engine-vs-reference bench on the CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.torchrun_util import free_port
+
+from cona.config import ConaConfig, ModelConfig, TrainingConfig, parse_config
+from cona.engine.parallel_dims import build_mesh
+from cona.engine.spec import StageSpec
+from cona.engine.train_model import PendingStepOutput, TrainingModel, build_training_model
+from cona.engine.trainer import IntervalSums, Progress, gns_due
+from cona.runner.run_dir import resolve_log_root
+from cona.strategy import Strategy
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def tiny_engine(gbs: int, mbs: int) -> TrainingModel:
+    config = ConaConfig(
+        model=ModelConfig(
+            layers=2, hidden=32, heads=2, seq=8, vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0
+        ),
+        training=TrainingConfig(device="cpu", seed=3),
+    )
+    strategy = Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=gbs)
+    return build_training_model(config, strategy, build_mesh(strategy, "cpu"), torch.device("cpu"))
+
+
+def batches(rows: int, mbs: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(0, 64, (rows, 9), generator=torch.Generator().manual_seed(seed))
+    return list(zip(tokens[:, :-1].split(mbs), tokens[:, 1:].split(mbs), strict=True))
+
+
+def test_pending_step_equals_the_float_step(one_process_group) -> None:
+    pending_engine, float_engine = tiny_engine(gbs=4, mbs=2), tiny_engine(gbs=4, mbs=2)
+    data = batches(4, 2, seed=0)
+    pending = pending_engine.train_step_pending(data)
+    assert isinstance(pending.loss, torch.Tensor) and pending.loss.dim() == 0
+    assert pending.result() == float_engine.train_step(data)
+    norm = pending_engine.clip_grad_norm_pending(0.05)
+    assert isinstance(norm, torch.Tensor)
+    assert norm.item() == float_engine.clip_grad_norm_(0.05)
+    pairs = zip(
+        pending_engine.model_parts[0].parameters(), float_engine.model_parts[0].parameters(), strict=True
+    )
+    for a, b in pairs:
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_unmeasured_steps_restart_the_difference_estimator(one_process_group) -> None:
+    engine = tiny_engine(gbs=2, mbs=2)
+    first, second, third = (batches(2, 2, seed=s) for s in (1, 2, 3))
+    assert math.isnan(engine.train_step(first).gns_big_sqr)  # nothing to pair with yet
+    skipped = engine.train_step(second, measure_gns=False)
+    assert math.isnan(skipped.gns_small_sqr) and math.isnan(skipped.gns_big_sqr)
+    assert math.isfinite(skipped.loss)
+    again = engine.train_step(third)  # the first gradient is forgotten: no pair across a skipped step
+    assert math.isnan(again.gns_small_sqr)
+    assert math.isfinite(engine.train_step(first).gns_small_sqr)
+
+
+def test_unmeasured_micro_batch_steps_report_nan(one_process_group) -> None:
+    engine = tiny_engine(gbs=4, mbs=2)
+    data = batches(4, 2, seed=4)
+    measured = engine.train_step(data)
+    off = engine.train_step(data, measure_gns=False)
+    assert math.isnan(off.gns_small_sqr) and off.loss == measured.loss
+    assert engine.train_step(data).gns_small_sqr == pytest.approx(measured.gns_small_sqr, rel=1e-6)
+
+
+def pending(loss: float, small: float, big: float) -> PendingStepOutput:
+    values = (torch.tensor(v) for v in (loss, small, big))
+    loss_t, small_t, big_t = values
+    return PendingStepOutput(
+        loss=loss_t, gns_small_sqr=small_t, gns_big_sqr=big_t, gns_small_batch=2, gns_big_batch=4
+    )
+
+
+def test_interval_means_skip_non_finite_gns_inputs() -> None:
+    interval = IntervalSums()
+    interval.add(pending(4.0, math.nan, math.nan), torch.tensor(1.0), torch.tensor(True))
+    interval.add(pending(2.0, 3.0, 1.0), torch.tensor(3.0), torch.tensor(True))
+    interval.add(pending(3.0, 5.0, math.inf), torch.tensor(2.0), torch.tensor(False))
+    interval.add(pending(3.0, 7.0, 2.0), torch.tensor(2.0), torch.tensor(True))
+    means = interval.means()
+    assert means == {
+        "loss": 3.0,
+        "grad_norm": 2.0,
+        "gns_small_sqr": 5.0,
+        "gns_big_sqr": 1.5,
+        "skipped_steps": 1,
+    }
+    empty = IntervalSums()
+    empty.add(pending(1.0, math.nan, math.nan), torch.tensor(1.0), torch.tensor(True))
+    assert math.isnan(empty.means()["gns_small_sqr"])
+
+
+def stage_spec(tmp_path: Path, log_interval: int, **stop) -> StageSpec:
+    raw = {
+        "model": {"name": "gpt-tiny", "layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab_size": 300},
+        "training": {"device": "cpu", "log_interval": log_interval, "eval_interval": 1000},
+    }
+    config = resolve_log_root(parse_config(raw, source=tmp_path / ".conaconfig"))
+    return StageSpec(
+        run_dir=tmp_path / "run",
+        config=config,
+        strategy=Strategy(dp=1, tp=1, pp=1, mbs=2, gbs=2),
+        stage=1,
+        workdir=tmp_path / "work",
+        planned_tokens=10_000,
+        **stop,
+    )
+
+
+def measured_iterations(spec: StageSpec, steps: int) -> list[int]:
+    """The iteration numbers (counted after the step) whose steps measure the GNS inputs."""
+    tokens = spec.strategy.gbs * spec.config.model.seq
+    return [
+        done + 1
+        for done in range(steps)
+        if gns_due(spec, Progress(iteration=done, consumed_samples=2 * done, consumed_tokens=tokens * done))
+    ]
+
+
+def test_gns_is_measured_on_the_steps_before_each_line(tmp_path: Path) -> None:
+    spec = stage_spec(tmp_path, log_interval=10, target_iteration=25)
+    assert measured_iterations(spec, 25) == [9, 10, 19, 20, 24, 25]
+    by_tokens = stage_spec(tmp_path, log_interval=10, max_tokens=32 * 15)
+    assert measured_iterations(by_tokens, 15) == [9, 10, 14, 15]
+    long_interval = stage_spec(tmp_path, log_interval=50, target_iteration=1000)
+    assert measured_iterations(long_interval, 100) == [46, 47, 48, 49, 50, 96, 97, 98, 99, 100]
+
+
+def run_bench(*extra: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(REPO / "bench" / "engine_vs_ref.py"), "--device", "cpu", "--sizes", "tiny"]
+    command += [
+        "--mbs",
+        "2",
+        "--seq",
+        "16",
+        "--warmup",
+        "0",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--no-compile",
+    ]
+    done = subprocess.run(command + list(extra), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_bench_smoke_run_on_cpu() -> None:
+    (row,) = [json.loads(line) for line in run_bench()]
+    assert (row["size"], row["mbs"]) == ("tiny", 2)
+    assert row["ref_step_ms"] > 0 and row["ours_step_ms"] > 0 and row["ratio"] > 0
+
+
+@pytest.mark.slow
+def test_bench_gns_overhead_mode_on_cpu() -> None:
+    (row,) = [json.loads(line) for line in run_bench("--gns-overhead")]
+    assert row["gns_off_step_ms"] > 0 and row["gns_every_step_ms"] > 0 and row["gns_trainer_step_ms"] > 0
+    assert row["overhead_every_step"] == pytest.approx(
+        row["gns_every_step_ms"] / row["gns_off_step_ms"] - 1, abs=1e-3
+    )
