@@ -9,7 +9,7 @@ choose. Every evaluation is appended to ``decisions.jsonl``. A switch or fall-ba
 runner carries the switch out. A stop at ``--target-ppl`` travels the same way.
 
 The thread only reads files the workers append to and writes files they poll, so it never waits on them
-and they never wait on it; it runs on the CPU of the runner process (measured in docs/bench-online.md).
+and they never wait on it; it runs on the CPU of the runner process (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
