@@ -49,8 +49,9 @@ CALCULON_ERRORS = {
     ("1T", "selective"): -0.076,
 }
 
-# (size, layers, hidden, heads, mbs, measured step ms, measured peak GiB): /work/shared/bench/
-# h200-gpt-ref-2026-11-29.json, produced by gpt_ref.py on one H200 (seq 1024, vocab 50304, 10 timed steps).
+# (size, layers, hidden, heads, mbs, measured step ms, measured peak GiB): the team's shared
+# bench/h200-gpt-ref-2026-11-29.json (outside this repository), produced by gpt_ref.py on one H200
+# (seq 1024, vocab 50304, 10 timed steps).
 H200_ROWS = (
     ("125m", 12, 768, 12, 8, 23.74, 5.1),
     ("125m", 12, 768, 12, 16, 32.87, 8.4),
