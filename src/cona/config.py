@@ -27,9 +27,19 @@ LR_SCALE_STRATEGIES = ("linear", "sqrt", "adascale", "power", "piecewise")
 DTYPES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
+MODEL_FAMILIES = ("gpt", "llama", "bert")
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    family: {"normalization": norm, "activation": activation, "position_embedding": positions, "bias": bias}
+    for family, norm, activation, positions, bias in (
+        ("gpt", "layernorm", "gelu", "learned", True),
+        ("llama", "rmsnorm", "swiglu", "rope", False),
+        ("bert", "layernorm", "gelu", "learned", True),
+    )
+}
+"""What an unset key of the model section becomes for each ``model.family``; explicit keys win."""
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-TOKENIZERS = ("GPT2BPETokenizer",)
+TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase")
 PATH_KEYS = (
     "data_prefix",
     "vocab_file",
@@ -47,6 +57,9 @@ class ModelConfig:
 
     name: str = "gpt"
     """Model identifier; names the checkpoint directory ``checkpoints/<name>/...``."""
+    family: Literal["gpt", "llama", "bert"] = "gpt"
+    """``gpt`` and ``llama``: causal decoders trained on next-token prediction; ``bert``: a bidirectional
+    encoder with Megatron's masked-LM head. Fills the unset keys below (:data:`FAMILY_DEFAULTS`)."""
     layers: int
     """Number of transformer blocks."""
     hidden: int
@@ -61,8 +74,22 @@ class ModelConfig:
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.1
     """Dropout on the residual branches and embeddings."""
-    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
-    """Normalisation layer of each block and the final norm."""
+    normalization: Literal["layernorm", "rmsnorm"] | None = None
+    """Normalisation layer of each block and the final norm; the family's (layernorm, llama: rmsnorm)
+    when omitted."""
+    activation: Literal["gelu", "swiglu"] | None = None
+    """MLP: ``gelu`` (w1, w2) or ``swiglu`` (gate w1, up w3, down w2); llama's is swiglu."""
+    position_embedding: Literal["learned", "rope"] | None = None
+    """Learned absolute positions or rotary embeddings on q and k; llama's is rope."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (Llama 3: 500000)."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention when fewer than ``heads``, which they must divide);
+    ``heads`` when omitted."""
+    tie_embeddings: bool = True
+    """Whether the output projection shares the token-embedding matrix."""
+    bias: bool | None = None
+    """Biases in the linear layers; llama has none."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of the normalisation layers."""
     vocab_size: int | None = None
@@ -71,6 +98,19 @@ class ModelConfig:
     """The embedding is padded to a multiple of this (Megatron's rule), the same for every tp <= it."""
     init_std: float = 0.02
     """Standard deviation of the weight initialisation; output projections get std/sqrt(2*layers)."""
+
+    def __post_init__(self) -> None:
+        # The family fills what the file left unset (None), so an explicit key always wins.
+        for key, value in FAMILY_DEFAULTS.get(self.family, FAMILY_DEFAULTS["gpt"]).items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+
+    @property
+    def causal(self) -> bool:
+        """Whether attention is causal (every family but the bidirectional ``bert``)."""
+        return self.family != "bert"
 
     @property
     def ffn_size(self) -> int:
@@ -147,10 +187,11 @@ class TrainingConfig:
     data_prefix: str | None = None
     """Indexed dataset path without ``.bin``/``.idx``."""
     vocab_file: str | None = None
-    """GPT-2 ``vocab.json``."""
+    """GPT-2 ``vocab.json``, or a WordPiece ``vocab.txt`` (one token per line) for BertWordPieceLowerCase."""
     merge_file: str | None = None
     """GPT-2 ``merges.txt``."""
-    tokenizer_type: Literal["GPT2BPETokenizer"] = "GPT2BPETokenizer"
+    tokenizer_type: Literal["GPT2BPETokenizer", "BertWordPieceLowerCase"] = "GPT2BPETokenizer"
+    """How the data was tokenized; model.family ``bert`` needs BertWordPieceLowerCase ([CLS]/[SEP]/[MASK])."""
     data_cache_path: str | None = None
     """Where sample indices are cached; ``<data dir>/index-cache`` when omitted."""
     log_interval: int = 10
@@ -248,20 +289,23 @@ def parse_config(raw: Any, *, source: Path | None = None) -> ConaConfig:
     # planner) refuse through check_training_files / ModelConfig.padded_vocab_size, naming the key.
     vocab_path = Path(training.vocab_file) if training.vocab_file is not None else None
     if model_values.get("vocab_size") is None and vocab_path is not None and vocab_path.is_file():
-        model_values["vocab_size"] = vocab_size_from_file(vocab_path, where)
+        model_values["vocab_size"] = vocab_size_from_file(vocab_path, where, training.tokenizer_type)
     model = ModelConfig(**model_values)
     _check_values(model, training, where)
     return ConaConfig(model=model, training=training, path=source)
 
 
-def vocab_size_from_file(vocab_file: Path, where: str) -> int:
-    """Number of entries of a GPT-2 ``vocab.json`` (50257 for GPT-2)."""
+def vocab_size_from_file(vocab_file: Path, where: str, tokenizer_type: str = "GPT2BPETokenizer") -> int:
+    """Number of entries of a GPT-2 ``vocab.json`` (50257 for GPT-2) or lines of a WordPiece ``vocab.txt``."""
     try:
+        if tokenizer_type == "BertWordPieceLowerCase":
+            return len(vocab_file.read_text(encoding="utf-8").splitlines())
         return len(json.loads(vocab_file.read_text()))
     except FileNotFoundError:
         raise ConfigError(f"{where}: training.vocab_file: {vocab_file} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ConfigError(f"{where}: training.vocab_file: {vocab_file} is not a JSON vocabulary") from None
+        kind = "UTF-8 WordPiece" if tokenizer_type == "BertWordPieceLowerCase" else "JSON"
+        raise ConfigError(f"{where}: training.vocab_file: {vocab_file} is not a {kind} vocabulary") from None
 
 
 def check_training_files(config: ConaConfig) -> None:
@@ -380,6 +424,14 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
             fail(f"model.{key}", "must be positive")
     if model.hidden % model.heads:
         fail("model.hidden", f"{model.hidden} is not divisible by model.heads={model.heads}")
+    if model.kv_heads <= 0:
+        fail("model.kv_heads", "must be positive")
+    if model.heads % model.kv_heads:
+        fail("model.kv_heads", f"{model.kv_heads} does not divide model.heads={model.heads}")
+    if model.rope_theta <= 0:
+        fail("model.rope_theta", "must be positive")
+    if model.position_embedding == "rope" and model.head_dim % 2:
+        fail("model.position_embedding", f"rope needs an even head size, hidden/heads is {model.head_dim}")
     if model.ffn_hidden is not None and model.ffn_hidden <= 0:
         fail("model.ffn_hidden", "must be positive")
     if model.vocab_size is not None and model.vocab_size <= 0:
@@ -442,3 +494,8 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
         raise ConfigError(f"{where}: {err}") from None
     if training.pipeline_virtual_stages > 1 and training.pipeline_schedule != "interleaved_1f1b":
         fail("training.pipeline_virtual_stages", "needs pipeline_schedule 'interleaved_1f1b'")
+    if model.family == "bert" and training.tokenizer_type != "BertWordPieceLowerCase":
+        fail(
+            "training.tokenizer_type",
+            "model.family 'bert' needs 'BertWordPieceLowerCase' (masked-LM samples use [CLS]/[SEP]/[MASK])",
+        )

@@ -2,22 +2,23 @@
 
 Run under ``torchrun --nproc-per-node N`` (gloo) or as a plain script (one process, no process group).
 
-    ckpt_worker.py WORKDIR [--real] [--save LAYOUT ...] [--load SRC:DST ...] [--save-loop LAYOUT]
+    ckpt_worker.py WORKDIR [--real [--family F]] [--save LAYOUT ...] [--load SRC:DST ...] [--save-loop L]
 
 A LAYOUT is ``dp<D>_tp<T>_pp<P>_z<Z>`` with an optional ``_v<V>`` (interleaved 1F1B, V stages per rank);
 its D*T*P must equal the world size of the launch that uses it.
 
 Two models. The default is a stand-in with GPT's parameter names, parallelised like the engine does it
 (pipeline split by layers with global names, tensor parallel on ``w1``/``w2``, FSDP2 over dp for zero 1/3,
-replicated tensors for zero 0); its gradients are an elementwise function of the parameters, so every
-layout follows the same trajectory. ``--real`` uses the engine's GPT (``build_training_model``) on fixed
-token batches. ``--save`` trains 2 steps, saves at iteration 2, writes (rank 0) ``dumps/<LAYOUT>.pt`` with
-the full value of every model and optimizer tensor, then trains 2 more steps and records their losses (or,
-for the stand-in, the state after one more step). ``--load`` builds DST from other initial values, loads
-SRC's checkpoint, requires every tensor to equal SRC's dump exactly, trains the same 2 steps and requires
-the losses of the uninterrupted run (1e-5 relative). ``--save-loop`` saves a bigger stand-in over and
-over (iterations 1, 2, ...) until killed. Without torchrun, the layout must be 1 process: the real model
-then runs as a plain ``GPT`` with no process group at all.
+replicated tensors for zero 0); its gradients are an elementwise function of the parameters, so every layout
+follows the same trajectory. ``--real`` uses the engine's model (``build_training_model``) on fixed token
+batches, of family F (``gpt`` by default; ``llama``: grouped-query attention and an untied head). ``--save``
+trains 2 steps, saves at iteration 2, writes (rank 0) ``dumps/<LAYOUT>.pt`` with the full value of every model
+and optimizer tensor, then trains 2 more steps and records their losses (or, for the stand-in, the state after
+one more step). ``--load`` builds DST from other initial values, loads SRC's checkpoint, requires every tensor
+to equal SRC's dump exactly, trains the same 2 steps and requires the losses of the uninterrupted run (1e-5
+relative). ``--save-loop`` saves a bigger stand-in over and over (iterations 1, 2, ...) until killed. Without
+torchrun, the layout must be 1 process: the real model then runs as a plain ``GPT`` with no process group at
+all.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ REAL = {
     "attention_dropout": 0.0,
     "hidden_dropout": 0.0,
 }
+FAMILY_KEYS = {
+    "gpt": {},
+    "llama": {"family": "llama", "kv_heads": 2, "tie_embeddings": False},
+    "bert": {"family": "bert"},
+}
+FAMILY_TRAINING = {"bert": {"tokenizer_type": "BertWordPieceLowerCase"}}
 SAVED_ITERATION = 2
 CONTINUED_STEPS = 2
 MBS, GBS = 2, 8
@@ -353,12 +360,14 @@ def main() -> None:
     parser.add_argument("--save", nargs="*", default=[])
     parser.add_argument("--load", nargs="*", default=[])
     parser.add_argument("--save-loop")
+    parser.add_argument("--family", choices=sorted(FAMILY_KEYS), default="gpt")
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    shape = REAL if args.real else BIG if args.save_loop else SMALL
-    config = parse_config({"model": shape, "training": {"device": "cpu", "seed": 7}})
+    shape = {**REAL, **FAMILY_KEYS[args.family]} if args.real else BIG if args.save_loop else SMALL
+    training = {"device": "cpu", "seed": 7, **FAMILY_TRAINING.get(args.family, {})}
+    config = parse_config({"model": shape, "training": training})
     make_run = (
         real_run if args.real else lambda cfg, strategy, variant: stand_in_run(cfg, strategy, 0.5 * variant)
     )

@@ -1,9 +1,11 @@
 """torchrun worker: one training step of a tiny GPT under each requested layout vs the 1-process reference.
 
-Usage: torchrun --nproc-per-node N tests/engine/parity_worker.py LAYOUT [LAYOUT ...]
-A layout is ``name:key=value,...`` over Strategy fields, e.g. ``dp2xtp2:dp=2,tp=2,zero_stage=3``.
-Every rank computes the reference itself (plain model, no mesh, whole global batch). Rank 0 prints one
-JSON line per layout, prefixed ``PARITY``.
+Usage: torchrun --nproc-per-node N tests/engine/parity_worker.py [family=F] LAYOUT [LAYOUT ...]
+A layout is ``name:key=value,...`` over Strategy fields, e.g. ``dp2xtp2:dp=2,tp=2,zero_stage=3``. The model
+family F is gpt (default), llama (grouped-query attention with 2 of 4 heads, untied head) or bert (targets
+only at some positions, the others IGNORE_INDEX, the same number per row). Every rank computes the
+reference itself (plain model, no mesh, whole global batch). Rank 0 prints one JSON line per layout,
+prefixed ``PARITY``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from cona.config import ConaConfig, ModelConfig, TrainingConfig
 from cona.engine.gns import is_tied
-from cona.engine.model import GPT, init_weights
+from cona.engine.model import GPT, IGNORE_INDEX, init_weights
 from cona.engine.parallel_dims import build_mesh
 from cona.engine.train_model import build_training_model, token_cross_entropy
 from cona.strategy import Strategy
@@ -27,20 +29,34 @@ from cona.strategy import Strategy
 MBS, GBS = 2, 8
 """Defaults; a layout may set a smaller gbs (the first gbs samples of the batch are used)."""
 PROBE_ROWS = 3  # not a multiple of mbs: exercises probe_loss's repetition
+FAMILY_KEYS = {"gpt": {}, "llama": {"kv_heads": 2, "tie_embeddings": False}, "bert": {}}
+BERT_TARGETS_PER_ROW = 5
+"""Equal counts per row keep the global mean over targets equal to the mean of micro-batch means."""
 
 
-def tiny_config() -> ConaConfig:
+def tiny_config(family: str = "gpt") -> ConaConfig:
     model = ModelConfig(
-        layers=4, hidden=64, heads=4, seq=32, vocab_size=256, attention_dropout=0.0, hidden_dropout=0.0
+        family=family,
+        layers=4,
+        hidden=64,
+        heads=4,
+        seq=32,
+        vocab_size=256,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        **FAMILY_KEYS[family],
     )
     return ConaConfig(model=model, training=TrainingConfig(device="cpu", dtype="fp32", seed=7))
 
 
 def global_batch(config: ConaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(
-        0, config.model.vocab_size, (GBS, config.model.seq + 1), generator=torch.Generator().manual_seed(3)
-    )
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, config.model.vocab_size, (GBS, config.model.seq + 1), generator=generator)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if config.model.family == "bert":
+        ignored = torch.rand(targets.shape, generator=generator).argsort(dim=1) >= BERT_TARGETS_PER_ROW
+        targets[ignored] = IGNORE_INDEX
+    return inputs, targets
 
 
 def reference(config: ConaConfig, inputs: torch.Tensor, targets: torch.Tensor, n_small: int) -> dict:
@@ -148,9 +164,11 @@ def run_layout(name: str, strategy: Strategy, config: ConaConfig, batch) -> dict
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    config = tiny_config()
+    layouts = sys.argv[1:]
+    family = layouts.pop(0).removeprefix("family=") if layouts[0].startswith("family=") else "gpt"
+    config = tiny_config(family)
     batch = global_batch(config)
-    for text in sys.argv[1:]:
+    for text in layouts:
         name, strategy = parse_layout(text)
         result = run_layout(name, strategy, config, batch)
         if dist.get_rank() == 0:

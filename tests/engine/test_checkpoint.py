@@ -26,6 +26,7 @@ from cona.engine.checkpoint import (
     save_checkpoint,
     verify_complete,
 )
+from cona.engine.model import GPT
 from cona.engine.optim import build_optimizer, set_lr
 from cona.errors import CheckpointError
 from cona.strategy import Strategy
@@ -332,6 +333,34 @@ def test_other_model_shape_is_refused_naming_the_key(saved) -> None:
         load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=other)
 
 
+def test_checkpoint_from_before_the_family_keys_loads(saved) -> None:
+    """A config.json written before model.family and its keys existed means a GPT: it still loads."""
+    config, path, trained_pair = saved
+    written = json.loads((path / "config.json").read_text())
+    family_keys = (
+        "family",
+        "activation",
+        "position_embedding",
+        "rope_theta",
+        "kv_heads",
+        "tie_embeddings",
+        "bias",
+    )
+    written["model"] = {k: v for k, v in written["model"].items() if k not in family_keys}
+    (path / "config.json").write_text(json.dumps(written))
+    model, optimizer = trained(config, steps=0, offset=1.0)
+    load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
+    assert_same_state(trained_pair, (model, optimizer))
+
+
+def test_other_family_is_refused_naming_the_key(saved) -> None:
+    _, path, _ = saved
+    other = small_config(kv_heads=1)
+    model, optimizer = trained(other, steps=0)
+    with pytest.raises(CheckpointError, match=r"another model shape: model.kv_heads is 2 there and 1 in the"):
+        load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=other)
+
+
 def test_other_format_version_is_refused(saved) -> None:
     config, path, (model, optimizer) = saved
     manifest = json.loads((path / "manifest.json").read_text())
@@ -368,30 +397,46 @@ RESHARD_4 = {
 }
 
 
+RESHARD_FAMILY_2 = {
+    "save": ["dp1_tp2_pp1_z1", "dp1_tp1_pp2_z1"],
+    "load": ["dp1_tp2_pp1_z1:dp1_tp1_pp2_z1", "dp1_tp1_pp2_z1:dp2_tp1_pp1_z3"],
+}
+"""Llama and BERT: tensor-parallel (llama: one key/value head per rank) to pipeline and pipeline to FSDP."""
+
+
+def _tensor_counts(family: str) -> str:
+    """What the worker reports for a full reload: every model state tensor (the tied head listed too) and
+    three AdamW tensors per parameter."""
+    model_keys = {**ckpt_worker.REAL, **ckpt_worker.FAMILY_KEYS[family]}
+    config = parse_config({"model": model_keys, "training": ckpt_worker.FAMILY_TRAINING.get(family, {})})
+    model = GPT(config.model)
+    return f"{len(model.state_dict())} model and {3 * len(list(model.parameters()))} optimizer tensors equal"
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_engine_gpt_reshards_between_layouts_and_to_one_process(tmp_path: Path) -> None:
-    """The engine's GPT saved under dp2 (zero 1), tp2, pp2 and dp2 x tp2 (zero 3) and resumed under other
-    layouts (zero 0/1/3, interleaved pp, tp2 x pp2) and under one process without a process group: every
-    model and AdamW tensor equal on reload, and the next two losses equal to the uninterrupted run's."""
-    for nproc, plan in ((2, RESHARD_2), (4, RESHARD_4)):
-        result = run_torchrun(
-            [str(WORKER), str(tmp_path), "--real", "--save", *plan["save"], "--load", *plan["load"]],
-            nproc=nproc,
-        )
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
+def test_engine_model_reshards_between_layouts_and_to_one_process(tmp_path: Path, family: str) -> None:
+    """The engine's model saved under some layouts and resumed under others and under one process without a
+    process group: every model and AdamW tensor equal on reload, and the next two losses equal to the
+    uninterrupted run's. GPT: saved under dp2 (zero 1), tp2, pp2 and dp2 x tp2 (zero 3), resumed under zero
+    0/1/3, interleaved pp and tp2 x pp2; Llama and BERT: :data:`RESHARD_FAMILY_2`."""
+    plans = ((2, RESHARD_2), (4, RESHARD_4)) if family == "gpt" else ((2, RESHARD_FAMILY_2),)
+    counts = _tensor_counts(family)
+    worker = [str(WORKER), str(tmp_path), "--real", "--family", family]
+    for nproc, plan in plans:
+        result = run_torchrun([*worker, "--save", *plan["save"], "--load", *plan["load"]], nproc=nproc)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         for pair in plan["load"]:
-            assert (
-                f"loaded {pair.replace(':', '->')}: 69 model and 204 optimizer tensors equal" in result.stdout
-            )
-    saved = RESHARD_2["save"] + RESHARD_4["save"]
+            assert f"loaded {pair.replace(':', '->')}: {counts}" in result.stdout
+    saved = [layout for _, plan in plans for layout in plan["save"]]
     single = [f"{layout}:dp1_tp1_pp1_z1" for layout in saved]
     result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), "--real", "--load", *single],
+        [sys.executable, *worker, "--load", *single],
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("69 model and 204 optimizer tensors equal") == len(saved)
+    assert result.stdout.count(counts) == len(saved)

@@ -1,7 +1,8 @@
 """Parity: one training step under each parallel layout equals the 1-process step on the same global batch.
 
-Two torchrun launches (2 and 4 gloo processes) run all layouts; each worker rank compares against the
-plain model it computes itself (see parity_worker.py).
+Two torchrun launches (2 and 4 gloo processes) run all layouts of the GPT, one per other family (Llama,
+BERT) a layout of each parallel dimension; each worker rank compares against the plain model it computes
+itself (see parity_worker.py).
 """
 
 from __future__ import annotations
@@ -35,8 +36,21 @@ FOUR_PROCESS_LAYOUTS = {
 }
 
 
-def run_layouts(layouts: dict[str, str], nproc: int) -> dict[str, dict]:
-    args = [WORKER, *(f"{name.replace(' ', '_')}:{spec}" for name, spec in layouts.items())]
+FAMILY_LAYOUTS = {
+    "dp2 zero3 full recompute": "dp=2,zero_stage=3,recompute=full",
+    "tp2": "tp=2",
+    "tp2 sequence parallel selective recompute": "tp=2,sequence_parallel=1,recompute=selective",
+    "pp2 1f1b": "pp=2",
+}
+"""Llama and BERT: each parallel dimension (tp=2 splits llama's 2 key/value heads one per rank)."""
+
+
+def run_layouts(layouts: dict[str, str], nproc: int, family: str = "gpt") -> dict[str, dict]:
+    args = [
+        WORKER,
+        f"family={family}",
+        *(f"{name.replace(' ', '_')}:{spec}" for name, spec in layouts.items()),
+    ]
     done = run_torchrun(args, nproc, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [
@@ -76,4 +90,12 @@ def test_two_process_layouts_match_one_process() -> None:
 @pytest.mark.multiproc
 def test_four_process_layouts_match_one_process() -> None:
     for result in run_layouts(FOUR_PROCESS_LAYOUTS, 4).values():
+        check(result)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_other_families_match_one_process(family: str) -> None:
+    for result in run_layouts(FAMILY_LAYOUTS, 2, family).values():
         check(result)

@@ -198,6 +198,9 @@ EXAMPLES = [
     ("gpt/chain_config_test_200iters.json", "gpt/.conaconfig", 4, "bf16", 600),
     ("gpt/chain_config.json", "gpt/.conaconfig", 4, "bf16", 10000),
     ("gpt/chain_config_multinode_12gpu.json", "gpt/.conaconfig", 12, "bf16", 800),
+    ("llama/chain_config_test_200iters.json", "llama/.conaconfig", 4, "bf16", 600),
+    ("llama/chain_config.json", "llama/.conaconfig", 4, "bf16", 10000),
+    ("llama/chain_config_multinode_12gpu.json", "llama/.conaconfig", 12, "bf16", 800),
     ("tiny/chain_cpu.json", "tiny/.conaconfig", 4, "fp32", 40),
     ("tiny/chain_layout_only.json", "tiny/.conaconfig", 4, "fp32", 24),
 ]

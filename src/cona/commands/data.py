@@ -1,4 +1,5 @@
-"""``cona data inspect`` (what an indexed dataset holds) and ``cona data demo`` (obtain the demo data)."""
+"""``cona data inspect`` (what an indexed dataset holds), ``cona data demo`` (obtain the demo data) and
+``cona data bert-vocab`` (train a WordPiece vocab.txt for BERT from a jsonl corpus)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cona.data.bert_vocab import train_bert_vocab
 from cona.data.demo import obtain_demo_data
 from cona.data.indexed import IndexedDataset
 from cona.errors import DataError
@@ -37,6 +39,20 @@ def register(subparsers) -> None:
         "--out", required=True, type=Path, metavar="DIR", help="output directory (e.g. data/demo)"
     )
     demo.set_defaults(func=_demo)
+    bert_vocab = actions.add_parser(
+        "bert-vocab",
+        help="Train a BERT lower-case WordPiece vocab.txt from a jsonl corpus",
+        description="Train a lower-case WordPiece vocabulary (special tokens [PAD] [UNK] [CLS] [SEP] "
+        "[MASK] first) on the texts of a jsonl corpus and write DIR/vocab.txt, for "
+        "cona preprocess --tokenizer-type BertWordPieceLowerCase --vocab-file DIR/vocab.txt.",
+    )
+    bert_vocab.add_argument("--corpus", required=True, type=Path, help="jsonl file, one JSON object per line")
+    bert_vocab.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
+    bert_vocab.add_argument(
+        "--vocab-size", required=True, type=int, metavar="N", help="most entries (BERT's own: 30522)"
+    )
+    bert_vocab.add_argument("--json-key", default="text", help="key holding the text (default: text)")
+    bert_vocab.set_defaults(func=_bert_vocab)
 
 
 def _summary(dataset: IndexedDataset) -> dict:
@@ -82,4 +98,10 @@ def _demo(args: argparse.Namespace) -> int:
         f"demo data in {demo.out_dir}: {demo.documents} documents, {demo.tokens} tokens "
         f"(training.data_prefix = {demo.data_prefix})"
     )
+    return 0
+
+
+def _bert_vocab(args: argparse.Namespace) -> int:
+    vocab = train_bert_vocab(args.corpus, args.out, vocab_size=args.vocab_size, json_key=args.json_key)
+    print(f"wrote {vocab.path}: {vocab.vocab_size} entries from {vocab.documents} documents of {args.corpus}")
     return 0

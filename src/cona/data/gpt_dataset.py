@@ -11,6 +11,10 @@ Global sample id ``g`` is sample ``g % samples_per_epoch`` of epoch ``g // sampl
 epoch depends only on (data, split, seq, seed, epoch), never on how many samples a run asks for, so
 a longer run, a restart or a switch of dp/mbs/gbs never reorders samples already seen. Epochs are built
 on first use and cached as ``.npy`` files named by a sha256 of what they depend on.
+
+``model.family`` ``bert`` uses :class:`MaskedLMDataset`: the same cutting with ``seq - 2`` tokens per
+sample, wrapped in ``[CLS] ... [SEP]`` and masked as a pure function of the sample id
+(:mod:`cona.data.masking`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 
 from cona.config import ConaConfig, split_fractions
 from cona.data.indexed import IndexedDataset
+from cona.data.masking import SPECIALS_PER_SAMPLE, MaskingRule, mask_sample, masking_rule
+from cona.data.tokenizer import BERT_WORDPIECE_LOWER, load_wordpiece_tokenizer
 from cona.errors import DataError, LayoutError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -104,6 +110,11 @@ class GPTDataset:
             position, offset = position + 1, 0
         return tokens
 
+    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), int64 [len(sample_ids), seq]: targets are the inputs shifted by one token."""
+        tokens = torch.from_numpy(np.stack([self[int(i)] for i in sample_ids]))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
     def epoch_index(self, epoch: int) -> EpochIndex:
         if epoch not in self._epochs:
             if len(self._epochs) >= EPOCHS_IN_MEMORY:
@@ -178,6 +189,43 @@ class GPTDataset:
         )
 
 
+class MaskedLMDataset(GPTDataset):
+    """BERT samples of ``seq`` tokens: ``[CLS]``, ``seq - 2`` tokens of the packed stream, ``[SEP]``.
+
+    The stream is cut as for GPT with ``seq - 2`` as the sample length (epochs, order and cache unchanged);
+    GPT's one extra boundary token is dropped, so neighbouring samples do not overlap.
+    """
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        *,
+        name: str,
+        documents: tuple[int, int],
+        seq: int,
+        seed: int,
+        split: str,
+        cache_dir: Path,
+        rule: MaskingRule,
+    ) -> None:
+        content = seq - SPECIALS_PER_SAMPLE
+        super().__init__(
+            indexed, name=name, documents=documents, seq=content, seed=seed, split=split, cache_dir=cache_dir
+        )
+        self.rule = rule
+        self.split_index = SPLIT_NAMES.index(name)
+
+    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), int64 [len(sample_ids), model.seq]: masked inputs; targets -100 where nothing
+        is predicted."""
+        pairs = [
+            mask_sample(self[int(i)][:-1], self.rule, split_index=self.split_index, sample_id=int(i))
+            for i in sample_ids
+        ]
+        inputs, targets = (torch.from_numpy(np.stack(parts)) for parts in zip(*pairs, strict=True))
+        return inputs, targets
+
+
 def _save_atomic(path: Path, array: np.ndarray) -> None:
     """Several ranks may build the same epoch at once: each writes a private file and renames it."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
@@ -219,18 +267,18 @@ def build_datasets(config: ConaConfig) -> Splits:
         else default_cache_dir(training.data_prefix)
     )
     ranges = split_document_ranges(len(indexed), training.split)
-    datasets = {
-        name: GPTDataset(
-            indexed,
-            name=name,
-            documents=documents,
-            seq=config.model.seq,
-            seed=training.seed,
-            split=training.split,
-            cache_dir=cache_dir,
-        )
-        for name, documents in zip(SPLIT_NAMES, ranges, strict=True)
-    }
+    common = {"seq": config.model.seq, "seed": training.seed, "split": training.split, "cache_dir": cache_dir}
+    if config.model.family == "bert":
+        rule = _masking_rule(config, where)
+        datasets: dict[str, GPTDataset] = {
+            name: MaskedLMDataset(indexed, name=name, documents=documents, rule=rule, **common)
+            for name, documents in zip(SPLIT_NAMES, ranges, strict=True)
+        }
+    else:
+        datasets = {
+            name: GPTDataset(indexed, name=name, documents=documents, **common)
+            for name, documents in zip(SPLIT_NAMES, ranges, strict=True)
+        }
     train = datasets["train"]
     if train.documents[0] == train.documents[1]:
         raise DataError(
@@ -240,7 +288,7 @@ def build_datasets(config: ConaConfig) -> Splits:
     if train.samples_per_epoch == 0:
         raise DataError(
             f"{training.data_prefix}: the train split has {train.num_tokens} tokens, too few for one "
-            f"sample of model.seq + 1 = {config.model.seq + 1} tokens"
+            f"sample of {_sample_tokens(config)} tokens"
         )
     usable = {name: ds if ds.samples_per_epoch > 0 else None for name, ds in datasets.items()}
     for dataset in usable.values():
@@ -249,6 +297,32 @@ def build_datasets(config: ConaConfig) -> Splits:
             # build first leaves the other ranks only reading the cache.
             dataset.epoch_index(0)
     return Splits(train=train, valid=usable["valid"], test=usable["test"])
+
+
+def _sample_tokens(config: ConaConfig) -> str:
+    """What one sample reads from the packed stream, for error messages."""
+    if config.model.family == "bert":
+        return f"model.seq - 1 = {config.model.seq - 1}"  # seq - 2 between [CLS] and [SEP], plus GPT's one
+    return f"model.seq + 1 = {config.model.seq + 1}"
+
+
+def _masking_rule(config: ConaConfig, where: str) -> MaskingRule:
+    """BERT's masking over the special ids of ``training.vocab_file`` (a WordPiece vocab.txt)."""
+    training, model = config.training, config.model
+    if training.tokenizer_type != BERT_WORDPIECE_LOWER or training.vocab_file is None:
+        raise DataError(
+            f"{where}model.family 'bert' needs training.tokenizer_type {BERT_WORDPIECE_LOWER!r} and "
+            "training.vocab_file (the WordPiece vocab.txt the data was preprocessed with)"
+        )
+    if model.seq <= SPECIALS_PER_SAMPLE:
+        raise DataError(f"{where}model.seq {model.seq} leaves no room for tokens between [CLS] and [SEP]")
+    tokenizer = load_wordpiece_tokenizer(training.vocab_file)
+    if model.vocab_size is not None and tokenizer.vocab_size > model.vocab_size:
+        raise DataError(
+            f"{where}model.vocab_size {model.vocab_size} is smaller than the {tokenizer.vocab_size} entries "
+            f"of training.vocab_file {training.vocab_file}"
+        )
+    return masking_rule(tokenizer, seed=training.seed)
 
 
 def micro_batch_sample_ids(
@@ -275,6 +349,6 @@ def micro_batch_sample_ids(
 
 
 def collate(dataset: GPTDataset, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), int64 [len(sample_ids), seq]: targets are the inputs shifted by one token."""
-    tokens = torch.from_numpy(np.stack([dataset[int(i)] for i in sample_ids]))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    """(inputs, targets), int64 [len(sample_ids), model.seq]: next-token pairs for GPT, masked-LM pairs
+    (targets -100 where nothing is predicted) for a :class:`MaskedLMDataset`."""
+    return dataset.batch(sample_ids)

@@ -1,11 +1,14 @@
 """jsonl -> Megatron indexed dataset(s), one per JSON key: ``<prefix>_<key>_document.{bin,idx}``.
 
+Tokenizers: GPT-2 BPE (vocab.json + merges.txt) or BERT's lower-case WordPiece (vocab.txt), see
+:mod:`cona.data.tokenizer`; the token dtype follows the vocabulary size.
+
 The input is read in chunks of lines; with ``workers > 1`` a process pool encodes them and the results
 are written strictly in input order, so the output is byte-identical to a single-worker run. The EOD
-(``<|endoftext|>``) appended by ``append_eod`` is counted in each document's size (Megatron-DeepSpeed's
-preprocessor records the size before appending it; Megatron-LM fixed that, and so do we). A blank line
-is no document and is passed over; any other line that is not a JSON object with a string under each
-key is an error naming the file and line, or, with ``skip_bad_lines``, skipped and counted.
+(``<|endoftext|>``; [SEP] for WordPiece) appended by ``append_eod`` is counted in each document's size
+(Megatron-DeepSpeed's preprocessor records the size before appending it; Megatron-LM fixed that, and so
+do we). A blank line is no document and is passed over; any other line that is not a JSON object with a
+string under each key is an error naming the file and line, or, with ``skip_bad_lines``, skipped and counted.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 from cona.data.indexed import IndexedDatasetWriter, token_dtype
 from cona.data.progress import ByteProgress
-from cona.data.tokenizer import cached_gpt2_tokenizer, tokenizer_fingerprint
+from cona.data.tokenizer import GPT2_BPE, cached_tokenizer, files_fingerprint, tokenizer_files
 from cona.errors import DataError
 
 CHUNK_BYTES = 1 << 18  # small enough to spread 10 MB over workers, large enough to amortise pickling
@@ -38,7 +41,9 @@ class PreprocessOptions:
     input: Path
     output_prefix: str
     vocab_file: Path
-    merge_file: Path
+    merge_file: Path | None = None
+    """GPT-2 merges.txt; only GPT2BPETokenizer reads one."""
+    tokenizer_type: str = GPT2_BPE
     json_keys: tuple[str, ...] = ("text",)
     append_eod: bool = False
     workers: int = 1
@@ -59,8 +64,8 @@ class PreprocessResult:
 @dataclass(frozen=True, kw_only=True)
 class _EncodeSettings:
     input_name: str
-    vocab_file: str
-    merge_file: str
+    tokenizer_type: str
+    tokenizer_files: tuple[str, ...]
     fingerprint: str
     json_keys: tuple[str, ...]
     append_eod: bool
@@ -118,7 +123,7 @@ def _parse_line(line: bytes, settings: _EncodeSettings) -> dict | str | None:
 
 
 def _encode_chunk(settings: _EncodeSettings, chunk: _Chunk) -> _EncodedChunk:
-    tokenizer = cached_gpt2_tokenizer(settings.vocab_file, settings.merge_file, settings.fingerprint)
+    tokenizer = cached_tokenizer(settings.tokenizer_type, settings.tokenizer_files, settings.fingerprint)
     eod = [tokenizer.eod_id] if settings.append_eod else []
     encoded: dict[str, list[list[int]]] = {key: [] for key in settings.json_keys}
     skipped = 0
@@ -180,13 +185,15 @@ def preprocess(options: PreprocessOptions, *, show_progress: bool = True) -> Pre
         raise DataError(f"--workers: must be at least 1, got {options.workers}")
     if not options.json_keys:
         raise DataError("--json-keys: give at least one key")
-    fingerprint = tokenizer_fingerprint(options.vocab_file, options.merge_file)
+    files = tokenizer_files(options.tokenizer_type, options.vocab_file, options.merge_file)
+    fingerprint = files_fingerprint(files)
+    names = tuple(str(path) for path in files)
     # Loaded here (and reused by the in-process encoder) so that bad files fail before any work starts.
-    tokenizer = cached_gpt2_tokenizer(str(options.vocab_file), str(options.merge_file), fingerprint)
+    tokenizer = cached_tokenizer(options.tokenizer_type, names, fingerprint)
     settings = _EncodeSettings(
         input_name=str(options.input),
-        vocab_file=str(options.vocab_file),
-        merge_file=str(options.merge_file),
+        tokenizer_type=options.tokenizer_type,
+        tokenizer_files=names,
         fingerprint=fingerprint,
         json_keys=tuple(options.json_keys),
         append_eod=options.append_eod,

@@ -1,9 +1,15 @@
-"""GPT-2 byte-level BPE from a ``vocab.json`` + ``merges.txt`` pair, run by tiktoken.
+"""The preprocessor's tokenizers (Megatron's ``--tokenizer-type`` names).
 
+``GPT2BPETokenizer``: GPT-2 byte-level BPE from a ``vocab.json`` + ``merges.txt`` pair, run by tiktoken.
 tiktoken's ``data_gym_to_mergeable_bpe_ranks`` turns OpenAI's original file pair into ranks and checks
 that the two files agree; with GPT-2's split pattern this is exactly OpenAI's ``gpt2`` encoding. Text
 is encoded with ``encode_ordinary``: a literal ``<|endoftext|>`` inside a document is ordinary text,
 as in Megatron's GPT2BPETokenizer; the end-of-document id is only ever appended by the preprocessor.
+
+``BertWordPieceLowerCase``: BERT's uncased WordPiece from a ``vocab.txt`` (one token per line, id = line
+number), run by HF ``tokenizers`` (lower-casing, accent stripping, BERT's pre-tokenizer). Its [CLS], [SEP],
+[MASK], [PAD] and [UNK] ids come from the file. Megatron's BERT tokenizer has no end-of-document token;
+``--append-eod`` appends [SEP], which then separates documents inside the packed masked-LM samples.
 """
 
 from __future__ import annotations
@@ -16,11 +22,17 @@ from pathlib import Path
 
 import tiktoken
 import tiktoken.load
+import tokenizers
 from tiktoken_ext.openai_public import r50k_pat_str as GPT2_PATTERN
 
 from cona.errors import DataError
 
 END_OF_TEXT = "<|endoftext|>"
+GPT2_BPE = "GPT2BPETokenizer"
+BERT_WORDPIECE_LOWER = "BertWordPieceLowerCase"
+TOKENIZER_TYPES = (GPT2_BPE, BERT_WORDPIECE_LOWER)
+WORDPIECE_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+"""In the order a trained vocabulary gets them (ids 0..4); a downloaded BERT vocab.txt has its own ids."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,3 +104,91 @@ def cached_gpt2_tokenizer(vocab_file: str, merge_file: str, fingerprint: str) ->
     """One tokenizer per process and file content (preprocessing workers build theirs on first use);
     ``fingerprint`` (:func:`tokenizer_fingerprint`) keeps a changed file from hitting a stale entry."""
     return load_gpt2_tokenizer(vocab_file, merge_file)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WordPieceTokenizer:
+    """BERT's lower-case WordPiece; ``encode`` adds no [CLS]/[SEP] (masked-LM samples add them)."""
+
+    tokenizer: tokenizers.BertWordPieceTokenizer
+    vocab_size: int
+    """Lines of vocab.txt (30522 for BERT's uncased vocabulary)."""
+    pad_id: int
+    unk_id: int
+    cls_id: int
+    sep_id: int
+    mask_id: int
+
+    @property
+    def eod_id(self) -> int:
+        """What ``--append-eod`` appends: [SEP] (see the module docstring)."""
+        return self.sep_id
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        return (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def load_wordpiece_tokenizer(vocab_file: str | Path) -> WordPieceTokenizer:
+    """BERT's uncased WordPiece over ``vocab_file``; a missing file or special token raises DataError."""
+    path = Path(vocab_file)
+    if not path.is_file():
+        raise DataError(f"{path}: vocab file does not exist")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not a WordPiece vocab.txt (not UTF-8 text)") from None
+    # A repeated line: the last one wins, as in tokenizers' WordPiece.read_file.
+    ids = {token: index for index, token in enumerate(lines)}
+    missing = [token for token in WORDPIECE_SPECIAL_TOKENS if token not in ids]
+    if missing:
+        raise DataError(
+            f"{path}: not a BERT WordPiece vocab.txt: no {', '.join(missing)} line "
+            f"(cona data bert-vocab makes one with {', '.join(WORDPIECE_SPECIAL_TOKENS)})"
+        )
+    wordpiece = tokenizers.BertWordPieceTokenizer(str(path), lowercase=True)
+    return WordPieceTokenizer(
+        tokenizer=wordpiece,
+        vocab_size=len(lines),
+        pad_id=ids["[PAD]"],
+        unk_id=ids["[UNK]"],
+        cls_id=ids["[CLS]"],
+        sep_id=ids["[SEP]"],
+        mask_id=ids["[MASK]"],
+    )
+
+
+Tokenizer = GPT2Tokenizer | WordPieceTokenizer
+
+
+def tokenizer_files(tokenizer_type: str, vocab_file: Path, merge_file: Path | None) -> tuple[Path, ...]:
+    """The files ``tokenizer_type`` reads; DataError naming the flag when one is not given."""
+    if tokenizer_type == GPT2_BPE:
+        if merge_file is None:
+            raise DataError(f"--merge-file is required with --tokenizer-type {GPT2_BPE}")
+        return (vocab_file, merge_file)
+    if tokenizer_type == BERT_WORDPIECE_LOWER:
+        return (vocab_file,)
+    raise DataError(f"--tokenizer-type: {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def files_fingerprint(files: tuple[Path, ...]) -> str:
+    """Content hash of a tokenizer's files (see :func:`tokenizer_fingerprint`)."""
+    for path in files:
+        if not path.is_file():
+            raise DataError(f"{path}: tokenizer file does not exist")
+    return hashlib.sha256("".join(_sha256(path) for path in files).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(tokenizer_type: str, files: tuple[str, ...], fingerprint: str) -> Tokenizer:
+    """One tokenizer per process, type and file content (``files`` from :func:`tokenizer_files`)."""
+    if tokenizer_type == BERT_WORDPIECE_LOWER:
+        return load_wordpiece_tokenizer(*files)
+    return cached_gpt2_tokenizer(*files, fingerprint)

@@ -9,7 +9,8 @@ FSDP unit (run after FSDP's own, which installs them) registers the tensor hooks
 them. This needs no extra communication and no copy of the gradient; the alternatives were rejected:
 the dp-local accumulated gradient is not visible under FSDP2 (reduce-scatter consumes it), diffs of
 accumulated gradients cost a parameter-sized copy per micro-batch, and splitting micro-batches changes the
-kernels the step runs.
+kernels the step runs. Masked objectives (BERT): a small batch's gradient is that of its share of the global
+masked-token mean, see :mod:`cona.engine.objective`.
 
 With one micro-batch on one dp rank (n = dp * micro_batches = 1) there is only one gradient per step; then
 AdaptDL's difference estimator is used: the previous step's gradient is kept (by reference, no copy) and

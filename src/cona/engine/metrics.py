@@ -33,6 +33,10 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     (r"V100", {"fp16": 125.0, "fp32": 15.7}),
 )
 
+MASKED_TOKENS = "masked"
+"""Value of a record's ``eval_ppl_tokens`` when ``eval_ppl`` is BERT's masked-token perplexity (the key is
+absent for GPT and Llama, whose perplexity covers every token)."""
+
 # Metrics whose W&B/TensorBoard panel would be noise: identifiers and wall-clock stamps.
 _NOT_SCALARS = frozenset({"stage", "iteration", "time"})
 
@@ -204,6 +208,11 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
+def eval_ppl_label(record: Mapping[str, Any]) -> str:
+    """What a record's ``eval_ppl`` is a perplexity of: BERT's counts only the masked tokens."""
+    return "masked-token ppl" if record.get("eval_ppl_tokens") == MASKED_TOKENS else "ppl"
+
+
 def format_console_line(record: Mapping[str, Any]) -> str:
     parts = [
         f"stage {record['stage']} iter {record['iteration']:>6}",
@@ -217,7 +226,7 @@ def format_console_line(record: Mapping[str, Any]) -> str:
     parts.append(f"gnorm {record['grad_norm']:.3f}")
     parts.append(f"{record['consumed_tokens']:,} tokens")
     if record.get("eval_loss") is not None:
-        parts.append(f"eval {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}")
+        parts.append(f"eval {record['eval_loss']:.4f} {eval_ppl_label(record)} {record['eval_ppl']:.2f}")
     return " | ".join(parts)
 
 

@@ -1,13 +1,18 @@
-"""GPT in plain PyTorch: learned positions, pre-norm blocks, GELU MLP, LM head tied to the token embedding.
+"""The transformer of every family (GPT, Llama, BERT) in plain PyTorch; its parts are in ``layers``.
+
+``model.family`` and its keys choose the variant: learned positions or rotary embeddings, GELU MLP or
+SwiGLU, LayerNorm or RMSNorm, multi-head or grouped-query attention, biases or none, an output projection
+tied to the token embedding or its own, causal (GPT, Llama) or bidirectional attention with Megatron's
+masked-LM head (BERT). Every GPT parameter keeps its name; the other families only add names.
 
 No distributed code lives here (torchtitan's rule): tensor, sequence and pipeline parallelism are applied
 from outside (:mod:`cona.engine.parallelize`, :mod:`cona.engine.pipeline`) and keep every parameter name.
-Attention reshapes with ``view(b, s, -1, head_dim)`` so it runs unchanged on the heads local to a TP rank.
 The loss is computed outside the model (mean token cross entropy in fp32, see ``train_model``).
 
-A pipeline stage is this same class with some parts removed: ``pos_embeddings`` is None except on the
-first stage (it marks where token ids come in), ``output`` is None except on the last stage, and
-``layers`` keeps only the stage's blocks under their global keys.
+A pipeline stage is this same class with some parts removed: ``embeds_inputs`` is True only on the first
+stage (where token ids come in; it alone has ``pos_embeddings``), ``output`` (and the final norm and
+masked-LM head) is None except on the last stage, and ``layers`` keeps only the stage's blocks under their
+global keys.
 """
 
 from __future__ import annotations
@@ -21,102 +26,44 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cona.config import ModelConfig
+from cona.engine.layers import MaskedLMHead, RotaryEmbedding, TransformerBlock, make_norm
 
-
-def _norm(model: ModelConfig) -> nn.Module:
-    if model.normalization == "rmsnorm":
-        return nn.RMSNorm(model.hidden, eps=model.layernorm_epsilon)
-    return nn.LayerNorm(model.hidden, eps=model.layernorm_epsilon)
-
-
-class CoreAttention(nn.Module):
-    """Softmax(QK^T)V with a causal mask; a module of its own so selective recompute can wrap it."""
-
-    def __init__(self, dropout: float) -> None:
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dropout_p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-
-
-class Attention(nn.Module):
-    def __init__(self, model: ModelConfig) -> None:
-        super().__init__()
-        self.head_dim = model.head_dim
-        self.wq = nn.Linear(model.hidden, model.hidden)
-        self.wk = nn.Linear(model.hidden, model.hidden)
-        self.wv = nn.Linear(model.hidden, model.hidden)
-        self.wo = nn.Linear(model.hidden, model.hidden)
-        self.core = CoreAttention(model.attention_dropout)
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x_BSD.shape
-        # -1 heads: under TP each rank holds hidden/tp of the projections, i.e. heads/tp heads.
-        q, k, v = (z.view(batch, seq, -1, self.head_dim).transpose(1, 2) for z in self._project_qkv(x_BSD))
-        out_BHSd = self.core(q, k, v)
-        return self.wo(out_BHSd.transpose(1, 2).reshape(batch, seq, -1))
-
-    def _project_qkv(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k, v projections; one GEMM over the concatenated weights where they are plain tensors.
-
-        One [3h, h] GEMM (forward, input grad and weight grad each) runs faster on a GPU than three [h, h]
-        ones, while the parameters keep their names. The concatenation copies the weights once per
-        forward, which is small next to the GEMM (3h^2 elements against 2 * tokens * 3h^2 flops) and which
-        a compiled model fuses with the cast to the autocast dtype that it does anyway. Under TP the
-        weights are DTensors sharded on their output dimension: each keeps its own column-parallel GEMM.
-        """
-        projections = (self.wq, self.wk, self.wv)
-        if any(isinstance(p.weight, DTensor) for p in projections):
-            return tuple(p(x_BSD) for p in projections)
-        weight = torch.cat([p.weight for p in projections])
-        bias = torch.cat([p.bias for p in projections])
-        return F.linear(x_BSD, weight, bias).chunk(3, dim=-1)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, model: ModelConfig) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(model.hidden, model.ffn_size)
-        self.w2 = nn.Linear(model.ffn_size, model.hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, model: ModelConfig) -> None:
-        super().__init__()
-        self.attention_norm = _norm(model)
-        self.attention = Attention(model)
-        self.ffn_norm = _norm(model)
-        self.feed_forward = FeedForward(model)
-        self.dropout = nn.Dropout(model.hidden_dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x)))
-        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+IGNORE_INDEX = -100
+"""Target value of positions that carry no loss (BERT's unmasked tokens), as ``F.cross_entropy`` uses it."""
 
 
 class GPT(nn.Module):
-    """GPT: ``forward(tokens) -> logits`` over the padded vocabulary (a pipeline stage may map hidden)."""
+    """The model of any family: ``forward(tokens) -> logits`` over the padded vocabulary (a pipeline stage
+    may map hidden states instead)."""
 
     def __init__(self, model: ModelConfig) -> None:
         super().__init__()
         self.config = model
+        self.embeds_inputs = True
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(model.padded_vocab_size, model.hidden)
-        self.pos_embeddings: nn.Embedding | None = nn.Embedding(model.seq, model.hidden)
+        self.pos_embeddings: nn.Embedding | None = (
+            nn.Embedding(model.seq, model.hidden) if model.position_embedding == "learned" else None
+        )
         self.embedding_dropout = nn.Dropout(model.hidden_dropout)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(model) for i in range(model.layers)})
-        self.norm: nn.Module | None = _norm(model)
-        self.output: nn.Linear | None = nn.Linear(model.hidden, model.padded_vocab_size, bias=False)
+        rope = (
+            RotaryEmbedding(model.head_dim, model.seq, model.rope_theta)
+            if model.position_embedding == "rope"
+            else None
+        )
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(model, rope) for i in range(model.layers)})
+        self.norm: nn.Module | None = make_norm(model)
+        self.mlm_head: MaskedLMHead | None = MaskedLMHead(model) if model.family == "bert" else None
+        # BERT's output projection has a bias of its own even when its weight is the tied embedding.
+        self.output: nn.Linear | None = nn.Linear(
+            model.hidden, model.padded_vocab_size, bias=model.family == "bert"
+        )
         self.tie_output()
 
     def tie_output(self) -> None:
         """Make the LM head use the token-embedding matrix (again, after a parallel plan replaced it)."""
         tied = (
-            self.output is None
+            not self.config.tie_embeddings
+            or self.output is None
             or self.tok_embeddings is None
             or self.output.weight is self.tok_embeddings.weight
         )
@@ -125,19 +72,25 @@ class GPT(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         h = inputs
-        if self.pos_embeddings is not None:  # first stage: token ids [b, s] -> hidden [b, s, d]
-            positions = torch.arange(inputs.shape[1], device=inputs.device)
-            h = self.embedding_dropout(self.tok_embeddings(inputs) + self.pos_embeddings(positions))
+        if self.embeds_inputs:  # first stage: token ids [b, s] -> hidden [b, s, d]
+            h = self.tok_embeddings(inputs)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(torch.arange(inputs.shape[1], device=inputs.device))
+            h = self.embedding_dropout(h)
         for layer in self.layers.values():
             h = layer(h)
         if self.output is not None:  # last stage: hidden -> logits
-            h = self.output(self.norm(h))
+            h = self.norm(h)
+            if self.mlm_head is not None:
+                h = self.mlm_head(h)
+            h = self.output(h)
         return h
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross entropy in fp32 (logits may be bf16, or vocab-sharded DTensors: loss_parallel)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean token cross entropy in fp32 over the targets that are not :data:`IGNORE_INDEX` (logits may be
+    bf16, or vocab-sharded DTensors: loss_parallel)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
 def parameter_seed(seed: int, fqn: str) -> int:
@@ -167,7 +120,8 @@ def init_weights(module: nn.Module, model: ModelConfig, seed: int) -> None:
 
     One full tensor is made at a time on the CPU from a generator seeded by (seed, FQN) and only the
     local shard is kept (``distribute_tensor`` with ``src_data_rank=None`` slices locally, no
-    communication), so peak extra memory is one parameter. A tied weight is visited once.
+    communication), so peak extra memory is one parameter. A tied weight is visited once. The rotary
+    tables are recomputed too.
     """
     for fqn, param in module.named_parameters():
         full = initial_value(model, fqn, param.shape, seed)
@@ -177,3 +131,6 @@ def init_weights(module: nn.Module, model: ModelConfig, seed: int) -> None:
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(full)
+    for submodule in module.modules():  # tables that are not parameters (empty after to_empty)
+        if isinstance(submodule, RotaryEmbedding):
+            submodule.reset_buffers()

@@ -41,6 +41,8 @@ def _check_tensor_parallel(model: ModelConfig, strategy: Strategy, fail) -> None
     tp = strategy.tp
     if model.heads % tp:
         fail(f"tp={tp} does not divide model.heads={model.heads}")
+    if model.kv_heads % tp:
+        fail(f"tp={tp} does not divide model.kv_heads={model.kv_heads} (a rank holds whole key/value heads)")
     if model.ffn_size % tp:
         fail(f"tp={tp} does not divide the feed-forward size {model.ffn_size} (model.ffn_hidden)")
     if model.padded_vocab_size % tp:

@@ -37,10 +37,14 @@ ALL_REDUCE_BUCKET_ELEMENTS = 32 * 1024 * 1024
 
 
 def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
-    """Megatron-style TP: column-parallel wq/wk/wv/w1, row-parallel wo/w2, vocab-parallel embedding and head.
+    """Megatron-style TP: column-parallel wq/wk/wv/w1/w3, row-parallel wo/w2, vocab-parallel embedding and
+    head.
 
-    The head's logits stay a DTensor sharded over the vocabulary, for ``loss_parallel``. With sequence
-    parallelism the residual stream between blocks is the rank's sequence chunk (a plain local tensor).
+    wk/wv are split by whole key/value heads (``kv_heads % tp == 0``, see ``validate_layout``), so each rank
+    pairs its ``heads/tp`` query heads with their own ``kv_heads/tp`` key/value heads. The head's logits stay
+    a DTensor sharded over the vocabulary, for ``loss_parallel``. With sequence parallelism the residual
+    stream between blocks is the rank's sequence chunk (a plain local tensor). BERT's masked-LM transform
+    (dense, GELU, norm) stays replicated, as in Megatron.
     """
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     if model.tok_embeddings is not None:
@@ -58,6 +62,8 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq_layout),
         }
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             plan |= {
@@ -77,12 +83,20 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
                 ),
             )
     if model.output is not None:
+        head_input = seq_layout
         if sequence_parallel:
             parallelize_module(model.norm, tp_mesh, SequenceParallel())
+        if model.mlm_head is not None and sequence_parallel:
+            # The replicated transform needs the whole sequence: gather it before, not after.
+            gather_local = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+            parallelize_module(model.mlm_head, tp_mesh, gather_local)
+            head_input = Replicate()
         parallelize_module(
             model.output,
             tp_mesh,
-            ColwiseParallel(input_layouts=seq_layout, output_layouts=Shard(-1), use_local_output=False),
+            ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1), use_local_output=False),
         )
         model.tie_output()  # the plan gave the head its own DTensor; share the embedding's again
 

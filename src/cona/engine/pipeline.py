@@ -2,9 +2,11 @@
 
 Stage ``s`` of ``pp * virtual_stages`` lives on pipeline rank ``s % pp`` (the interleaved layout; with one
 virtual stage this is just stage = rank). The first stage owns the token and position embeddings, the last
-owns the final norm and the LM head. The head is tied to the token embedding, so the last stage keeps its own
-copy of ``tok_embeddings.weight`` (same name, same initial value) and :class:`TiedEmbeddingSync` sums the
-two stages' gradients after backward (Megatron's embedding group), which keeps both copies identical.
+owns the final norm, the masked-LM head (BERT) and the output projection; rotary tables are on every stage
+(they are not parameters). When the head is tied to the token embedding, the last stage keeps its own copy
+of ``tok_embeddings.weight`` (same name, same initial value) and :class:`TiedEmbeddingSync` sums the two
+stages' gradients after backward (Megatron's embedding group), which keeps both copies identical; an untied
+head needs none of this.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
-from cona.engine.model import GPT, token_cross_entropy
+from cona.engine.model import GPT
+from cona.engine.objective import summed_token_cross_entropy
 from cona.strategy import Strategy
 
 
@@ -60,11 +63,13 @@ def split_stage(model: GPT, stage: int, num_stages: int) -> GPT:
         del model.layers[key]
     first, last = stage == 0, stage == num_stages - 1
     if not first:
+        model.embeds_inputs = False
         model.pos_embeddings = None
-        if not last:  # the last stage keeps tok_embeddings only as the tied head's weight
+        if not (last and model.config.tie_embeddings):  # the last stage keeps it only as the tied head
             model.tok_embeddings = None
     if not last:
         model.norm = None
+        model.mlm_head = None
         model.output = None
     return model
 
@@ -81,9 +86,9 @@ class TiedEmbeddingSync:
         self.weight: nn.Parameter | None = None
         self.group = None
         for part in model_parts:
-            if part.tok_embeddings is not None:
+            if part.tok_embeddings is not None and part.config.tie_embeddings:
                 self.weight = part.tok_embeddings.weight
-        if self.weight is None:  # a middle stage takes no part
+        if self.weight is None:  # a middle stage, or an untied head: nothing to share
             return
         ranks = mesh.mesh  # [pp, dp, tp] global ranks
         dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
@@ -102,8 +107,9 @@ class TiedEmbeddingSync:
 class PipelineRunner:
     """This rank's stages and the schedule; runs whole steps of ``strategy.micro_batches`` micro-batches.
 
-    The first stage feeds the token ids, the last the targets and gets the per-micro-batch losses; a middle
-    stage only relays. ``scale_grads`` makes the gradient that of the mean over the micro-batches.
+    The first stage feeds the token ids, the last the targets and gets the per-micro-batch losses ``L_k``
+    (summed token loss times ``share``, :mod:`cona.engine.objective`); a middle stage only relays.
+    ``scale_grads`` makes the gradient that of the mean over the micro-batches.
     """
 
     def __init__(
@@ -119,6 +125,7 @@ class PipelineRunner:
         self.is_last_stage = total - 1 in stage_ids
         self.micro_batches = strategy.micro_batches
         self.loss_factor = 1.0
+        self.share: torch.Tensor | float = 1.0
         group = mesh["pp"].get_group()
         stages = [
             PipelineStage(part, stage_id, total, device, group=group)
@@ -127,14 +134,20 @@ class PipelineRunner:
         self.schedule = build_schedule(stages, strategy, self._loss)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_cross_entropy(logits, targets) * self.loss_factor
+        return summed_token_cross_entropy(logits, targets) * self.share * self.loss_factor
 
     def run(
-        self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_factor: float, train: bool
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        share: torch.Tensor | float,
+        loss_factor: float,
+        train: bool,
     ) -> list[torch.Tensor]:
         """One schedule step over the concatenated micro-batches; the last stage returns their losses
         (multiplied by ``loss_factor`` for backward, e.g. an fp16 loss scale, and divided back here)."""
-        self.loss_factor = loss_factor
+        self.share, self.loss_factor = share, loss_factor
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first_stage else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last_stage else {}
@@ -145,7 +158,11 @@ class PipelineRunner:
         return [loss.detach() / loss_factor for loss in losses]
 
     def eval_losses(
-        self, batches: list[tuple[torch.Tensor, torch.Tensor]], params: list[nn.Parameter]
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        params: list[nn.Parameter],
+        *,
+        share: torch.Tensor | float,
     ) -> list[torch.Tensor]:
         """Forward-only losses of any number of micro-batches (the last group is padded with repeats).
 
@@ -161,7 +178,7 @@ class PipelineRunner:
                 chunk = batches[start : start + self.micro_batches]
                 padded = chunk + [chunk[0]] * (self.micro_batches - len(chunk))
                 inputs, targets = (torch.cat(parts) for parts in zip(*padded, strict=True))
-                losses += self.run(inputs, targets, loss_factor=1.0, train=False)[: len(chunk)]
+                losses += self.run(inputs, targets, share=share, loss_factor=1.0, train=False)[: len(chunk)]
         finally:
             for param, grad in saved:
                 param.grad = grad

@@ -2,9 +2,9 @@
 
 ``build_training_model`` builds the model on the meta device, splits it into pipeline stages, applies
 TP / recompute / compile / FSDP2, materialises it and initialises every parameter from (seed, FQN), so every
-layout starts from the same weights. The loss of a step is the mean token cross entropy over the whole
-global batch; gradients are those of that mean (micro-batch losses are divided by their count, data
-parallel averages over dp), i.e. identical to a 1-process full-batch step.
+layout starts from the same weights. The loss of a step is the mean token cross entropy over all loss
+tokens of the whole global batch (:mod:`cona.engine.objective`: every token for GPT, the masked positions
+for BERT); gradients are those of that mean, i.e. identical to a 1-process full-batch step.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from cona.config import ConaConfig, TrainingConfig
 from cona.engine import gns
 from cona.engine.model import GPT, init_weights, parameter_seed, token_cross_entropy
+from cona.engine.objective import loss_token_count, micro_batch_share, summed_token_cross_entropy
 from cona.engine.parallel_dims import validate_layout
 from cona.engine.parallelize import GradAllReducer, match_grad_placements, parallelize_gpt
 from cona.engine.pipeline import (
@@ -110,15 +111,18 @@ class TrainingModel:
         return [p for part in self.model_parts for p in part.parameters()]
 
     def _split_norm_params(self) -> None:
-        """GNS parameters (all but the tied matrix), the tied matrix if this rank counts it, and weights."""
+        """GNS parameters (all but the embedding/head matrices), those matrices where this rank counts them,
+        and weights. Under pp > 1 a tied matrix is counted on the first stage only; an untied head is a
+        parameter of its own, counted on the last stage."""
         dp_tp = self.strategy.dp * self.strategy.tp
+        tied = self.config.model.tie_embeddings
         self._gns_params: list[nn.Parameter] = []
         self._tied_params: list[nn.Parameter] = []
         for part in self.model_parts:
             for name, param in part.named_parameters():
                 if not gns.is_tied(name):
                     self._gns_params.append(param)
-                elif self.is_first_stage:  # under pp > 1 the last stage's copy is not counted again
+                elif self.is_first_stage or not tied:  # the last stage's copy of a tied one is not
                     self._tied_params.append(param)
         self._gns_weights = torch.tensor(
             [gns.shard_count(p) / dp_tp for p in self._gns_params], device=self.device
@@ -174,8 +178,9 @@ class TrainingModel:
             inputs, targets = self._to_device(
                 *(torch.cat(parts) for parts in zip(*micro_batches, strict=True))
             )
+            share = self._share([targets], n_micro)
             with self._compute_context():
-                losses = self._pipeline.run(inputs, targets, loss_factor=scale, train=True)
+                losses = self._pipeline.run(inputs, targets, share=share, loss_factor=scale, train=True)
         if self.strategy.tp > 1:
             match_grad_placements(self._unique_params())
         if self._tied_sync is not None:
@@ -186,17 +191,27 @@ class TrainingModel:
             torch._foreach_mul_(self._local_grads(self._unique_params()), 1 / scale)
         return self._step_output(losses, n_micro, measure)
 
-    def _plain_forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_cross_entropy(self.model_parts[0](inputs), targets)
+    def _plain_forward_loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, share: torch.Tensor
+    ) -> torch.Tensor:
+        """The micro-batch's ``L_k``: summed token loss times ``share`` (:mod:`cona.engine.objective`)."""
+        return summed_token_cross_entropy(self.model_parts[0](inputs), targets) * share
+
+    def _share(self, targets: list[torch.Tensor], n_micro: int) -> torch.Tensor:
+        """``n / N`` of this step's global batch: ``n = dp * n_micro`` micro-batches, ``N`` loss tokens."""
+        dp_group = self.mesh["dp"].get_group() if self.strategy.dp > 1 else None
+        return micro_batch_share(loss_token_count(targets, dp_group), self.strategy.dp * n_micro)
 
     def _plain_forward_backward(self, micro_batches: list[Batch], scale: float) -> list[torch.Tensor]:
         model, losses = self.model_parts[0], []
-        for index, (inputs, targets) in enumerate(micro_batches):
+        batches = [self._to_device(inputs, targets) for inputs, targets in micro_batches]
+        share = self._share([targets for _, targets in batches], len(batches))
+        for index, (inputs, targets) in enumerate(batches):
             if self._fsdp:
-                model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+                model.set_requires_gradient_sync(index == len(batches) - 1)
             with self._compute_context():
-                loss = self._forward_loss(*self._to_device(inputs, targets))
-                (loss * (scale / len(micro_batches))).backward()
+                loss = self._forward_loss(inputs, targets, share)
+                (loss * (scale / len(batches))).backward()
             losses.append(loss.detach())
         return losses
 
@@ -280,7 +295,8 @@ class TrainingModel:
         return torch.full((), value, dtype=torch.float32, device=self.device)
 
     def _local_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's share of the global mean loss (the last stage's dp*tp ranks each hold one copy)."""
+        """This rank's share of the global mean loss (the last stage's dp*tp ranks each hold one copy): the
+        ``L_k`` average to the global mean over the ``dp * len(losses)`` micro-batches."""
         if not self.is_last_stage:
             return torch.zeros((), device=self.device)
         # Under TP the losses are replicated DTensors (loss_parallel); their local values are the loss.
@@ -355,7 +371,8 @@ class TrainingModel:
     # ---- evaluation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[Batch]) -> float:
-        """Mean token loss over this dp rank's micro-batches, averaged over dp; the same on every rank."""
+        """Mean token loss over the loss tokens of every dp rank's micro-batches (BERT: the masked tokens,
+        whose ``exp`` is the masked-token perplexity); the same on every rank."""
         for part in self.model_parts:
             part.eval()
         try:
@@ -371,12 +388,12 @@ class TrainingModel:
         return self._all_reduce_sum([self._local_loss(losses)]).item()
 
     def _eval_losses(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
-        if self._pipeline is None:
-            with self._compute_context():
-                return [self._forward_loss(*self._to_device(*batch)).detach() for batch in micro_batches]
         batches = [self._to_device(*batch) for batch in micro_batches]
+        share = self._share([targets for _, targets in batches], len(batches))
         with self._compute_context():
-            return self._pipeline.eval_losses(batches, self._unique_params())
+            if self._pipeline is None:
+                return [self._forward_loss(inputs, targets, share).detach() for inputs, targets in batches]
+            return self._pipeline.eval_losses(batches, self._unique_params(), share=share)
 
     def probe_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss of one fixed batch given whole to every rank (switch verification).

@@ -1,11 +1,12 @@
-"""Parameter counts, FLOPs and per-layer sizes of a GPT-style model.
+"""Parameter counts, FLOPs and per-layer sizes of a transformer (GPT, Llama or BERT).
 
 Everything here is exact arithmetic on the model's shape; the hardware enters in
-:mod:`cona.planner.perf_model`. The shape helpers take a :class:`ModelShape` so that grouped-query attention
-(``kv_heads < heads``) and a gated MLP (SwiGLU: three matrices, ``fc1`` twice as wide) can be described before
-:class:`~cona.config.ModelConfig` gains those keys; :func:`model_shape` defaults both to plain GPT. Functions
-that take a tensor-parallel degree accept an int or a numpy array of degrees (the planner evaluates many
-strategies at once).
+:mod:`cona.planner.perf_model`. The shape helpers take a :class:`ModelShape`, which :func:`model_shape`
+derives from a :class:`~cona.config.ModelConfig` of any family: grouped-query attention
+(``kv_heads < heads``), a gated MLP (SwiGLU: three matrices, ``fc1`` twice as wide), linear layers without
+biases, rotary positions (no position table), an untied output projection, and BERT's bidirectional
+attention and masked-LM head. Functions that take a tensor-parallel degree accept an int or a numpy array of
+degrees (the planner evaluates many strategies at once).
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ class ModelShape:
     """Learned absolute position embeddings (``seq * hidden`` parameters)."""
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
+    bias: bool = True
+    """Biases in the linear layers of the blocks (and BERT's head transform)."""
+    tied_embeddings: bool = True
+    """The output projection shares the token-embedding matrix (else it is a second ``vocab x hidden``)."""
+    causal: bool = True
+    """Causal attention (a flash kernel skips the masked half); False for BERT's bidirectional encoder."""
+    mlm_head: bool = False
+    """BERT's masked-LM head: a dense ``hidden x hidden`` layer, GELU and a norm before the output
+    projection, which has a ``vocab`` bias."""
 
     @property
     def head_dim(self) -> int:
@@ -62,13 +72,11 @@ class ModelShape:
 def model_shape(
     model: ModelConfig | ModelShape, *, kv_heads: int | None = None, gated_mlp: bool | None = None
 ) -> ModelShape:
-    """The shape of ``model``; ``kv_heads`` / ``gated_mlp`` override what the config says (GPT by default)."""
+    """The shape of ``model``; ``kv_heads`` / ``gated_mlp`` override what the config says."""
     if isinstance(model, ModelShape):
         overrides = {"kv_heads": kv_heads, "gated_mlp": gated_mlp}
         return dataclasses.replace(model, **{k: v for k, v in overrides.items() if v is not None})
-    # ModelConfig has no kv_heads key yet; read it when a later version adds one.
-    configured_kv = getattr(model, "kv_heads", None)
-    resolved_kv = kv_heads if kv_heads is not None else (configured_kv or model.heads)
+    resolved_kv = kv_heads if kv_heads is not None else model.kv_heads
     if resolved_kv <= 0 or model.heads % resolved_kv:
         raise PlanError(f"model.kv_heads: {resolved_kv} does not divide model.heads={model.heads}")
     return ModelShape(
@@ -79,26 +87,44 @@ def model_shape(
         seq=model.seq,
         ffn=model.ffn_size,
         vocab=model.padded_vocab_size,
-        gated_mlp=bool(gated_mlp),
+        gated_mlp=gated_mlp if gated_mlp is not None else model.activation == "swiglu",
         norm_params=NORM_PARAMS_PER_CHANNEL[model.normalization],
+        position_embeddings=model.position_embedding == "learned",
         attention_dropout=model.attention_dropout,
         hidden_dropout=model.hidden_dropout,
+        bias=model.bias,
+        tied_embeddings=model.tie_embeddings,
+        causal=model.causal,
+        mlm_head=model.family == "bert",
     )
 
 
 def block_parameter_count(shape: ModelShape) -> int:
-    """Parameters of one transformer block: attention, MLP (all linears with bias) and two norms."""
+    """Parameters of one transformer block: attention, MLP (linears with biases unless ``bias`` is off) and
+    two norms."""
     h, kv, f = shape.hidden, shape.kv_width, shape.ffn
-    attention = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h
-    mlp = h * shape.fc1_width + shape.fc1_width + f * h + h
+    b = int(shape.bias)
+    attention = h * (h + 2 * kv) + b * (h + 2 * kv) + h * h + b * h
+    mlp = h * shape.fc1_width + b * shape.fc1_width + f * h + b * h
     norms = 2 * shape.norm_params * h
     return attention + mlp + norms
 
 
 def embedding_parameter_count(shape: ModelShape) -> int:
-    """Token embedding (tied with the LM head, so counted once), position embedding and the final norm."""
+    """Token embedding, position embedding, the final norm and the head: the output matrix when it is not
+    tied to the embedding (a tied one is counted once), and BERT's masked-LM head."""
     positions = shape.seq * shape.hidden if shape.position_embeddings else 0
-    return shape.vocab * shape.hidden + positions + shape.norm_params * shape.hidden
+    embedding = shape.vocab * shape.hidden + positions + shape.norm_params * shape.hidden
+    return embedding + head_parameter_count(shape)
+
+
+def head_parameter_count(shape: ModelShape) -> int:
+    """Parameters of the last stage's head beyond the final norm and a tied output matrix: an untied output
+    matrix, and BERT's dense layer, its norm and the output bias."""
+    h = shape.hidden
+    untied = 0 if shape.tied_embeddings else shape.vocab * h
+    mlm = h * h + int(shape.bias) * h + shape.norm_params * h + shape.vocab if shape.mlm_head else 0
+    return untied + mlm
 
 
 def parameter_count(model: ModelConfig | ModelShape) -> int:
@@ -150,23 +176,27 @@ def block_gemms(shape: ModelShape, tp: np.ndarray | int) -> tuple[Gemm, ...]:
 def attention_flops_per_token(shape: ModelShape, tp: np.ndarray | int, *, causal_skip: bool) -> np.ndarray:
     """Forward FLOPs of the score (QK^T) and value (PV) products per token on one rank.
 
-    ``4 * seq * hidden / tp`` at full size; a causal flash-attention kernel skips the masked half.
+    ``4 * seq * hidden / tp`` at full size, whatever ``kv_heads`` (every query head scores every key); a
+    causal flash-attention kernel skips the masked half (``causal_skip``), a bidirectional model has none.
     """
     full = 4.0 * shape.seq * shape.hidden / np.asarray(tp, dtype=float)
-    return full / 2.0 if causal_skip else full
+    return full / 2.0 if causal_skip and shape.causal else full
 
 
 def lm_head_flops_per_token(shape: ModelShape, tp: np.ndarray | int) -> np.ndarray:
-    """Forward FLOPs of the LM head (vocab-parallel over tp) per token."""
-    return 2.0 * shape.hidden * shape.vocab / np.asarray(tp, dtype=float)
+    """Forward FLOPs of the LM head (vocab-parallel over tp) per token, with BERT's dense transform before
+    it (replicated over tp, as Megatron has it)."""
+    dense = 2.0 * shape.hidden * shape.hidden if shape.mlm_head else 0.0
+    return 2.0 * shape.hidden * shape.vocab / np.asarray(tp, dtype=float) + dense
 
 
 def block_weight_params(shape: ModelShape, tp: np.ndarray | int) -> np.ndarray:
     """Parameters of one block held by one tensor-parallel rank (norms and row-parallel biases replicated)."""
     tp = np.asarray(tp, dtype=float)
-    h, kv = shape.hidden, shape.kv_width
-    split = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h * shape.fc1_width + shape.fc1_width + shape.ffn * h
-    replicated = h + h + 2 * shape.norm_params * h  # attn_out and fc2 biases, two norms
+    h, kv, b = shape.hidden, shape.kv_width, int(shape.bias)
+    attention = h * (h + 2 * kv) + b * (h + 2 * kv) + h * h
+    split = attention + h * shape.fc1_width + b * shape.fc1_width + shape.ffn * h
+    replicated = b * (h + h) + 2 * shape.norm_params * h  # attn_out and fc2 biases, two norms
     return split / tp + replicated
 
 

@@ -268,12 +268,18 @@ class _Step:
         return self.comm_scale * np.where(self.pp > 1, 2.0 * self.m * self.v * one, 0.0)
 
     def stage_params(self) -> np.ndarray:
-        """Parameters on one GPU of the last stage (its blocks, the tied embedding copy, the final norm)."""
+        """Parameters on one GPU of the last stage: its blocks, the output matrix (the tied embedding's copy
+        or its own), the final norm, BERT's head, and with pp = 1 the embeddings too."""
         shape = self.shape
+        h = shape.hidden
         blocks = self.layers * flops.block_weight_params(shape, self.tp)
-        embedding = shape.vocab * shape.hidden / self.tp + shape.norm_params * shape.hidden
-        positions = np.where(self.pp > 1, 0.0, shape.seq * shape.hidden if shape.position_embeddings else 0.0)
-        return blocks + embedding + positions
+        head = shape.vocab * h / self.tp + shape.norm_params * h
+        if shape.mlm_head:  # dense and norm replicated over tp, the output bias split like the matrix
+            head = head + h * h + shape.bias * h + shape.norm_params * h + shape.vocab / self.tp
+        first_stage = shape.seq * h if shape.position_embeddings else 0.0
+        if not shape.tied_embeddings:
+            first_stage = first_stage + shape.vocab * h / self.tp
+        return blocks + head + np.where(self.pp > 1, 0.0, first_stage)
 
     def dp_comm_exposed(self, forward_mb: np.ndarray, backward_mb: np.ndarray) -> np.ndarray:
         """Data-parallel traffic not hidden under compute, as CONA's engine does it.
@@ -303,7 +309,7 @@ class _Step:
         stride = self.tp * self.dp * np.maximum(self.pp - 1.0, 1.0)
         bandwidth, latency = group_bandwidth(self.system, np.full_like(self.pp, 2.0), stride)
         sync = all_reduce_time(GRAD_REDUCE_BYTES * rows, 2.0, bandwidth, latency)
-        return self.comm_scale * np.where(self.pp > 1, sync, 0.0)
+        return self.comm_scale * np.where((self.pp > 1) & self.shape.tied_embeddings, sync, 0.0)
 
     def optimizer_time(self) -> np.ndarray:
         """Adam on the fp32 parameters of this GPU's share: read p, g, m, v and write p, m, v (28 bytes)."""

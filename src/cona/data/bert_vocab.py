@@ -1,0 +1,78 @@
+"""``cona data bert-vocab``: train a BERT lower-case WordPiece ``vocab.txt`` from a jsonl corpus.
+
+No BERT vocabulary is downloaded anywhere in the project; the demo and the tests train their own with
+HF ``tokenizers``' WordPiece trainer (BERT's normaliser and pre-tokenizer, ``##`` continuation prefix). The
+special tokens get ids 0..4 in the order of :data:`~cona.data.tokenizer.WORDPIECE_SPECIAL_TOKENS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+
+from cona.data.tokenizer import WORDPIECE_SPECIAL_TOKENS
+from cona.errors import DataError
+
+VOCAB_NAME = "vocab.txt"
+MIN_VOCAB_SIZE = len(WORDPIECE_SPECIAL_TOKENS) + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class BertVocab:
+    path: Path
+    vocab_size: int
+    documents: int
+
+
+def jsonl_texts(path: Path, key: str) -> Iterator[str]:
+    """The string under ``key`` of every non-blank line; a bad line raises DataError naming file and line."""
+    with open(path, encoding="utf-8") as source:
+        for line_no, line in enumerate(source, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}, line {line_no}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(key), str):
+                raise DataError(f"{path}, line {line_no}: no string under key {key!r} (--json-key)")
+            yield record[key]
+
+
+def train_bert_vocab(corpus: Path, out_dir: Path, *, vocab_size: int, json_key: str = "text") -> BertVocab:
+    """Train a WordPiece vocabulary of at most ``vocab_size`` entries on ``corpus``; write
+    ``out_dir/vocab.txt``."""
+    if not corpus.is_file():
+        raise DataError(f"--corpus: {corpus} does not exist")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise DataError(f"--vocab-size: must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
+    documents = 0
+
+    def counted_texts() -> Iterator[str]:
+        nonlocal documents
+        for text in jsonl_texts(corpus, json_key):
+            documents += 1
+            yield text
+
+    wordpiece = tokenizers.BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(
+        counted_texts(),
+        vocab_size=vocab_size,
+        special_tokens=list(WORDPIECE_SPECIAL_TOKENS),
+        show_progress=False,
+    )
+    if documents == 0:
+        raise DataError(f"--corpus: {corpus} holds no documents")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / VOCAB_NAME
+    tmp = path.with_name(f"{VOCAB_NAME}.tmp{os.getpid()}")
+    vocab = wordpiece.get_vocab()
+    lines = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    tmp.write_text("".join(f"{token}\n" for token in lines), encoding="utf-8")
+    os.replace(tmp, path)  # a reader never sees half a vocabulary
+    return BertVocab(path=path, vocab_size=len(vocab), documents=documents)
