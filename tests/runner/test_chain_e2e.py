@@ -205,13 +205,18 @@ def test_chain_switching_dp_tp_pp_and_gbs_continues_the_loss_and_uses_each_sampl
     assert len(ids) == total_samples
     np.testing.assert_array_equal(np.sort(ids), np.arange(total_samples))
 
-    # Every switch logged its cost split, with the publish of the stage before (all but the last convert).
+    # Every switch logged its cost split, with the publish of the stage before (all but the last convert),
+    # and passed switch verification (the probe loss saved and the one after loading agree).
     assert [s["convert"] for s in steps] == [True, True, True, False]
     for number in range(2, len(steps) + 1):
         cost = state["stages"][number - 1]["switch_cost"]
-        assert set(cost) == {"save_s", "publish_s", "process_start_s", "load_s", "first_step_s"}
+        assert set(cost) == {
+            "probe_s", "save_s", "publish_s", "process_start_s", "load_s", "verify_s", "first_step_s"
+        }  # fmt: skip
         assert all(value >= 0 for value in cost.values())
-        assert f"switch {number - 1}->{number}: save " in out
+        assert f"switch {number - 1}->{number}: probe " in out
+        assert state["stages"][number - 1]["switch_check"]["status"] == "passed"
+        assert f"stage {number}: switch check passed" in out
 
 
 @pytest.mark.slow

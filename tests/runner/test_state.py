@@ -14,9 +14,11 @@ from cona.runner.state import (
     STATE_NAME,
     advance,
     check_same_run,
+    durations,
     load_state,
     measured_noise_scale,
     new_state,
+    resume_line,
     save_state,
     switch_cost,
 )
@@ -119,3 +121,53 @@ def test_noise_scale_for_adascale_counts_each_iteration_once(tmp_path):
         expected = expected.update_from_metrics(retry if iteration == 5 else record)
     estimate = measured_noise_scale(tmp_path, training, up_to_iteration=12)
     assert estimate == expected.estimate() and estimate.samples == 12
+
+
+def test_durations_split_out_the_switch_check():
+    timings = {
+        "process_start": 10.0,
+        "load_done": 12.0,
+        "verify_done": 12.5,
+        "setup_done": 12.625,
+        "first_step_done": 13.0,
+        "train_done": 20.0,
+        "probe_done": 20.25,
+        "save_done": 21.0,
+    }
+    assert durations(timings, 9.0) == {
+        "process_start_s": 1.0,
+        "load_s": 2.0,
+        "verify_s": 0.5,
+        "first_step_s": 0.375,
+        "probe_s": 0.25,
+        "save_s": 0.75,
+    }
+    # A worker that loaded and saved without a probe (older results): the spans join up as before.
+    unprobed = {k: v for k, v in timings.items() if k not in ("load_done", "verify_done", "probe_done")}
+    assert durations(unprobed, None) == {"load_s": 2.625, "first_step_s": 0.375, "save_s": 1.0}
+
+
+def test_switch_cost_counts_the_probe_before_the_save_and_the_check_after_the_load():
+    previous = dataclasses.replace(
+        three_stages().stage(1), timings={"probe_s": 0.1, "save_s": 1.0, "verify_s": 5.0}
+    )
+    stage = dataclasses.replace(
+        three_stages().stage(2), timings={"load_s": 0.5, "verify_s": 0.2, "probe_s": 3.0}
+    )
+    cost = switch_cost(previous, stage)
+    assert cost == {"probe_s": 0.1, "save_s": 1.0, "load_s": 0.5, "verify_s": 0.2}
+    assert list(cost) == ["probe_s", "save_s", "load_s", "verify_s"]  # the order they happen in
+
+
+def test_resuming_from_another_backends_checkpoint_takes_the_counters_of_the_run_state(tmp_path):
+    megatron_checkpoint = tmp_path / "global_step5"  # a Megatron-DeepSpeed save: no CONA trainer_state.json
+    megatron_checkpoint.mkdir()
+    state = three_stages()
+    first = advance(advance(state.stage(1), "running"), "trained", checkpoint=str(megatron_checkpoint))
+    first = dataclasses.replace(first, last_iteration=5, consumed_samples=40, consumed_tokens=320)
+    state = state.with_stage(advance(first, "done"))
+    line = resume_line(state, "run", [tmp_path / "layout"] * 3)
+    assert line == (
+        f"resuming run run at stage 2 (pending) from {megatron_checkpoint}, iteration=5, "
+        "consumed_samples=40, consumed_tokens=320"
+    )

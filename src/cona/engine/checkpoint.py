@@ -1,14 +1,15 @@
 """Reshardable checkpoints: torch.distributed.checkpoint (DCP) shards plus small JSON files.
 
-A checkpoint directory ``<layout>/global_step<N>/`` holds the DCP shards and ``.metadata`` of
-``{"model": model state, "optim": flattened per-parameter AdamW state}``, and ``trainer_state.json``,
-``config.json``, ``strategy.json`` and ``manifest.json``. DCP stores every tensor with its global shape
-and the offsets of each shard, so any layout (dp, tp, pp, zero, 1 process) can load what any other
-saved. Crash safety comes from the order of writes: shards and JSON go to ``.tmp-global_step<N>-<id>``,
-which rank 0 renames to ``global_step<N>`` once every rank finished; only then is the ``latest`` marker
-replaced (itself through a temporary file and a rename). A kill at any point leaves ``latest`` naming
-either the previous checkpoint or the complete new one; leftover ``.tmp-*`` entries are never loaded and
-are removed by the next save.
+A checkpoint directory ``<layout>/global_step<N>/`` holds the DCP shards and ``.metadata`` of ``{"model":
+model state, "optim": flattened per-parameter AdamW state}``, and ``trainer_state.json``, ``config.json``,
+``strategy.json``, ``manifest.json`` and (when the saver measured one) ``probe.json``, the loss of a fixed
+probe batch that the next load compares against (:mod:`cona.engine.switch_check`). DCP stores every tensor
+with its global shape and the offsets of each shard, so any layout (dp, tp, pp, zero, 1 process) can load what
+any other saved. Crash safety comes from the order of writes: shards and JSON go to
+``.tmp-global_step<N>-<id>``, which rank 0 renames to ``global_step<N>`` once every rank finished; only then
+is the ``latest`` marker replaced (itself through a temporary file and a rename). A kill at any point leaves
+``latest`` naming either the previous checkpoint or the complete new one; leftover ``.tmp-*`` entries are
+never loaded and are removed by the next save.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.json"
 STRATEGY_FILE = "strategy.json"
 MANIFEST_FILE = "manifest.json"
+PROBE_FILE = "probe.json"
 STEP_DIR = re.compile(r"global_step(\d+)(_universal)?")
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # Parameter-group keys taken from the checkpoint on load; every other key (betas, eps, weight_decay from
@@ -62,6 +64,12 @@ MODEL_SHAPE_KEYS = (
     "vocab_size",
     "padded_vocab_size",
     "normalization",
+    "family",
+    "kv_heads",
+    "activation",
+    "position_embedding",
+    "tie_embeddings",
+    "bias",
 )
 
 
@@ -87,9 +95,11 @@ def save_checkpoint(
     trainer_state: dict,
     config: ConaConfig,
     strategy: Strategy,
+    probe: dict | None = None,
 ) -> Path:
     """Collective: save model and optimizer state as ``<layout_dir>/global_step<iteration>`` and point
-    ``latest`` at it. Also works without a process group (one process)."""
+    ``latest`` at it, with ``probe`` (a :class:`cona.engine.switch_check.ProbeRecord` as a dict) beside it
+    when given. Also works without a process group (one process)."""
     layout_dir = Path(layout_dir)
     tmp_dir = layout_dir / _agree_on_tmp_name(layout_dir, iteration)
     model_state, optim_state = model_and_optimizer_state(model_parts, optimizer)
@@ -109,15 +119,13 @@ def save_checkpoint(
             "model_tensors": sorted(model_state),
             "optimizer_tensors": sorted(optim_state),
         }
-        _write_json_files(
-            tmp_dir,
-            {
-                TRAINER_STATE_FILE: trainer_state,
-                CONFIG_FILE: config.to_dict(),
-                STRATEGY_FILE: dataclasses.asdict(strategy),
-                MANIFEST_FILE: manifest,
-            },
-        )
+        documents = {
+            TRAINER_STATE_FILE: trainer_state,
+            CONFIG_FILE: config.to_dict(),
+            STRATEGY_FILE: dataclasses.asdict(strategy),
+            MANIFEST_FILE: manifest,
+        }
+        _write_json_files(tmp_dir, documents | ({PROBE_FILE: probe} if probe is not None else {}))
         _publish(tmp_dir, final_dir)
         _write_marker(layout_dir / LATEST, final_dir.name)
     _barrier()
@@ -331,6 +339,8 @@ class CheckpointInfo:
     config: ConaConfig
     strategy: Strategy | None
     manifest: dict | None
+    probe: dict | None = None
+    """The probe loss measured before the save (``probe.json``), if the saver recorded one."""
 
 
 def read_checkpoint_info(path: Path) -> CheckpointInfo:
@@ -344,12 +354,14 @@ def read_checkpoint_info(path: Path) -> CheckpointInfo:
         raise CheckpointError(f"{checkpoint}: unusable {CONFIG_FILE}: {err}") from None
     strategy = _read_json(checkpoint, STRATEGY_FILE, optional=True)
     manifest = _read_json(checkpoint, MANIFEST_FILE, optional=True)
+    probe = _read_json(checkpoint, PROBE_FILE, optional=True)
     return CheckpointInfo(
         path=checkpoint,
         trainer_state=trainer_state,
         config=config,
         strategy=Strategy(**strategy) if strategy is not None else None,
         manifest=manifest,
+        probe=probe,
     )
 
 

@@ -18,6 +18,8 @@ from cona.strategy import Strategy
 
 SPEC_VERSION = 1
 LAUNCH_TIME_ENV = "CONA_LAUNCH_TIME"
+WORKER_CONSOLE_ENV = "CONA_WORKER_CONSOLE"
+"""Set to 0 by the runner when its own console shows the metrics: rank 0 then prints no per-interval lines."""
 """Environment variable in which the runner passes the unix time it started the stage's processes."""
 
 
@@ -155,7 +157,12 @@ class StageResult:
     """The global_step directory saved at the end, or None if this stage saved nothing at the end."""
     timings: dict[str, float]
     """Unix times: launch (the runner started torchrun), process_start (the worker's imports done),
-    setup_done (built, data ready, checkpoint loaded), first_step_done, train_done, save_done."""
+    load_done (built, data ready, checkpoint loaded; stages that load one), verify_done (its probe loss
+    checked), setup_done, first_step_done, train_done, probe_done (the probe loss of the state to save
+    measured), save_done."""
+    switch_check: dict | None = None
+    """The verdict of the loaded checkpoint's verification (:class:`cona.engine.switch_check.Verdict` as a
+    dict); None when the stage started from scratch."""
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
-from cona.engine.metrics import MetricsLogger, model_flops_utilization
+from cona.engine.metrics import MASKED_TOKENS, MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
+from cona.engine.probe import ProbeBatch
 from cona.engine.spec import StageSpec
 from cona.engine.train_model import PendingStepOutput, TrainingModel
 
@@ -68,10 +69,13 @@ class StageContext:
     peak_flops_per_device: float | None
     logger: MetricsLogger | None
     """Rank 0 only."""
-    save: Callable[[Progress], Path]
-    """Collective checkpoint save of the current state; returns the global_step directory."""
+    save: Callable[..., Path]
+    """Collective checkpoint save of the current state (``save(progress)``, with the probe loss of that
+    state); returns the global_step directory."""
     timings: dict[str, float]
     """Unix times of the stage's milestones (the loop adds first_step_done and train_done)."""
+    probe_batch: ProbeBatch
+    """The fixed batch whose loss verifies a checkpoint across a save and the next load."""
     control_group: dist.ProcessGroup | None = None
     """A gloo group over all ranks for host-side agreement (None: the default group is gloo already)."""
 
@@ -223,6 +227,8 @@ def _maybe_log(
         eval_loss = ctx.model.eval_loss(ctx.eval_batches)
         record["eval_loss"] = eval_loss
         record["eval_ppl"] = math.exp(eval_loss) if eval_loss < 700 else math.inf
+        if spec.config.model.family == "bert":
+            record["eval_ppl_tokens"] = MASKED_TOKENS  # BERT's eval_ppl is over the masked tokens only
     if ctx.logger is not None:
         ctx.logger.write(record)
     return IntervalSums()  # starts its clock now: evaluation and logging are not step time

@@ -1,10 +1,12 @@
 """torchrun entry point of one stage: ``python -m cona.engine.worker SPEC.json``.
 
-Reads the stage spec, joins the process group (gloo on CPU, NCCL on CUDA), builds the mesh, model,
-optimizer and data, resumes from the spec's checkpoint, trains (:mod:`cona.engine.trainer`), saves, and
-writes ``stage_result.json`` (rank 0). Every rank writes its output to ``stages/<N>/rank<r>.log``; rank 0
-keeps the original stdout for the console line of each log interval. On an exception a rank writes
-``stages/<N>/rank<r>.error`` (JSON with the traceback) for the runner to show, and exits 1.
+Reads the stage spec, joins the process group (gloo on CPU, NCCL on CUDA), builds the mesh, model, optimizer
+and data, resumes from the spec's checkpoint and verifies it (the probe loss saved with it must come out the
+same under this layout, see :mod:`cona.engine.switch_check`), trains (:mod:`cona.engine.trainer`), measures
+the probe loss and saves, and writes ``stage_result.json`` (rank 0). Every rank writes its output to
+``stages/<N>/rank<r>.log``; rank 0 keeps the original stdout for the console line of each log interval. On an
+exception a rank writes ``stages/<N>/rank<r>.error`` (JSON with the traceback) for the runner to show, and
+exits 1.
 
 The process ends with ``os._exit`` after a barrier: interpreter finalisation can abort in gloo's threads
 once DTensor collectives ran (see docs: torch-native-on-cpu, gotcha 1).
@@ -28,13 +30,23 @@ import torch.distributed as dist
 
 from cona.config import ConaConfig
 from cona.data.gpt_dataset import build_datasets
-from cona.engine.checkpoint import layout_dir, load_checkpoint, save_checkpoint
+from cona.engine.checkpoint import (
+    PROBE_FILE,
+    layout_dir,
+    load_checkpoint,
+    read_checkpoint_info,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
 from cona.engine.parallel_dims import build_mesh, validate_layout
-from cona.engine.spec import LAUNCH_TIME_ENV, StageResult, StageSpec
+from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
+from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV, StageResult, StageSpec
+from cona.engine.switch_check import ProbeRecord, Verdict, compare_probe, write_verdict
 from cona.engine.train_model import TrainingModel, build_training_model, resolved_dtype
 from cona.engine.trainer import Progress, StageContext, fixed_eval_batches, train_stage
+from cona.errors import CheckpointError
 from cona.planner.flops import training_flops_per_token
 
 
@@ -48,7 +60,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         spec = StageSpec.read(spec_path)
         error_dir = spec.stage_dir
         console = redirect_output(spec.stage_dir, rank)
-        run_stage(spec, console=console if rank == 0 else None, process_start=process_start)
+        echo = rank == 0 and os.environ.get(WORKER_CONSOLE_ENV) != "0"  # else the runner's console shows them
+        run_stage(spec, console=console if echo else None, process_start=process_start)
     except BaseException as err:  # noqa: BLE001 (every failure must reach the runner as an .error file)
         write_error(error_dir, rank, err)
         _flush()
@@ -66,13 +79,19 @@ def run_stage(spec: StageSpec, *, console: IO[str] | None, process_start: float)
     context, progress = build_stage(
         spec, device, control_group=control_group, console=console, timings=timings
     )
+    verdict = None
+    if spec.load_path is not None:
+        timings["load_done"] = time.time()
+        verdict = verify_loaded(context, spec.load_path, iteration=progress.iteration)
+        timings["verify_done"] = time.time()
     timings["setup_done"] = time.time()
     try:
         reason = train_stage(context, progress)
     finally:
         if context.logger is not None:
             context.logger.close()
-    checkpoint = context.save(progress) if reason == "switch_requested" or spec.save_at_end else None
+    saves = reason == "switch_requested" or spec.save_at_end
+    checkpoint = context.save(progress, milestones=timings) if saves else None
     timings["save_done"] = time.time()
     result = StageResult(
         stage=spec.stage,
@@ -82,6 +101,7 @@ def run_stage(spec: StageSpec, *, console: IO[str] | None, process_start: float)
         consumed_tokens=progress.consumed_tokens,
         checkpoint=str(checkpoint) if checkpoint is not None else None,
         timings=timings,
+        switch_check=verdict.to_dict() if verdict is not None else None,
     )
     if dist.get_rank() == 0:
         result.write(spec.result_path)
@@ -118,6 +138,7 @@ def build_stage(
     dp_rank = mesh["dp"].get_local_rank()
     eval_samples = spec.resolved_eval_iters() * config.training.base_gbs
     dtype = resolved_dtype(config.training, device)
+    probe = probe_batch(splits)
     context = StageContext(
         spec=spec,
         model=model,
@@ -137,8 +158,9 @@ def build_stage(
         peak_flops_per_device=peak_flops(_device_name(device), dtype),
         logger=_rank0_logger(spec, console),
         save=partial(
-            _save, spec, model, optimizer, schedule, layout_dir(spec.workdir, config, strategy, dtype)
+            _save, spec, model, optimizer, schedule, layout_dir(spec.workdir, config, strategy, dtype), probe
         ),
+        probe_batch=probe,
         timings=timings,
         control_group=control_group,
     )
@@ -151,9 +173,17 @@ def _save(
     optimizer: torch.optim.Optimizer,
     schedule: LRSchedule,
     checkpoint_root: Path,
+    probe: ProbeBatch,
     at: Progress,
+    *,
+    milestones: dict[str, float] | None = None,
 ) -> Path:
-    """Collective save of the stage's state at ``at`` (trainer_state as the engine contract lists it)."""
+    """Collective save of the stage's state at ``at`` (trainer_state as the engine contract lists it), with
+    the probe loss of the state saved, which whoever loads it verifies (any later stage may load it under
+    another layout). ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
+    record = measure_probe(model, probe, iteration=at.iteration)
+    if milestones is not None:
+        milestones["probe_done"] = time.time()
     trainer_state = {
         **dataclasses.asdict(at),
         "stage": spec.stage,
@@ -168,7 +198,28 @@ def _save(
         trainer_state=trainer_state,
         config=spec.config,
         strategy=spec.strategy,
+        probe=record.to_dict(),
     )
+
+
+def verify_loaded(context: StageContext, load_path: Path, *, iteration: int) -> Verdict:
+    """Collective: the probe loss of the weights just loaded against the one saved with them. Rank 0 writes
+    the verdict to ``stages/<N>/switch_check.json``; every rank raises :class:`CheckpointError` when the
+    two differ by more than float noise (all ranks hold the same all-reduced loss, so all agree)."""
+    checkpoint = resolve_checkpoint(load_path)
+    saved = read_checkpoint_info(checkpoint).probe
+    try:
+        before = ProbeRecord.from_dict(saved) if saved is not None else None
+    except CheckpointError as err:
+        raise CheckpointError(f"{checkpoint / PROBE_FILE}: {err}") from None
+    after = measure_probe(context.model, context.probe_batch, iteration=iteration)
+    verdict = compare_probe(before, after, checkpoint=str(checkpoint))
+    if dist.get_rank() == 0:
+        write_verdict(context.spec.stage_dir, verdict)
+        print(verdict.message(), flush=True)  # to rank0.log; the runner reports it to the user
+    if not verdict.passed:
+        raise CheckpointError(verdict.message())
+    return verdict
 
 
 def _rank0_logger(spec: StageSpec, console: IO[str] | None) -> MetricsLogger | None:

@@ -28,7 +28,7 @@ METRICS_FILE = "metrics.jsonl"
 DECISIONS_FILE = "decisions.jsonl"
 REQUIRED_METRIC_KEYS = ("stage", "iteration", "consumed_tokens", "loss", "time")
 STRATEGY_KEYS = ("dp", "tp", "pp", "mbs", "gbs")
-SWITCH_PARTS = ("save_s", "publish_s", "process_start_s", "load_s", "first_step_s")
+SWITCH_PARTS = ("probe_s", "save_s", "publish_s", "process_start_s", "load_s", "verify_s", "first_step_s")
 """The parts of a switch's cost, in the order they happen."""
 
 
@@ -285,8 +285,9 @@ def switch_costs(run: RunData) -> list[SwitchCost]:
         before = durations(run.stage_results[previous].get("timings", {}), None)
         after = durations(run.stage_results[stage].get("timings", {}), None)
         parts = {
+            "probe_s": before.get("probe_s"),
             "save_s": before.get("save_s"),
-            **{key: after.get(key) for key in ("load_s", "first_step_s")},
+            **{key: after.get(key) for key in ("load_s", "verify_s", "first_step_s")},
         }
         parts = {key: value for key, value in parts.items() if value is not None}
         if parts:

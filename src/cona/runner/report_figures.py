@@ -32,10 +32,12 @@ from cona.runner.report import (
 DPI = 110
 SWITCH_STYLE = {"linestyle": "--", "linewidth": 1.0, "alpha": 0.8}
 PART_NAMES = {
+    "probe_s": "probe loss before save",
     "save_s": "save",
     "publish_s": "publish",
     "process_start_s": "process start",
     "load_s": "load (build + data + checkpoint)",
+    "verify_s": "switch check after load",
     "first_step_s": "first step",
 }
 FIGURE_NAMES = (

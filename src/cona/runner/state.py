@@ -70,12 +70,16 @@ class StageState:
     min_lr_factor: float = 1.0
     """Min LR / training.base_min_lr, fixed at its first launch."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds: process_start_s, load_s, first_step_s, save_s (from the worker), publish_s (runner)."""
+    """Seconds: process_start_s, load_s, verify_s, first_step_s, probe_s, save_s (from the worker),
+    publish_s (runner)."""
     pruned: tuple[str, ...] = ()
     """Universal directories the stage's pruning entries removed."""
     switch_cost: dict[str, float] = field(default_factory=dict)
-    """Seconds of the switch into this stage: save_s and publish_s of the previous stage, then
-    process_start_s, load_s and first_step_s of this one."""
+    """Seconds of the switch into this stage: probe_s, save_s and publish_s of the previous stage, then
+    process_start_s, load_s, verify_s and first_step_s of this one."""
+    switch_check: dict[str, Any] | None = None
+    """The verification of the checkpoint the stage loaded (a :class:`cona.engine.switch_check.Verdict`
+    as a dict), from its result; None for a stage that started from scratch."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,6 +136,22 @@ def advance(stage: StageState, status: Status, **changes: Any) -> StageState:
     ):
         raise AssertionError(f"stage {stage.step_num}: cannot go from {stage.status} back to {status}")
     return dataclasses.replace(stage, status=status, **changes)
+
+
+def trained(stage: StageState, result: StageResult, launched: float | None) -> StageState:
+    """The stage moved to ``trained`` with what its workers' result reports: the checkpoint saved at its
+    end, the counters there, the switch parts' seconds (``launched``: when the runner started the attempt,
+    None if it was started before a kill) and the verification of the checkpoint it loaded."""
+    return advance(
+        stage,
+        "trained",
+        checkpoint=result.checkpoint,
+        last_iteration=result.last_iteration,
+        consumed_samples=result.consumed_samples,
+        consumed_tokens=result.consumed_tokens,
+        timings=durations(result.timings, launched),
+        switch_check=result.switch_check,
+    )
 
 
 def state_path(run_dir: Path) -> Path:
@@ -219,7 +239,15 @@ def resume_line(state: RunState, run_name: str, layout_dirs: Sequence[Path]) -> 
     checkpoint = resume_checkpoint(state, current, layout_dirs[current.step_num - 1])
     if checkpoint is None:
         return f"resuming run {run_name} at stage {current.step_num} from scratch, consumed_samples=0"
-    trainer_state = read_checkpoint_info(checkpoint).trainer_state
+    try:
+        trainer_state = read_checkpoint_info(checkpoint).trainer_state
+    except CheckpointError:  # another backend's format (Megatron-DeepSpeed): the run state's counters say it
+        recorded = state.stage(current.step_num - 1) if current.status == "pending" else current
+        trainer_state = {
+            "iteration": recorded.last_iteration,
+            "consumed_samples": recorded.consumed_samples,
+            "consumed_tokens": recorded.consumed_tokens,
+        }
     return (
         f"resuming run {run_name} at stage {current.step_num} ({current.status}) from {checkpoint}, "
         f"iteration={trainer_state['iteration']}, consumed_samples={trainer_state['consumed_samples']}, "
@@ -257,13 +285,15 @@ def check_same_run(
 
 
 def switch_cost(previous: StageState, stage: StageState) -> dict[str, float]:
-    """Cost of the switch into ``stage``: the previous stage's save and publish, then this stage's process
-    start, checkpoint load and first step (missing parts are left out)."""
+    """Cost of the switch into ``stage``: the previous stage's probe loss, save and publish, then this
+    stage's process start, checkpoint load, verification and first step (missing parts are left out)."""
     parts = {
+        "probe_s": previous.timings.get("probe_s"),
         "save_s": previous.timings.get("save_s"),
         "publish_s": previous.timings.get("publish_s"),
         "process_start_s": stage.timings.get("process_start_s"),
         "load_s": stage.timings.get("load_s"),
+        "verify_s": stage.timings.get("verify_s"),
         "first_step_s": stage.timings.get("first_step_s"),
     }
     return {key: value for key, value in parts.items() if value is not None}
@@ -286,6 +316,15 @@ def own_checkpoint(stage: StageState, layout_dir: Path) -> Path | None:
     return info.path if stage.start_iteration < iteration <= stage.target_iteration else None
 
 
+def saved_result(stage: StageState, result_path: Path) -> StageResult | None:
+    """A result whose workers saved a checkpoint after the runner was killed: completed (as
+    :func:`finished_result`) or stopped on a switch request (online mode), at any iteration."""
+    if stage.attempts == 0 or not result_path.is_file() or result_path.stat().st_mtime <= stage.planned_at:
+        return None
+    result = StageResult.read(result_path)
+    return result if result.checkpoint is not None else finished_result(stage, result_path)
+
+
 def finished_result(stage: StageState, result_path: Path) -> StageResult | None:
     """The result of an attempt whose workers finished after the runner was killed (it unlinks stale results
     before each launch, so a result newer than the plan is this stage's)."""
@@ -298,12 +337,17 @@ def finished_result(stage: StageState, result_path: Path) -> StageResult | None:
 
 def durations(timings: dict[str, float], launched: float | None) -> dict[str, float]:
     """Seconds of the switch parts, from the worker's unix times: process start (launch until the worker
-    runs), load (model build, data and checkpoint load), first step, and save."""
+    runs), load (model build, data and checkpoint load), verify (the probe loss of the loaded checkpoint),
+    first step, probe (the probe loss of the state to save) and save. Results of workers that measured no
+    probe have no load_done/probe_done: their load and save spans end and start at the neighbours."""
+    load_end = timings.get("load_done", timings.get("setup_done"))
     spans = {
         "process_start_s": (launched, timings.get("process_start")),
-        "load_s": (timings.get("process_start"), timings.get("setup_done")),
+        "load_s": (timings.get("process_start"), load_end),
+        "verify_s": (timings.get("load_done"), timings.get("verify_done")),
         "first_step_s": (timings.get("setup_done"), timings.get("first_step_done")),
-        "save_s": (timings.get("train_done"), timings.get("save_done")),
+        "probe_s": (timings.get("train_done"), timings.get("probe_done")),
+        "save_s": (timings.get("probe_done", timings.get("train_done")), timings.get("save_done")),
     }
     return {key: end - begin for key, (begin, end) in spans.items() if begin is not None and end is not None}
 
@@ -311,8 +355,13 @@ def durations(timings: dict[str, float], launched: float | None) -> dict[str, fl
 def measured_noise_scale(
     run_dir: Path, training: TrainingConfig, up_to_iteration: int
 ) -> NoiseScaleEstimate | None:
-    """The gradient noise scale measured so far (metrics.jsonl up to ``up_to_iteration``), for adascale.
-    A retried stage logs some iterations twice: each iteration counts once, its last record."""
+    """The gradient noise scale measured so far (metrics.jsonl up to ``up_to_iteration``), for adascale."""
+    return noise_tracker(run_dir, training.base_gbs, up_to_iteration).estimate()
+
+
+def noise_tracker(run_dir: Path, base_gbs: int, up_to_iteration: int) -> NoiseScaleTracker:
+    """The noise-scale tracker fed with metrics.jsonl up to ``up_to_iteration``. A retried stage logs some
+    iterations twice: each iteration counts once, its last record."""
     records: dict[int, dict] = {}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
@@ -323,7 +372,7 @@ def measured_noise_scale(
                 continue  # the line a killed worker was writing
             if isinstance(record.get("iteration"), int) and record["iteration"] <= up_to_iteration:
                 records[record["iteration"]] = record
-    tracker = NoiseScaleTracker(base_batch=training.base_gbs)
+    tracker = NoiseScaleTracker(base_batch=base_gbs)
     for iteration in sorted(records):
         tracker = tracker.update_from_metrics(records[iteration])
-    return tracker.estimate()
+    return tracker

@@ -1,0 +1,143 @@
+"""Launching one stage, as the chain runner and the online runner both do it.
+
+A stage is handed to a :data:`Launcher` (torchrun in production, a fake engine in tests) as a
+:class:`StageLaunch`. :func:`launch_stage` starts it and turns a stage that stopped because it refused the
+checkpoint it loaded (switch verification, :mod:`cona.engine.switch_check`) into one
+:class:`~cona.errors.CheckpointError` that says so, instead of a worker failure; :func:`switch_check_line`
+is the line that reports a stage's verification when it passed. Around the launch: the LR a stage plans
+for its gbs (:func:`stage_lr`) and the timed publish of its checkpoint (:func:`publish_timed`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cona.config import TrainingConfig
+from cona.engine.spec import StageSpec
+from cona.engine.switch_check import VERDICT_FILE, Verdict, read_verdict
+from cona.errors import CheckpointError, LaunchError
+from cona.planner.lr_scaling import ScaledLR, scaled_lr
+from cona.runner.launch import Topology, run_stage
+from cona.runner.state import StageState, measured_noise_scale
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageLaunch:
+    """One stage, ready to start: its spec (already written to ``spec_path``) and where it runs."""
+
+    spec: StageSpec
+    spec_path: Path
+    topology: Topology
+    device_type: str
+    quiet: bool = False
+    watch: Callable[[], None] | None = None
+    """Called while the workers run (checks the other nodes); when it raises, the stage is stopped."""
+
+
+Launcher = Callable[[StageLaunch], None]
+
+
+def torchrun_launcher(launch: StageLaunch) -> None:
+    """Start the stage's workers under torchrun and wait for them (the production launcher)."""
+    run_stage(
+        launch.spec_path,
+        launch.spec.stage_dir,
+        launch.topology,
+        device_type=launch.device_type,
+        quiet=launch.quiet,
+        watch=launch.watch,
+    )
+
+
+def checkpoint_dtype(training: TrainingConfig, device_type: str) -> str:
+    """The checkpoints' dtype directory: fp32 on CPU (which always trains in fp32), else the config's."""
+    return "fp32" if device_type == "cpu" else training.dtype
+
+
+def launch_stage(launcher: Launcher, launch: StageLaunch) -> float:
+    """Run one attempt of a stage and wait for it; returns the unix time it was launched.
+
+    Raises :class:`CheckpointError` when the workers stopped because the checkpoint they loaded failed
+    switch verification (its verdict, written by rank 0 before every rank stopped, says so), so the run
+    ends with that message and not with a worker's traceback.
+    """
+    stage_dir = launch.spec.stage_dir
+    (stage_dir / VERDICT_FILE).unlink(missing_ok=True)  # an earlier attempt's verdict is not this one's
+    launched = time.time()
+    try:
+        launcher(launch)
+    except LaunchError:
+        verdict = read_verdict(stage_dir)
+        if verdict is not None and not verdict.passed:
+            raise CheckpointError(refusal_message(launch.spec.stage, verdict)) from None
+        raise
+    return launched
+
+
+def refusal_message(stage: int, verdict: Verdict) -> str:
+    """Why the run stopped at ``stage``, what was kept, and what a rerun does."""
+    return (
+        f"stage {stage}: {verdict.message()}. The run stops before stage {stage} trains; the checkpoint "
+        f"stays published as the stage before left it. Rerunning the same command verifies it again "
+        f"(and refuses it again until it is repaired or replaced)"
+    )
+
+
+def switch_check_line(stage: StageState) -> str | None:
+    """``stage N: switch check passed: ...; probe X s + verify Y s`` for a stage that loaded a checkpoint
+    (its costs: the probe before the previous stage's save is on the previous stage's books)."""
+    if stage.switch_check is None:
+        return None
+    verdict = Verdict.from_dict(stage.switch_check)
+    seconds = stage.timings.get("verify_s")
+    cost = f" (verified in {seconds:.2f} s)" if seconds is not None else ""
+    return f"stage {stage.step_num}: {verdict.message()}{cost}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageLR:
+    """The LR a stage trains with, fixed when it is planned."""
+
+    scaled: ScaledLR
+    lr_factor: float
+    """Peak LR / training.base_lr."""
+    min_lr_factor: float
+    """Min LR / training.base_min_lr (the scaler's own factor when base_min_lr is 0)."""
+
+
+def stage_lr(run_dir: Path, training: TrainingConfig, gbs: int, start_iteration: int) -> StageLR:
+    """The LR of a stage at ``gbs`` (``training.lr_scale_strategy``; adascale from the noise scale measured
+    in ``run_dir`` up to the stage's start)."""
+    noise = (
+        measured_noise_scale(run_dir, training, start_iteration)
+        if training.lr_scale_strategy == "adascale"
+        else None
+    )
+    lr = scaled_lr(training, gbs, noise_scale=noise)
+    min_lr_factor = lr.min_lr / training.base_min_lr if training.base_min_lr > 0 else lr.min_lr_factor
+    return StageLR(scaled=lr, lr_factor=lr.lr / training.base_lr, min_lr_factor=min_lr_factor)
+
+
+def publish_timed(
+    publisher: Callable[[Path], Path], stage: StageState, out: Callable[[str], None]
+) -> dict[str, Any]:
+    """Publish the stage's checkpoint; returns the stage's changes (its universal copy, and publish_s)."""
+    began = time.perf_counter()
+    universal = publisher(Path(stage.checkpoint))
+    seconds = time.perf_counter() - began
+    out(f"stage {stage.step_num}: published {universal} ({seconds:.2f} s)")
+    return {"universal": str(universal), "timings": {**stage.timings, "publish_s": seconds}}
+
+
+def write_plan(run_dir: Path, step_num: int, plan: dict[str, Any]) -> float:
+    """Record the stage's plan in ``stages/<N>/plan.json``; returns its modification time, which dates the
+    plan (a checkpoint or result not newer than it is not the stage's own)."""
+    path = run_dir / "stages" / str(step_num) / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    return path.stat().st_mtime
