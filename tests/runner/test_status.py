@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -14,9 +16,17 @@ from pathlib import Path
 from rich.console import Console
 
 from cona.cli import main
+from cona.runner.launch import PIDS_FILE, Topology, record_exit, record_pids
 from cona.runner.run_dir import point_latest
 from cona.runner.state import load_state, save_state
-from cona.runner.status import collect_status, find_processes, render_status, status_lines
+from cona.runner.status import (
+    collect_status,
+    find_processes,
+    pid_alive,
+    process_state,
+    render_status,
+    status_lines,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
 LAST_METRICS_TIME = 1795945186.711  # the fixture's last metrics line
@@ -105,3 +115,61 @@ def test_cli_status_finds_the_latest_run_from_the_config(tmp_path, monkeypatch, 
 
     assert main(["status", str(tmp_path / "nowhere")]) == 2
     assert f"run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+
+
+def running_copy(tmp_path: Path) -> Path:
+    """The fixture made to look as if stage 3 were still running."""
+    run_dir = Path(shutil.copytree(FIXTURE, tmp_path / "run_chain_small")).resolve()
+    state = load_state(run_dir)
+    save_state(run_dir, state.with_stage(dataclasses.replace(state.stage(3), status="running")))
+    (run_dir / "stages" / "3" / "stage_result.json").unlink()
+    return run_dir
+
+
+def test_status_reads_liveness_from_the_recorded_pids(tmp_path):
+    run_dir = running_copy(tmp_path)
+    topology = Topology(nproc_per_node=4, master_port=29503)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = record_pids(run_dir / "stages" / "3" / PIDS_FILE, topology, child.pid)
+        alive = dict(status_lines(collect_status(run_dir)))["processes"]
+    finally:
+        child.kill()
+        child.wait()
+    gone = dict(status_lines(collect_status(run_dir)))["processes"]
+    record_exit(path, returncode=-9)
+    exited = dict(status_lines(collect_status(run_dir)))["processes"]
+
+    me = os.getpid()
+    assert alive == f"stage 3: runner pid {me} alive, torchrun pid {child.pid} alive"
+    assert gone == f"stage 3: runner pid {me} alive, torchrun pid {child.pid} gone, its exit not recorded"
+    assert exited == f"stage 3: runner pid {me} alive, torchrun pid {child.pid} exited with code -9"
+
+
+def test_a_recorded_pid_now_held_by_a_later_process_is_not_alive(tmp_path):
+    me = os.getpid()
+    assert pid_alive(me, recorded_at=time.time())
+    if process_state(me) is not None:  # Linux: the start time tells a reused pid apart
+        assert not pid_alive(me, recorded_at=process_state(me)[1] - 60.0)
+    assert not pid_alive(0, recorded_at=time.time())
+
+
+def test_pids_recorded_on_another_host_are_not_checked_from_here(tmp_path):
+    run_dir = running_copy(tmp_path)
+    record = {"host": "node-b.invalid", "node_rank": 1, "runner_pid": 12, "torchrun_pid": 34, "started": 1.0}
+    (run_dir / "stages" / "3" / "pids.node1.json").write_text(json.dumps(record))
+    lines = dict(status_lines(collect_status(run_dir)))
+    assert lines["processes"] == (
+        f"stage 3 on host node-b.invalid (runner pid 12, torchrun pid 34): not checkable from "
+        f"{socket.gethostname()}"
+    )
+
+
+def test_a_finished_run_with_pids_records_says_so(tmp_path):
+    run_dir = Path(shutil.copytree(FIXTURE, tmp_path / "run_chain_small")).resolve()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    record = {"host": socket.gethostname(), "node_rank": 0, "runner_pid": dead.pid, "torchrun_pid": dead.pid,
+              "started": time.time(), "ended": time.time(), "returncode": 0}  # fmt: skip
+    (run_dir / "stages" / "3" / PIDS_FILE).write_text(json.dumps(record))
+    assert dict(status_lines(collect_status(run_dir)))["processes"] == "none (the run finished)"

@@ -81,6 +81,11 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--gpus", type=int, default=None, help="processes: default the GPU count, or 4 CPU processes"
     )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="only stage start/finish/switch lines and errors (no live progress)",
+    )
     parser.set_defaults(func=_demo)
 
 
@@ -102,6 +107,9 @@ def demo_config(data_dir: Path, run_root: Path, *, device: str) -> dict[str, Any
 def _demo(args: argparse.Namespace) -> int:
     import torch  # deferred: `cona --help` should not pay for it
 
+    from cona.runner.console import RunConsole
+
+    console = RunConsole.for_stdout(quiet=args.quiet)
     gpus_visible = torch.cuda.device_count()
     device = "cuda" if gpus_visible > 0 else "cpu"
     processes = args.gpus if args.gpus is not None else (gpus_visible or CPU_PROCESSES)
@@ -118,10 +126,15 @@ def _demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     from cona.runner.online import online_run_from_args, run_online  # imports torch and the planner
+    from cona.runner.sequence import torchrun_launcher
 
     system = demo_system(torch.cuda.get_device_name(0) if device == "cuda" else None)
     run = online_run_from_args(_online_args(config_path, run_root, processes, system))
-    run_online(dataclasses.replace(run, noise_scale_floor=NOISE_SCALE_FLOOR))
+    run_online(
+        dataclasses.replace(run, noise_scale_floor=NOISE_SCALE_FLOOR),
+        launcher=console.launcher(torchrun_launcher),
+        out=console.message,
+    )
     print(f"cona demo: done; run directory, checkpoints and realized_chain.json under {run_root}")
     return 0
 

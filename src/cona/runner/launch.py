@@ -6,6 +6,10 @@ goes to ``stages/<N>/torchrun.log`` (``torchrun.node<r>.log`` on node r > 0 of a
 share the stage directory). When a stage fails, :func:`run_stage` raises one :class:`LaunchError`
 naming the rank that failed FIRST (the others usually fail afterwards, as a consequence) and its message,
 instead of the interleaved tracebacks of every process.
+
+While the workers run, ``stages/<N>/pids.json`` (``pids.node<r>.json`` on node r > 0) records the runner's
+and torchrun's process ids and, once torchrun exits, its exit code: ``cona status`` tells from it whether
+the run's processes are alive.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cona.engine.spec import LAUNCH_TIME_ENV
+from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV
 from cona.errors import LaunchError
 
 DEFAULT_MASTER_PORT_BASE = 29400
 WORKER_MODULE = "cona.engine.worker"
 TORCHRUN_LOG = "torchrun.log"
+PIDS_FILE = "pids.json"
+PIDS_GLOB = "pids*.json"
+"""Every node's pids record in a stage directory (``pids.json``, ``pids.node<r>.json``)."""
 _LOG_TAIL_LINES = 8
 _WATCH_INTERVAL_S = 0.5
 _TERMINATE_GRACE_S = 15.0
@@ -54,6 +61,10 @@ class Topology:
     @property
     def torchrun_log(self) -> str:
         return TORCHRUN_LOG if self.node_rank == 0 else f"torchrun.node{self.node_rank}.log"
+
+    @property
+    def pids_file(self) -> str:
+        return PIDS_FILE if self.node_rank == 0 else f"pids.node{self.node_rank}.json"
 
 
 def stage_master_port(base_port: int, stage: int) -> int:
@@ -120,8 +131,10 @@ def run_stage(
 ) -> None:
     """Run one stage's workers on this node and wait. Raises :class:`LaunchError` if any worker failed.
 
-    ``watch`` is called about twice a second while the workers run (a multi-node run checks the other
-    nodes there); if it raises, the workers are stopped and its exception propagates."""
+    ``quiet`` keeps the workers off the terminal: their standard output goes to the torchrun log and rank 0
+    writes no per-interval console line. ``watch`` is called about twice a second while the workers run (the
+    live console reads the metrics there, a multi-node run checks the other nodes); if it raises, the
+    workers are stopped and its exception propagates."""
     if topology.node_rank == 0:
         check_port_free(topology.master_port)
     stage_dir.mkdir(parents=True, exist_ok=True)
@@ -135,15 +148,51 @@ def run_stage(
         nproc_per_node=topology.nproc_per_node,
     )
     full_env[LAUNCH_TIME_ENV] = str(time.time())
+    if quiet:
+        full_env[WORKER_CONSOLE_ENV] = "0"
     with open(stage_dir / topology.torchrun_log, "w") as torchrun_log:
         torchrun_log.write(" ".join(command) + "\n")
         torchrun_log.flush()
         process = subprocess.Popen(
-            command, env=full_env, stdout=subprocess.DEVNULL if quiet else None, stderr=torchrun_log
+            command, env=full_env, stdout=torchrun_log if quiet else None, stderr=torchrun_log
         )
-        returncode = _wait(process, watch)
+        pids_path = record_pids(stage_dir / topology.pids_file, topology, process.pid)
+        try:
+            returncode = _wait(process, watch)
+        finally:
+            record_exit(pids_path, process.returncode)
     if returncode != 0:
         raise LaunchError(describe_failure(stage_dir, returncode, torchrun_log=topology.torchrun_log))
+
+
+def record_pids(path: Path, topology: Topology, torchrun_pid: int) -> Path:
+    """Write who runs the stage on this node: host, runner pid, torchrun pid, and when it started."""
+    record = {
+        "host": socket.gethostname(),
+        "node_rank": topology.node_rank,
+        "runner_pid": os.getpid(),
+        "torchrun_pid": torchrun_pid,
+        "started": time.time(),
+    }
+    _write_json_atomic(path, record)
+    return path
+
+
+def record_exit(path: Path, returncode: int | None) -> None:
+    """Add torchrun's end to the pids record (``returncode`` None: it was still running when the runner
+    stopped waiting, e.g. the runner was interrupted and torchrun did not stop)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # removed or unreadable meanwhile: there is no record to complete
+    _write_json_atomic(path, {**record, "ended": time.time(), "returncode": returncode})
+
+
+def _write_json_atomic(path: Path, record: dict) -> None:
+    """Through a temporary name, so ``cona status`` never reads half a record."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def _wait(process: subprocess.Popen, watch: Callable[[], None] | None) -> int:

@@ -45,6 +45,7 @@ from cona.planner.policy import (
 from cona.planner.search import bayesian_search, exhaustive_search
 from cona.planner.systems import System
 from cona.runner.chain import validate_layout
+from cona.runner.jsonl_tail import JsonlTail
 from cona.strategy import Strategy, StrategyArray
 
 DECISIONS_NAME = "decisions.jsonl"
@@ -53,34 +54,6 @@ PRINT_EVERY_STAY = 5
 """Print one "stay" decision in this many (the first of each stage included)."""
 RECALIBRATE_CHANGE = 0.1
 """Relative change of the measured throughput that triggers a refit of the performance model."""
-
-
-class MetricsTail:
-    """Reads the complete lines appended to a JSONL file since the last call (a half-written last line
-    waits for its newline)."""
-
-    def __init__(self, path: Path, offset: int = 0) -> None:
-        self.path = path
-        self.offset = offset
-
-    def new_records(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                chunk = handle.read()
-        except FileNotFoundError:
-            return []
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        records = []
-        for line in complete.splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the tail of a line a killed worker left; its stage is rerun
-            if isinstance(record, dict):
-                records.append(record)
-        return records
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +132,7 @@ class StageSearch:
         """Measured / calibrated-model tokens/s of the running strategy at the last evaluation."""
         self.noise_scale_floor = noise_scale_floor
         self.startup_prices_switch = startup_prices_switch
-        self.tail = MetricsTail(run_dir / "metrics.jsonl", metrics_offset)
+        self.tail = JsonlTail(run_dir / "metrics.jsonl", metrics_offset)
         self.step_rates: list[float] = []
         self.decision: Decision | None = None
         self.stop_reason: str | None = None
@@ -294,7 +267,12 @@ class StageSearch:
             self._calibrated_rate = measured
 
     def _log(self, decision: Decision) -> None:
-        record = {"stage": self.stage, **decision.record, "model_anchor": self._anchor}
+        record = {
+            "stage": self.stage,
+            **decision.record,
+            "model_anchor": self._anchor,
+            "hysteresis": self.settings.hysteresis,
+        }
         if self.noise_scale_floor is not None:
             record["measured_noise_scale"] = self.tracker.noise_scale()
             record["noise_scale_floor"] = self.noise_scale_floor

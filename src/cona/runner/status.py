@@ -4,14 +4,18 @@ Stage and target come from the run state (chains) or the stage specs (a fixed-st
 and throughput from the last metrics line; the checkpoint from the stage results and run state, with the
 ``latest`` / ``latest_universal`` markers beside it; the decision from ``decisions.jsonl``.
 
-Liveness: the runner records no process ids, so the workers are found by their command line, which names
-the stage spec inside this run directory (``python -m cona.engine.worker <run_dir>/stages/<N>/spec.json``,
-and torchrun's own command the same). That needs ``/proc`` (Linux) and sees this host only; elsewhere the
-answer is "unknown". The runner process itself cannot be recognised this way.
+Liveness: the runner records its own and torchrun's process ids (and torchrun's exit) per stage and node in
+``stages/<N>/pids*.json`` (:func:`cona.runner.launch.run_stage`); the newest stage's record is checked with
+signal 0 on the host that wrote it, and on Linux against the process's start time in ``/proc``, so a pid
+reused by a later process does not read as alive. Runs from before those records are looked for by command
+line instead (``/proc``, this host only): their workers name the stage spec inside the run directory.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,10 +27,13 @@ from rich.panel import Panel
 from rich.table import Table
 
 from cona.engine.checkpoint import LATEST, LATEST_UNIVERSAL, STEP_DIR
+from cona.runner.launch import PIDS_GLOB
 from cona.runner.publish import read_marker
 from cona.runner.report import RunData, load_run, strategy_label
 
 PROC = Path("/proc")
+START_TOLERANCE_S = 1.0
+"""Slack between a process's start time in /proc (boot time is in whole seconds) and its recorded time."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,11 +46,30 @@ class CheckpointStatus:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RecordedProcesses:
+    """One node's part of a stage as its ``pids*.json`` records it, checked from this host."""
+
+    stage: int
+    host: str
+    runner_pid: int
+    torchrun_pid: int
+    returncode: int | None
+    ended: bool
+    """torchrun's exit was recorded."""
+    runner_alive: bool | None
+    """None when the record was written on another host (signals cannot reach it from here)."""
+    torchrun_alive: bool | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Processes:
     workers: tuple[int, ...] | None
-    """Worker pids of this run alive on this host; None when this host cannot tell."""
+    """Worker pids of this run alive on this host, found by command line (runs without pids records);
+    None when this host cannot tell or when ``recorded`` answers."""
     launchers: tuple[int, ...] = ()
-    """torchrun pids of this run."""
+    """torchrun pids of this run, found the same way."""
+    recorded: tuple[RecordedProcesses, ...] = ()
+    """The newest stage's pids records, one per node; when present they are the answer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +112,7 @@ def collect_status(run_dir: Path, *, now: float | None = None, proc_root: Path =
         last_eval=evals[-1] if evals else None,
         checkpoint=_last_checkpoint(run),
         last_decision=run.decisions[-1] if run.decisions else None,
-        processes=find_processes(run.run_dir, proc_root),
+        processes=run_processes(run.run_dir, proc_root),
         record_age_s=(now if now is not None else time.time()) - float(last["time"]) if last else None,
     )
 
@@ -125,6 +151,80 @@ def _last_checkpoint(run: RunData) -> CheckpointStatus | None:
 def _step_of(path: str) -> int:
     match = STEP_DIR.fullmatch(Path(path).name)
     return int(match.group(1)) if match else -1
+
+
+def run_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
+    """From the newest stage's pids records; by command line for a run that has none."""
+    recorded = recorded_processes(run_dir, proc_root)
+    if recorded:
+        return Processes(workers=None, recorded=recorded)
+    return find_processes(run_dir, proc_root)
+
+
+def recorded_processes(run_dir: Path, proc_root: Path = PROC) -> tuple[RecordedProcesses, ...]:
+    """The pids records of the newest stage that has any (one per node), each checked for liveness."""
+    by_stage: dict[int, list[Path]] = {}
+    for path in Path(run_dir).glob(f"stages/*/{PIDS_GLOB}"):
+        if path.parent.name.isdigit():
+            by_stage.setdefault(int(path.parent.name), []).append(path)
+    if not by_stage:
+        return ()
+    stage = max(by_stage)
+    records = (_read_pids(path, stage, proc_root) for path in sorted(by_stage[stage]))
+    return tuple(record for record in records if record is not None)
+
+
+def _read_pids(path: Path, stage: int, proc_root: Path) -> RecordedProcesses | None:
+    try:
+        raw = json.loads(path.read_text())
+        runner_pid, torchrun_pid = int(raw["runner_pid"]), int(raw["torchrun_pid"])
+        started, host = float(raw["started"]), str(raw["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: the newest stage then answers from its other nodes, if any
+    here = host == socket.gethostname()
+    return RecordedProcesses(
+        stage=stage,
+        host=host,
+        runner_pid=runner_pid,
+        torchrun_pid=torchrun_pid,
+        returncode=raw.get("returncode"),
+        ended="ended" in raw,
+        runner_alive=pid_alive(runner_pid, started, proc_root) if here else None,
+        torchrun_alive=pid_alive(torchrun_pid, started, proc_root) if here and "ended" not in raw else None,
+    )
+
+
+def pid_alive(pid: int, recorded_at: float, proc_root: Path = PROC) -> bool:
+    """Whether the process recorded at ``recorded_at`` with this pid still runs on this host: signal 0
+    reaches it and, where /proc tells, it is no zombie and started no later than it was recorded (a later
+    start is another process that got the pid after ours ended)."""
+    if pid <= 0:
+        return False  # signal 0 to pid 0 or -1 would test a whole process group
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    started = process_state(pid, proc_root)
+    if started is None:
+        return True
+    state, start_time = started
+    return state != "Z" and start_time <= recorded_at + START_TOLERANCE_S
+
+
+def process_state(pid: int, proc_root: Path = PROC) -> tuple[str, float] | None:
+    """(state letter, unix start time) of a process from ``/proc``; None where /proc cannot tell."""
+    try:
+        stat = (proc_root / str(pid) / "stat").read_text()
+        boot_line = next(
+            line for line in (proc_root / "stat").read_text().splitlines() if line.startswith("btime ")
+        )
+    except (OSError, StopIteration):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name in parentheses may hold spaces
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    return fields[0], int(boot_line.split()[1]) + int(fields[19]) / ticks_per_s
 
 
 def find_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
@@ -244,6 +344,8 @@ def _decision_text(decision: dict[str, Any] | None) -> str:
 
 def _process_text(status: RunStatus) -> str:
     processes = status.processes
+    if processes.recorded:
+        return _recorded_text(processes.recorded, finished=status.stage_state == "finished")
     if processes.workers is None:
         return "unknown (no /proc on this host; the runner records no process ids)"
     if processes.workers or processes.launchers:
@@ -254,6 +356,30 @@ def _process_text(status: RunStatus) -> str:
     if status.stage_state == "finished":
         return "none (the run finished)"
     return "no worker of this run alive on this host (stopped, between stages, or on other nodes)"
+
+
+def _recorded_text(records: Sequence[RecordedProcesses], *, finished: bool) -> str:
+    alive = any(record.runner_alive or record.torchrun_alive for record in records)
+    if finished and not alive:
+        return "none (the run finished)"
+    return "; ".join(_node_text(record) for record in records)
+
+
+def _node_text(record: RecordedProcesses) -> str:
+    where = f"stage {record.stage}"
+    if record.runner_alive is None:
+        return (
+            f"{where} on host {record.host} (runner pid {record.runner_pid}, torchrun pid "
+            f"{record.torchrun_pid}): not checkable from {socket.gethostname()}"
+        )
+    runner = f"runner pid {record.runner_pid} {'alive' if record.runner_alive else 'gone'}"
+    if record.ended:
+        torchrun = f"torchrun pid {record.torchrun_pid} exited with code {record.returncode}"
+    elif record.torchrun_alive:
+        torchrun = f"torchrun pid {record.torchrun_pid} alive"
+    else:
+        torchrun = f"torchrun pid {record.torchrun_pid} gone, its exit not recorded"
+    return f"{where}: {runner}, {torchrun}"
 
 
 def _pids(pids: Sequence[int]) -> str:
