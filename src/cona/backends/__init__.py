@@ -1,0 +1,1 @@
+"""Training backends other than CONA's own engine (``cona train --backend``)."""

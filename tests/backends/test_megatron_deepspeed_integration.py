@@ -1,0 +1,210 @@
+"""Real Megatron-DeepSpeed runs through CONA's backend (CPU, 2 ranks, 2 layers, hidden 64, seq 64).
+
+They run only when ``CONA_MEGATRON_DEEPSPEED`` names a checkout and ``CONA_MEGATRON_DEEPSPEED_PYTHON`` its
+interpreter (``CONA_MEGATRON_DEEPSPEED_SHIM``: the torchvision stub; ``scripts/setup_megatron_deepspeed.sh``
+makes both), and need the demo corpus and GPT-2 tokenizer files of ``data/demo`` (``scripts/install.sh``).
+What they expect depends on the checkout's fused-QKV layout (:func:`qkv_layout`):
+
+- per-head (6acc370a and earlier): the chain tp1/pp2 -> tp2/pp1 -> tp1/pp1/dp2 passes switch verification at
+  both switches; without the cat_dim repair the tp1 -> tp2 switch is refused.
+- blocked (676a482c and later, e.g. HEAD f4157bea): the same chain is refused before anything runs; with that
+  check off, verification refuses the tp1 -> tp2 switch although the cat_dim repair ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cona.backends.megatron_deepspeed.commands import (
+    CheckpointLoad,
+    StageArgs,
+    chain_shape,
+    pretrain_args,
+)
+from cona.backends.megatron_deepspeed.environment import (
+    PYTHON_ENV,
+    REPO_ENV,
+    MdsEnvironment,
+    qkv_layout,
+    resolve_environment,
+)
+from cona.backends.megatron_deepspeed.run import run_mds_chain
+from cona.config import load_config
+from cona.engine.optim import lr_schedule
+from cona.errors import ChainError, CheckpointError, LaunchError
+from cona.runner.chain_options import chain_run_from_args
+from cona.runner.launch import check_port_free
+from cona.strategy import Strategy
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, MERGES = ROOT / "data" / "demo" / "gpt2-vocab.json", ROOT / "data" / "demo" / "gpt2-merges.txt"
+CORPUS = ROOT / "data" / "demo" / "wiki.jsonl"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (os.environ.get(REPO_ENV) and os.environ.get(PYTHON_ENV)),
+        reason=f"{REPO_ENV} and {PYTHON_ENV} do not name a Megatron-DeepSpeed checkout and its Python",
+    ),
+    pytest.mark.skipif(
+        not (VOCAB.is_file() and MERGES.is_file()), reason="no data/demo GPT-2 tokenizer files"
+    ),
+]
+STEP = {"gbs": 4, "mbs": 1, "convert": True}
+CHAIN = [
+    {"step_num": 1, "dp": 1, "tp": 1, "pp": 2, **STEP, "train_iters": 4, "is_initial": True},
+    {"step_num": 2, "dp": 1, "tp": 2, "pp": 1, **STEP, "extra_iters": 4},
+    {"step_num": 3, "dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 1, "extra_iters": 4},
+]
+
+
+@pytest.fixture(scope="module")
+def env() -> MdsEnvironment:
+    return resolve_environment(None, None, None, os.environ)
+
+
+@pytest.fixture(scope="module")
+def data_prefix(env, tmp_path_factory) -> Path:
+    """The first 300 articles of the demo corpus, through the checkout's own tools/preprocess_data.py. Real
+    text matters: on random words a model this small and this briefly trained barely uses its attention, and a
+    scrambled QKV then moved the loss of the draw by only 1.2e-4 (tolerance 2.2e-4) in a run here."""
+    directory = tmp_path_factory.mktemp("mds-data")
+    with open(CORPUS) as source, open(directory / "docs.jsonl", "w") as target:
+        target.writelines(line for _, line in zip(range(300), source, strict=False))
+    command = [str(env.python), "tools/preprocess_data.py", "--input", str(directory / "docs.jsonl")]
+    command += [
+        "--output-prefix",
+        str(directory / "docs"),
+        "--vocab-file",
+        str(VOCAB),
+        "--merge-file",
+        str(MERGES),
+    ]
+    command += [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--dataset-impl",
+        "mmap",
+        "--append-eod",
+        "--workers",
+        "1",
+    ]
+    subprocess.run(command, cwd=env.repo, env=env.process_env(os.environ, device_type="cpu"), check=True)
+    return directory / "docs_text_document"
+
+
+def _setup(directory: Path, data_prefix: Path, steps: list[dict]) -> argparse.Namespace:
+    model = {"name": "gpt-mds", "layers": 2, "hidden": 64, "heads": 4, "seq": 64, "normalization": "rmsnorm"}
+    training = {"device": "cpu", "zero_stage": 1, "dtype": "fp32", "base_gbs": 4, "base_lr": 5e-3}
+    training.update(base_min_lr=5e-4, lr_warmup_tokens=256, split="90,8,2", data_prefix=str(data_prefix))
+    training.update(vocab_file=str(VOCAB), merge_file=str(MERGES), log_interval=1, eval_interval=100)
+    training.update(eval_iters=2, log_root=str(directory / "logs"))
+    config = {"model": {**model, "attention_dropout": 0.0, "hidden_dropout": 0.0}, "training": training}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".conaconfig").write_text(json.dumps(config))
+    (directory / "chain.json").write_text(json.dumps({"steps": steps}))
+    return argparse.Namespace(
+        chain=str(directory / "chain.json"),
+        config=str(directory / ".conaconfig"),
+        gpus=2,
+        workdir=str(directory / "work"),
+        run_name="it",
+        master_port_base=_free_port_base(),
+        quiet=True,
+    )
+
+
+def _free_port_base(stages: int = len(CHAIN)) -> int:
+    """A base whose stage ports (base + 1 ...) are free now (other test runs may be launching)."""
+    rng = np.random.default_rng()
+    for _ in range(100):
+        base = int(rng.integers(20000, 60000))
+        try:
+            for port in range(base + 1, base + stages + 1):
+                check_port_free(port)
+        except LaunchError:
+            continue
+        return base
+    raise AssertionError("no free port range found")
+
+
+def test_every_generated_flag_exists_in_the_checkout(env, tmp_path):
+    config = load_config(_setup(tmp_path, tmp_path / "d", CHAIN).config, check_data_files=False)
+    strategies = [Strategy(dp=s["dp"], tp=s["tp"], pp=s["pp"], mbs=s["mbs"], gbs=s["gbs"]) for s in CHAIN]
+    shape = chain_shape(config, zip(strategies, (4, 8, 12), strict=True))
+    load = CheckpointLoad.from_path(tmp_path / "global_step4_universal")
+    base = {
+        "ds_config_path": tmp_path / "ds.json",
+        "schedule": lr_schedule(config.training, planned_tokens=4096),
+    }
+    launches = [
+        StageArgs(**base, stop_tokens=1024, save_dir=tmp_path, load=None, override_scheduler=False,
+                  device_type="cpu", run_name="r"),
+        StageArgs(**base, stop_tokens=None, save_dir=None, load=load, override_scheduler=True,
+                  device_type="cuda", run_name="r", skip_train=True),
+    ]  # fmt: skip
+    source = (env.repo / "megatron" / "arguments.py").read_text()
+    # Megatron's parser also takes DeepSpeed's own arguments (deepspeed.add_config_arguments).
+    listing = "import argparse, deepspeed; p = deepspeed.add_config_arguments(argparse.ArgumentParser()); "
+    listing += "print(*[o for a in p._actions for o in a.option_strings])"
+    process_env = env.process_env(os.environ, device_type="cpu")
+    listed = subprocess.run(
+        [str(env.python), "-c", listing], env=process_env, capture_output=True, text=True, check=True
+    )
+    deepspeed_flags = listed.stdout.split()
+    for args in launches:
+        flags = [arg for arg in pretrain_args(config, strategies[1], shape, args) if arg.startswith("--")]
+        for flag in flags:
+            known = f"'{flag}'" in source or f'"{flag}"' in source or flag in deepspeed_flags
+            assert known, f"{flag} is not an argument of {env.repo}"
+
+
+def _checks(run_dir: Path) -> dict[int, dict]:
+    state = json.loads((run_dir / "runner_state.json").read_text())
+    return {stage["step_num"]: stage["switch_check"] for stage in state["stages"] if stage["switch_check"]}
+
+
+def test_chain_passes_switch_verification_at_every_switch(env, data_prefix, tmp_path):
+    args = _setup(tmp_path, data_prefix, CHAIN)
+    if qkv_layout(env.repo) == "blocked":
+        with pytest.raises(ChainError, match="changes the tensor-parallel degree"):
+            run_mds_chain(chain_run_from_args(args), env)
+        assert not (tmp_path / "work").exists()  # refused before anything ran
+        return
+    state = run_mds_chain(chain_run_from_args(args), env)
+    assert [stage.status for stage in state.stages] == ["done"] * 3
+    assert (
+        state.stages[-1].last_iteration == 12
+        and state.stages[-1].consumed_tokens == (4 * 4 + 4 * 4 + 4 * 8) * 64
+    )
+    checks = _checks(tmp_path / "logs" / "it")
+    assert sorted(checks) == [2, 3] and all(check["status"] == "passed" for check in checks.values())
+    records = [
+        json.loads(line) for line in (tmp_path / "logs" / "it" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [record["iteration"] for record in records] == list(range(1, 13))
+    assert all(np.isfinite(record["loss"]) for record in records)
+
+
+def test_verification_refuses_the_tp_switch_without_the_repairs(env, data_prefix, tmp_path):
+    args = _setup(tmp_path, data_prefix, [CHAIN[0], {**CHAIN[1], "convert": False}])
+    blocked = qkv_layout(env.repo) == "blocked"
+    # Per-head QKV: only defect A is left, so switch the cat_dim repair off. Blocked QKV: the repair runs, and
+    # defect B (which only the up-front check catches) must be caught by verification instead.
+    with pytest.raises(
+        CheckpointError, match="switch verification refused checkpoint .*global_step4_universal"
+    ):
+        run_mds_chain(chain_run_from_args(args), env, repair=blocked, check_qkv=False)
+    layout = tmp_path / "work" / "checkpoints" / "gpt-mds" / "z1" / "fp32" / "tp1_pp2_dp1_sp1"
+    assert (layout / "global_step4").is_dir() and (
+        layout / "latest_universal"
+    ).read_text() == "global_step4_universal"
+    verdict = json.loads((tmp_path / "logs" / "it" / "stages" / "2" / "switch_check.json").read_text())
+    assert verdict["status"] == "failed" and verdict["difference"] > verdict["tolerance"]
+    assert not (tmp_path / "work" / "checkpoints" / "gpt-mds" / "z1" / "fp32" / "tp2_pp1_dp1_sp1").exists()
