@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 from chain_fakes import chain_run, write_tiny_config
+from test_train_cli import write_tiny_setup
 
 from cona.cli import main
+from cona.config import load_config
 from cona.errors import LaunchError
 from cona.runner import multinode
+from cona.runner.chain import load_chain
 from cona.runner.multinode import (
     NodePlacement,
     RemoteRunners,
@@ -119,9 +122,25 @@ def test_gpus_with_only_a_hostfile_is_refused(tmp_path):
         resolve_placement({"gpus": 4, "hostfile": hostfile(tmp_path)}, {})
 
 
-def test_multi_node_flags_go_with_chain(capsys):
-    assert main(["train", "--no-ssh", "--node-rank", "0", "--dp", "2"]) == 2
-    assert "cona train: --node-rank, --no-ssh go with --chain" in capsys.readouterr().err
+def test_a_fixed_strategy_across_nodes_runs_as_a_one_stage_chain(tmp_path, monkeypatch):
+    config = write_tiny_setup(tmp_path)
+    captured = []
+    monkeypatch.setattr("cona.runner.sequence.run_chain", lambda args, **_: captured.append(args))
+    fixed = ["--dp", "2", "--tp", "1", "--pp", "2", "--gbs", "8", "--mbs", "2", "--iters", "6"]
+    nodes = ["--num-nodes", "2", "--gpus-per-node", "2", "--hostfile", str(hostfile(tmp_path)), "--no-ssh"]
+    argv = ["train", "--config", str(config), "--workdir", str(tmp_path), "--device", "cpu", *fixed, *nodes]
+    assert main([*argv, "--node-rank", "1"]) == 0
+    (args,) = captured
+    assert args.run_name == "fixed-dp2_tp1_pp2_mbs2_gbs8" and args.dp is None and args.iters is None
+    chain = load_chain(args.chain, config=load_config(config), world_size=4, dtype="fp32", workdir=tmp_path)
+    (step,) = chain.steps
+    assert (step.dp, step.tp, step.pp, step.mbs, step.gbs, step.train_iters) == (2, 1, 2, 2, 8, 6)
+    assert step.is_initial and args.chain.parent.name == args.run_name
+
+
+def test_fresh_goes_with_a_chain_or_online_mode(capsys):
+    assert main(["train", "--fresh", "--dp", "2"]) == 2
+    assert "cona train: --fresh goes with --chain or online mode" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

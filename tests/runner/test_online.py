@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from chain_fakes import FakeEngine, chain_run, write_tiny_config
 from test_train_cli import write_tiny_setup
 
+from cona.cli import main
 from cona.commands.demo import demo_config, demo_system
 from cona.config import load_config, parse_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info
@@ -20,8 +23,10 @@ from cona.errors import ConaError, LaunchError
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
 from cona.runner.chain import load_chain
+from cona.runner.jsonl_tail import JsonlTail
+from cona.runner.multinode import NodePlacement, cona_command
 from cona.runner.online import OnlineRun, online_run_from_args, run_online
-from cona.runner.online_search import Budget, MetricsTail, StageSearch
+from cona.runner.online_search import Budget, StageSearch
 from cona.runner.sequence import StageLaunch, run_chain
 from cona.strategy import Strategy
 
@@ -140,7 +145,7 @@ def test_reaching_the_target_perplexity_requests_a_stop(tmp_path):
 
 def test_the_tail_waits_for_the_end_of_a_half_written_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    tail = MetricsTail(path)
+    tail = JsonlTail(path)
     assert tail.new_records() == []
     path.write_text('{"iteration": 1}\n{"iterat')
     assert tail.new_records() == [{"iteration": 1}]
@@ -295,3 +300,54 @@ def test_the_demo_config_is_valid_and_does_not_depend_on_the_cwd(tmp_path, monke
     assert demo_system(None) == "cpu_gloo" and demo_system("NVIDIA H200") == "h200_141g"
     with pytest.raises(ConaError, match="no system description for the GPU 'Some GPU'"):
         demo_system("Some GPU")
+
+
+def test_an_online_run_across_two_nodes_runs_each_stage_on_both(tmp_path):
+    """Node 0 searches and decides; node 1's runner starts its share of every stage node 0 announces."""
+    write_tiny_config(tmp_path)
+    node0 = NodePlacement(num_nodes=2, gpus_per_node=2, hosts=("h0", "h1"))
+    run = OnlineRun(
+        config=load_config(tmp_path / ".conaconfig"),
+        workdir=tmp_path,
+        run_dir=tmp_path / "logs" / "online",
+        world_size=4,
+        device_type="cpu",
+        system="cpu_gloo",
+        initial_gbs=2,
+        max_gbs=4,
+        total_iters=150,
+        botorch=False,
+        policy_overrides={"hysteresis": 0.0},
+        nodes=node0,
+    )
+    follower_run = dataclasses.replace(run, nodes=dataclasses.replace(node0, node_rank=1))
+    followed: list[StageLaunch] = []
+    follower = threading.Thread(target=run_online, args=(follower_run,), kwargs={"launcher": followed.append})
+    follower.start()
+    engine = StreamingEngine()
+    state = run_online(run, launcher=engine, out=lambda line: None)
+    follower.join(timeout=60)
+    assert not follower.is_alive()
+    assert [launch.spec.strategy.gbs for launch in engine.launches] == [2, 4]
+    assert [launch.spec_path for launch in followed] == [launch.spec_path for launch in engine.launches]
+    assert {(launch.topology.node_rank, launch.topology.nnodes, launch.topology.nproc_per_node)
+            for launch in followed} == {(1, 2, 2)}  # fmt: skip
+    assert engine.launches[0].topology.node_rank == 0 and state.stages[-1].last_iteration == 150
+
+
+def test_online_flags_across_nodes_give_the_placement_and_the_other_nodes_command(tmp_path, monkeypatch):
+    config = write_tiny_setup(tmp_path)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    captured: list[argparse.Namespace] = []
+    monkeypatch.setattr("cona.runner.online.run_online", lambda args, **_: captured.append(args))
+    flags = ["--system", "cpu_gloo", "--initial-gbs", "2", "--max-gbs", "8", "--total-iters", "10"]
+    placement = ["--num-nodes", "2", "--gpus-per-node", "2", "--hostfile", str(hostfile), "--no-ssh"]
+    assert main(["train", "--config", str(config), *flags, *placement, "--node-rank", "1"]) == 0
+    run = online_run_from_args(captured[0])
+    assert (run.world_size, run.nodes.num_nodes, run.nodes.node_rank) == (4, 2, 1)
+    command = cona_command(
+        run.mode_args(), config=run.config, nodes=run.nodes, run_dir=run.run_dir, workdir=tmp_path,
+        base_port=run.base_port, quiet=False,
+    )  # fmt: skip
+    assert " ".join(flags) in " ".join(command) and "--num-nodes 2" in " ".join(command)

@@ -120,11 +120,9 @@ def test_a_bad_layout_is_refused_before_anything_is_launched(tmp_path, capsys):
     assert "gbs" in capsys.readouterr().err
 
 
-def test_flags_of_other_modes_say_which_issue_adds_them(tmp_path, capsys):
-    assert main(["train", "--backend", "megatron-deepspeed"]) == 2
-    assert "cona train --backend: not available yet (issue 11)" in capsys.readouterr().err
-    assert main(["train", "--no-ssh"]) == 2
-    assert "cona train: --no-ssh go with --chain" in capsys.readouterr().err
+def test_a_checkout_path_with_the_native_backend_is_refused(tmp_path, capsys):
+    assert main(["train", "--backend", "native", "--repo-path", str(tmp_path)]) == 2
+    assert "--repo-path names a Megatron-DeepSpeed checkout" in capsys.readouterr().err
 
 
 def test_missing_fixed_strategy_flags_are_named(tmp_path, capsys):

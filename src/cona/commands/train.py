@@ -3,8 +3,10 @@
 The layout is checked before anything is launched; then the run directory is made (and printed on the
 first line), the stage spec written, and ``dp*tp*pp`` workers started under torchrun (CPU processes with
 gloo, or one per GPU with NCCL). ``--chain FILE`` runs a chain of strategies
-(cona.runner.sequence), also across nodes (--num-nodes, --hostfile; cona.runner.multinode). Online search is
-another mode that a later issue adds; its flags are recognised and refused with the issue that adds it.
+(cona.runner.sequence); ``--gpus`` alone runs online search. Every mode also runs across nodes (--num-nodes,
+--hostfile; cona.runner.across_nodes): a fixed strategy there runs as a one-stage chain.
+``--backend megatron-deepspeed --repo-path PATH`` (``--repo-path`` alone implies it) runs the fixed
+and chain modes through a Megatron-DeepSpeed checkout (cona.backends.megatron_deepspeed).
 """
 
 from __future__ import annotations
@@ -21,11 +23,8 @@ from cona.runner.run_dir import create_run_dir, default_run_name, resolve_log_ro
 from cona.strategy import Strategy
 
 FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters", "workdir")
-CHAIN_ONLY_FLAGS = ("fresh", "num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
-# Flags of the other modes of `cona train`: (flag, takes a value, issue that adds it).
-OTHER_MODE_FLAGS = (
-    ("--backend", True, 11), ("--repo-path", True, 11),
-)  # fmt: skip
+MULTI_NODE_FLAGS = ("num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
+BACKENDS = ("native", "megatron-deepspeed")
 ONLINE_FLAGS = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "no_botorch")
 
 
@@ -66,7 +65,11 @@ def register(subparsers) -> None:
         default=DEFAULT_MASTER_PORT_BASE,
         help="stage N rendezvous on port BASE+N (default %(default)s)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no per-interval console lines")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="only stage start/finish/switch lines and errors (no live progress)",
+    )
     chain = parser.add_argument_group("strategy chain")
     chain.add_argument(
         "--chain",
@@ -81,16 +84,24 @@ def register(subparsers) -> None:
     chain.add_argument("--fresh", action="store_true", help="discard the chain's run state and start it over")
     _add_online_flags(parser)
     _add_multi_node_flags(parser)
-    later = parser.add_argument_group("other modes (not available yet)")
-    for flag, takes_value, issue in OTHER_MODE_FLAGS:
-        later.add_argument(
-            flag,
-            dest=_dest(flag),
-            default=None,
-            help=f"added by issue {issue}",
-            **({"metavar": "X"} if takes_value else {"action": "store_const", "const": True}),
-        )
+    _add_backend_flags(parser)
     parser.set_defaults(func=_train)
+
+
+def _add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    backend = parser.add_argument_group("backend (docs/megatron-deepspeed.md)")
+    backend.add_argument(
+        "--backend", choices=BACKENDS, default=None, help="native (default) or megatron-deepspeed"
+    )
+    backend.add_argument(
+        "--repo-path", default=None, help="Megatron-DeepSpeed checkout (implies --backend megatron-deepspeed)"
+    )
+    backend.add_argument(
+        "--mds-python", default=None, help="the checkout's Python (default: $CONA_MEGATRON_DEEPSPEED_PYTHON)"
+    )
+    backend.add_argument(
+        "--mds-shim", default=None, help="import-shim folder (default: $CONA_MEGATRON_DEEPSPEED_SHIM)"
+    )
 
 
 def _add_online_flags(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +127,7 @@ def _add_online_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
-    nodes = parser.add_argument_group("multi-node (with --chain; run the same command on every node)")
+    nodes = parser.add_argument_group("multi-node (any mode; run the same command on every node)")
     nodes.add_argument("--num-nodes", type=int, default=None, help="nodes (with --gpus-per-node)")
     nodes.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (or CPU workers) per node")
     nodes.add_argument(
@@ -131,13 +142,8 @@ def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _dest(flag: str) -> str:
-    """The argparse name of a flag (``--num-nodes`` -> ``num_nodes``), as the mode adding it reads it."""
-    return flag.lstrip("-").replace("-", "_")
-
-
 def _train(args: argparse.Namespace) -> int:
-    _refuse_other_modes(args)
+    mds = _megatron_deepspeed(args)
     if args.chain is not None:
         fixed = [f"--{name}" for name in FIXED_STRATEGY_FLAGS[:-1] if getattr(args, name) is not None]
         if fixed:
@@ -149,34 +155,41 @@ def _train(args: argparse.Namespace) -> int:
             raise ConaError(
                 f"cona train: --chain takes the strategies from the chain file; drop {', '.join(online)}"
             )
-        from cona.runner.sequence import run_chain  # imports torch: not at `cona --help` time
+        if mds:
+            from cona.backends.megatron_deepspeed.run import train_chain
 
-        run_chain(args)
+            train_chain(args)
+            return 0
+        from cona.runner.console import RunConsole
+        from cona.runner.sequence import run_chain, torchrun_launcher  # imports torch: not at `cona --help`
+
+        console = RunConsole.for_stdout(quiet=args.quiet)
+        run_chain(args, launcher=console.launcher(torchrun_launcher), out=console.message)
         return 0
-    if args.gpus is not None:
+    online_given = any(getattr(args, name) is not None for name in ONLINE_FLAGS)
+    if args.gpus is not None or online_given:
+        if mds:
+            from cona.backends.megatron_deepspeed.run import refuse_online
+
+            refuse_online()
         others = [f"--{name}" for name in FIXED_STRATEGY_FLAGS[:-1] if getattr(args, name) is not None]
-        others += [
-            f"--{n.replace('_', '-')}" for n in CHAIN_ONLY_FLAGS[1:] if getattr(args, n) not in (None, False)
-        ]
         if others:
             raise ConaError(
-                "cona train: online mode (--gpus without --chain) chooses the strategies, on one node; "
+                "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
                 f"drop {', '.join(others)}"
             )
+        from cona.runner.console import RunConsole
         from cona.runner.online import run_online  # imports torch: not at `cona --help` time
+        from cona.runner.sequence import torchrun_launcher
 
-        run_online(args)
+        console = RunConsole.for_stdout(quiet=args.quiet)
+        run_online(args, launcher=console.launcher(torchrun_launcher), out=console.message)
         return 0
     online = [f"--{name.replace('_', '-')}" for name in ONLINE_FLAGS if getattr(args, name) is not None]
     if online:
         raise ConaError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
-    chain_only = [
-        f"--{name.replace('_', '-')}"
-        for name in CHAIN_ONLY_FLAGS
-        if getattr(args, name) is not None and getattr(args, name) is not False
-    ]
-    if chain_only:
-        raise ConaError(f"cona train: {', '.join(chain_only)} go with --chain")
+    if args.fresh:
+        raise ConaError("cona train: --fresh goes with --chain or online mode")
     missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
     if missing:
         raise ConaError(
@@ -193,13 +206,28 @@ def _train(args: argparse.Namespace) -> int:
     config = resolve_log_root(config)
     strategy = strategy_from_flags(args, config)
     from cona.engine.parallel_dims import validate_layout  # imports torch: not at `cona --help` time
+    from cona.runner.console import RunConsole
+
+    console = RunConsole.for_stdout(quiet=args.quiet)
 
     validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
-    device_type = _device_type(config, strategy.world_size)
+    if not mds and any(getattr(args, name) not in (None, False) for name in MULTI_NODE_FLAGS):
+        from cona.runner.fixed_across_nodes import train_fixed_across_nodes
 
+        train_fixed_across_nodes(args, config, strategy, console)  # each node checks its own GPUs
+        return 0
+    device_type = _device_type(config, strategy.world_size)
+    if mds:
+        from cona.backends.megatron_deepspeed.run import train_fixed
+
+        train_fixed(args, strategy, config, device_type)
+        return 0
     run_name = args.run_name or default_run_name(f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}")
     run_dir = create_run_dir(Path(config.training.log_root), run_name)
     print(f"run directory: {run_dir}", flush=True)
+    from cona.runner.stage_run import stage_lr
+
+    lr = stage_lr(run_dir, config.training, strategy.gbs, 0)
     spec = StageSpec(
         run_dir=run_dir,
         config=config,
@@ -208,12 +236,16 @@ def _train(args: argparse.Namespace) -> int:
         workdir=args.workdir.resolve(),
         target_iteration=args.iters,
         planned_tokens=args.iters * strategy.gbs * config.model.seq,
+        # the base LR is the one of training.base_gbs; at another gbs it is scaled as a chain scales it
+        lr_factor=lr.lr_factor,
+        min_lr_factor=lr.min_lr_factor,
     )
     spec_path = spec.write(stage_dir(run_dir, spec.stage) / "spec.json")
     topology = Topology(
         nproc_per_node=strategy.world_size, master_port=stage_master_port(args.master_port_base, spec.stage)
     )
-    run_stage(spec_path, spec.stage_dir, topology, device_type=device_type, quiet=args.quiet)
+    with console.stage(spec) as watch:
+        run_stage(spec_path, spec.stage_dir, topology, device_type=device_type, quiet=True, watch=watch)
     result = StageResult.read(spec.result_path)
     print(
         f"stage {result.stage} {result.reason} at iteration {result.last_iteration} "
@@ -239,10 +271,16 @@ def strategy_from_flags(args: argparse.Namespace, config: ConaConfig) -> Strateg
     )
 
 
-def _refuse_other_modes(args: argparse.Namespace) -> None:
-    for flag, _, issue in OTHER_MODE_FLAGS:
-        if getattr(args, _dest(flag)) is not None:
-            raise ConaError(f"cona train {flag}: not available yet (issue {issue})")
+def _megatron_deepspeed(args: argparse.Namespace) -> bool:
+    """Whether the run goes through a Megatron-DeepSpeed checkout (``--repo-path`` alone implies it)."""
+    if args.backend == "native" and args.repo_path is not None:
+        raise ConaError(
+            "cona train: --repo-path names a Megatron-DeepSpeed checkout; drop it or --backend native"
+        )
+    mds = args.backend == "megatron-deepspeed" or args.repo_path is not None
+    if not mds and (args.mds_python is not None or args.mds_shim is not None):
+        raise ConaError("cona train: --mds-python and --mds-shim go with --backend megatron-deepspeed")
+    return mds
 
 
 def _device_type(config: ConaConfig, world_size: int) -> str:

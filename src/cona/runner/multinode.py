@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from cona.errors import LaunchError
 
 if TYPE_CHECKING:
-    from cona.runner.sequence import ChainRun
+    from cona.config import ConaConfig
+    from cona.runner.chain_options import ChainRun
 
 SSH_OPTIONS_ENV = "CONA_SSH_OPTIONS"
 """Extra ssh options for starting the other nodes (shell syntax), e.g. ``-p 2222 -i ~/.ssh/cluster``."""
@@ -232,20 +233,42 @@ def check_local_address(addr: str) -> None:
 
 
 def runner_command(run: ChainRun) -> list[str]:
-    """The ``cona train`` command of this run, for the runners node 0 starts on the other hosts."""
-    nodes, config = run.nodes, run.config
+    """The ``cona train --chain`` command of this run, for the runners node 0 starts on the other hosts."""
+    return cona_command(
+        ["--chain", str(run.chain_path.resolve())],
+        config=run.config,
+        nodes=run.nodes,
+        run_dir=run.run_dir,
+        workdir=run.workdir,
+        base_port=run.base_port,
+        quiet=run.quiet,
+    )
+
+
+def cona_command(
+    mode_args: Sequence[str],
+    *,
+    config: ConaConfig,
+    nodes: NodePlacement,
+    run_dir: Path,
+    workdir: Path,
+    base_port: int,
+    quiet: bool,
+) -> list[str]:
+    """The ``cona train`` command node 0 starts on the other hosts: ``mode_args`` (what decides the stages:
+    a chain file, the online flags) plus what must be the same on every node (run directory, workdir,
+    config, placement)."""
     command = [
-        sys.executable, "-m", "cona", "train",
-        "--chain", str(run.chain_path.resolve()), "--workdir", str(run.workdir),
-        "--run-name", run.run_dir.name, "--device", config.training.device,
+        sys.executable, "-m", "cona", "train", *mode_args,
+        "--workdir", str(workdir), "--run-name", run_dir.name, "--device", config.training.device,
         "--num-nodes", str(nodes.num_nodes), "--gpus-per-node", str(nodes.gpus_per_node),
-        "--master-addr", nodes.master_addr, "--master-port-base", str(run.base_port),
+        "--master-addr", nodes.master_addr, "--master-port-base", str(base_port),
     ]  # fmt: skip
     if config.path is not None:
         command += ["--config", str(Path(config.path).resolve())]
     if nodes.hostfile is not None:
         command += ["--hostfile", str(nodes.hostfile)]
-    return command + (["--quiet"] if run.quiet else [])
+    return command + (["--quiet"] if quiet else [])
 
 
 class RemoteRunners:

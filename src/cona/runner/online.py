@@ -30,29 +30,40 @@ from typing import Any
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
 from cona.planner.efficiency import NoiseScaleTracker
-from cona.planner.lr_scaling import scaled_lr
 from cona.planner.policy import Candidate, PolicySettings, PolicyState, initial_state
 from cona.planner.systems import load_system
+from cona.runner.across_nodes import node_topology, run_across_nodes
 from cona.runner.chain import content_digest
-from cona.runner.launch import Topology, stage_master_port
+from cona.runner.launch import stage_master_port
+from cona.runner.multinode import cona_command
 from cona.runner.online_options import OnlineRun, online_run_from_args
 from cona.runner.online_report import print_summary, realized_chain, stage_rows
 from cona.runner.online_search import Budget, FrontierSearch, PendingSwitch, StageOutcome, StageSearch
 from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
-from cona.runner.sequence import Launcher, StageLaunch, checkpoint_dtype, torchrun_launcher
+from cona.runner.stage_run import (
+    Launcher,
+    StageLaunch,
+    checkpoint_dtype,
+    launch_stage,
+    publish_timed,
+    stage_lr,
+    switch_check_line,
+    torchrun_launcher,
+    write_plan,
+)
 from cona.runner.state import (
     RunState,
     StageState,
     advance,
     check_same_run,
-    durations,
-    finished_result,
     load_state,
-    measured_noise_scale,
+    noise_tracker,
     own_checkpoint,
     save_state,
+    saved_result,
     switch_cost,
+    trained,
 )
 from cona.strategy import Strategy
 
@@ -174,7 +185,7 @@ class _Runner:
         training = self.run.config.training
         current = state.current
         assert current is not None
-        tracker = _replay_tracker(self.run.run_dir, training.base_gbs, current.start_iteration)
+        tracker = noise_tracker(self.run.run_dir, training.base_gbs, current.start_iteration or 0)
         earlier = len(state.stages) - 1
         policy_state = initial_state(self.candidate(len(state.stages)))
         costs = [sum(s.switch_cost.values()) for s in state.stages if s.switch_cost]
@@ -213,7 +224,7 @@ class _Runner:
         stage = state.stage(number)
         has_next = len(state.stages) > number
         if stage.status == "trained":
-            changes = self._publish(stage) if has_next else {}
+            changes = publish_timed(publish, stage, self.out) if has_next else {}
             stage = advance(stage, "published", **changes)
             state = self.save(state, advance(stage, "pruned"))
         stage = state.stage(number)
@@ -242,17 +253,16 @@ class _Runner:
             current = self._plan(state, current)
             state = self.save(state, current)
         spec = self._spec(current)
-        result, outcome, launched = finished_result_any(current, spec.result_path), None, None
+        result, outcome, launched = saved_result(current, spec.result_path), None, None
         if result is None:
             spec_path = spec.write(spec.stage_dir / "spec.json")
             spec.result_path.unlink(missing_ok=True)
             spec.switch_request_path.unlink(missing_ok=True)
             state = self.save(state, dataclasses.replace(current, attempts=current.attempts + 1))
-            launched = time.time()
             search = StageSearch(
                 run_dir=self.run.run_dir,
                 stage=current.step_num,
-                launched_at=launched,
+                launched_at=time.time(),
                 settings=memory.settings,
                 policy_state=memory.policy_state,
                 tracker=memory.tracker,
@@ -267,20 +277,15 @@ class _Runner:
             )
             search.start()
             try:
-                self.launcher(self._launch(spec, spec_path, current.step_num))
+                launched = launch_stage(self.launcher, self._launch(spec, spec_path, current.step_num))
             finally:
                 outcome = search.stop()
             result = StageResult.read(spec.result_path)
         self._check_result(current, result)
-        stage = advance(
-            state.stage(current.step_num),
-            "trained",
-            checkpoint=result.checkpoint,
-            last_iteration=result.last_iteration,
-            consumed_samples=result.consumed_samples,
-            consumed_tokens=result.consumed_tokens,
-            timings=durations(result.timings, launched),
-        )
+        stage = trained(state.stage(current.step_num), result, launched)
+        line = switch_check_line(stage)
+        if line is not None:
+            self.out(line)
         return self.save(state, stage), outcome
 
     def _check_result(self, stage: StageState, result: StageResult) -> None:
@@ -322,22 +327,13 @@ class _Runner:
         previous = state.stage(number - 1) if number > 1 else None
         start = previous.last_iteration if previous is not None else 0
         load_path = (previous.universal or previous.checkpoint) if previous is not None else None
-        noise = (
-            measured_noise_scale(self.run.run_dir, training, start)
-            if training.lr_scale_strategy == "adascale"
-            else None
-        )
         strategy = self.strategy(number)
-        lr = scaled_lr(training, strategy.gbs, noise_scale=noise)
-        min_lr_factor = lr.min_lr / training.base_min_lr if training.base_min_lr > 0 else lr.min_lr_factor
-        plan = {"start_iteration": start, "load_path": load_path, "lr": lr.lr, "min_lr": lr.min_lr,
-                "strategy": dataclasses.asdict(strategy)}  # fmt: skip
-        path = self.run.run_dir / "stages" / str(number) / "plan.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(plan, indent=1) + "\n")
+        lr = stage_lr(self.run.run_dir, training, strategy.gbs, start)
+        plan = {"start_iteration": start, "load_path": load_path, "lr": lr.scaled.lr,
+                "min_lr": lr.scaled.min_lr, "strategy": dataclasses.asdict(strategy)}  # fmt: skip
         self.out(
-            f"stage {number}: {strategy.short()} from iteration {start}, lr {lr.lr:.3g} "
-            f"(x{lr.lr / training.base_lr:.3g}), load {load_path or 'none (from scratch)'}"
+            f"stage {number}: {strategy.short()} from iteration {start}, lr {lr.scaled.lr:.3g} "
+            f"(x{lr.lr_factor:.3g}), load {load_path or 'none (from scratch)'}"
         )
         return advance(
             stage,
@@ -345,9 +341,9 @@ class _Runner:
             start_iteration=start,
             target_iteration=self.run.total_iters,
             load_path=load_path,
-            planned_at=path.stat().st_mtime,
-            lr_factor=lr.lr / training.base_lr,
-            min_lr_factor=min_lr_factor,
+            planned_at=write_plan(self.run.run_dir, number, plan),
+            lr_factor=lr.lr_factor,
+            min_lr_factor=lr.min_lr_factor,
         )
 
     def _spec(self, stage: StageState) -> StageSpec:
@@ -371,46 +367,12 @@ class _Runner:
         )
 
     def _launch(self, spec: StageSpec, spec_path: Path, number: int) -> StageLaunch:
-        topology = Topology(
-            nproc_per_node=self.run.world_size, master_port=stage_master_port(self.run.base_port, number)
-        )
+        port = stage_master_port(self.run.base_port, number)
+        topology = node_topology(self.run.nodes, self.run.world_size, port)
         return StageLaunch(
             spec=spec, spec_path=spec_path, topology=topology, device_type=self.run.device_type,
             quiet=self.run.quiet,
         )  # fmt: skip
-
-    def _publish(self, stage: StageState) -> dict[str, Any]:
-        began = time.perf_counter()
-        universal = publish(Path(stage.checkpoint))
-        seconds = time.perf_counter() - began
-        self.out(f"stage {stage.step_num}: published {universal.name} ({seconds:.2f} s)")
-        return {"universal": str(universal), "timings": {**stage.timings, "publish_s": seconds}}
-
-
-def finished_result_any(stage: StageState, result_path: Path) -> StageResult | None:
-    """A result the stage's workers wrote after the runner was killed (completed or on a switch)."""
-    if stage.attempts == 0 or not result_path.is_file() or result_path.stat().st_mtime <= stage.planned_at:
-        return None
-    result = StageResult.read(result_path)
-    return result if result.checkpoint is not None else finished_result(stage, result_path)
-
-
-def _replay_tracker(run_dir: Path, base_gbs: int, up_to_iteration: int | None) -> NoiseScaleTracker:
-    """The noise-scale tracker over metrics.jsonl up to an iteration (each iteration once, its last line)."""
-    records: dict[int, dict] = {}
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and up_to_iteration:
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record.get("iteration"), int) and record["iteration"] <= up_to_iteration:
-                records[record["iteration"]] = record
-    tracker = NoiseScaleTracker(base_batch=base_gbs)
-    for iteration in sorted(records):
-        tracker = tracker.update_from_metrics(records[iteration])
-    return tracker
 
 
 def _size(path: Path) -> int:
@@ -423,8 +385,37 @@ def run_online(
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
 ) -> RunState:
-    """Run (or resume) an online run to its end; writes realized_chain.json and prints the summary."""
+    """Run (or resume) an online run to its end; writes realized_chain.json and prints the summary.
+
+    Across nodes node 0 searches, decides and announces every stage; the other nodes run their share of
+    each (:mod:`cona.runner.across_nodes`)."""
     run = args_or_run if isinstance(args_or_run, OnlineRun) else online_run_from_args(args_or_run)
+    if run.nodes.num_nodes == 1:
+        return _drive_online(run, launcher, out)
+    remote_command = cona_command(
+        run.mode_args(),
+        config=run.config,
+        nodes=run.nodes,
+        run_dir=run.run_dir,
+        workdir=run.workdir,
+        base_port=run.base_port,
+        quiet=run.quiet,
+    )
+    return run_across_nodes(
+        run_dir=run.run_dir,
+        nodes=run.nodes,
+        timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
+        world_size=run.world_size,
+        device_type=run.device_type,
+        quiet=run.quiet,
+        launcher=launcher,
+        out=out,
+        remote_command=remote_command,
+        drive=lambda coordinated: _drive_online(run, coordinated, out),
+    )
+
+
+def _drive_online(run: OnlineRun, launcher: Launcher, out: Callable[[str], None]) -> RunState:
     runner = _Runner(run, launcher, out)
     state = runner.open()
     if run.noise_scale_floor is not None:

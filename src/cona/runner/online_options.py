@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ from typing import Any
 from cona.config import ConaConfig, load_config
 from cona.errors import ConaError
 from cona.runner.chain import content_digest
+from cona.runner.chain_options import PLACEMENT_FLAGS
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.multinode import NodePlacement, resolve_placement
 from cona.runner.run_dir import check_run_name, resolve_log_root
 
 
@@ -39,6 +42,27 @@ class OnlineRun:
     noise_scale_floor: float | None = None
     """Decide as if the noise scale were at least this (samples); every decision logs both numbers. For
     the demo and tests: a short run of a tiny model measures a noise scale far below where a switch pays."""
+    nodes: NodePlacement = NodePlacement()
+    """Where this node stands in a multi-node run (one node by default); node 0 searches and decides."""
+
+    def mode_args(self) -> list[str]:
+        """The flags that decide this run's stages, for the runners node 0 starts on the other hosts."""
+        args = [
+            "--system",
+            self.system,
+            "--initial-gbs",
+            str(self.initial_gbs),
+            "--max-gbs",
+            str(self.max_gbs),
+        ]
+        for flag, value in (
+            ("--total-iters", self.total_iters),
+            ("--total-tokens", self.total_tokens),
+            ("--target-ppl", self.target_ppl),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        return args + ([] if self.botorch else ["--no-botorch"])
 
     def identity(self) -> str:
         """A digest of what decides the run's stages: a run directory is only continued with the same."""
@@ -67,9 +91,9 @@ def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
         config = dataclasses.replace(
             config, training=dataclasses.replace(config.training, device=args.device)
         )
-    if (getattr(args, "num_nodes", None) or 1) > 1:
-        raise ConaError("cona train (online mode): runs on one node; drop --num-nodes")
-    required = {"--gpus": args.gpus, "--system": args.system, "--initial-gbs": args.initial_gbs}
+    nodes = resolve_placement({name: getattr(args, name, None) for name in PLACEMENT_FLAGS}, os.environ)
+    gpus = nodes.num_nodes * nodes.gpus_per_node if nodes.num_nodes > 1 else args.gpus
+    required = {"--gpus": gpus, "--system": args.system, "--initial-gbs": args.initial_gbs}
     missing = [flag for flag, value in required.items() if value is None]
     if missing:
         raise ConaError(f"cona train (online mode): missing {', '.join(missing)}")
@@ -81,7 +105,7 @@ def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
             "cona train --target-ppl without --total-iters/--total-tokens trains at most to the LR horizon: "
             "set training.lr_decay_tokens in the config"
         )
-    for flag, value in (("--gpus", args.gpus), ("--initial-gbs", args.initial_gbs)):
+    for flag, value in (("--gpus", gpus), ("--initial-gbs", args.initial_gbs)):
         if int(value) < 1:
             raise ConaError(f"cona train {flag}: must be at least 1, got {value}")
     max_gbs = int(args.max_gbs) if args.max_gbs is not None else int(args.initial_gbs)
@@ -93,7 +117,7 @@ def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
         config=config,
         workdir=Path(getattr(args, "workdir", None) or Path.cwd()).resolve(),
         run_dir=Path(config.training.log_root) / run_name,
-        world_size=int(args.gpus),
+        world_size=int(gpus),
         device_type=device_type,
         system=args.system,
         initial_gbs=int(args.initial_gbs),
@@ -105,6 +129,7 @@ def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
         base_port=getattr(args, "master_port_base", None) or DEFAULT_MASTER_PORT_BASE,
         fresh=bool(getattr(args, "fresh", False)),
         quiet=bool(getattr(args, "quiet", False)),
+        nodes=nodes,
     )
 
 

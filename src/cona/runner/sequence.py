@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cona.config import ConaConfig, TrainingConfig, load_config
 from cona.engine.checkpoint import resolve_checkpoint
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
-from cona.planner.lr_scaling import scaled_lr
+from cona.runner.across_nodes import run_across_nodes
 from cona.runner.chain import (
     ChainConfig,
     ChainStep,
@@ -39,74 +35,37 @@ from cona.runner.chain import (
     load_chain,
     planned_tokens,
 )
-from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology, run_stage, stage_master_port
-from cona.runner.multinode import NodePlacement, RemoteRunners, resolve_placement, runner_command
-from cona.runner.multinode_sync import Coordinator, follow
+from cona.runner.chain_options import ChainRun, chain_run_from_args, stage_topology
+from cona.runner.launch import stage_master_port
+from cona.runner.multinode import runner_command
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
-from cona.runner.run_dir import check_run_name, point_latest, resolve_log_root
+from cona.runner.run_dir import point_latest
+from cona.runner.stage_run import (
+    Launcher,
+    StageLaunch,
+    checkpoint_dtype,
+    launch_stage,
+    publish_timed,
+    stage_lr,
+    switch_check_line,
+    torchrun_launcher,
+    write_plan,
+)
 from cona.runner.state import (
     RunState,
     StageState,
     advance,
-    durations,
     finished_result,
-    load_state,
-    measured_noise_scale,
     open_run,
     own_checkpoint,
     save_state,
     switch_cost,
+    trained,
 )
 
-
-@dataclass(frozen=True, kw_only=True)
-class ChainRun:
-    """What ``cona train --chain`` was asked to do."""
-
-    chain_path: Path
-    config: ConaConfig
-    workdir: Path
-    """Checkpoints go to ``<workdir>/checkpoints/...``."""
-    run_dir: Path
-    world_size: int
-    device_type: str
-    """``cpu`` or ``cuda``; decides the checkpoint dtype directory (CPU trains in fp32)."""
-    base_port: int = DEFAULT_MASTER_PORT_BASE
-    fresh: bool = False
-    """Discard the run directory's state and start the chain over."""
-    quiet: bool = False
-    """No per-interval console lines from the workers."""
-    nodes: NodePlacement = NodePlacement()
-    """Where this node stands in a multi-node run (one node by default)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageLaunch:
-    """One stage, ready to start: its spec (already written to ``spec_path``) and where it runs."""
-
-    spec: StageSpec
-    spec_path: Path
-    topology: Topology
-    device_type: str
-    quiet: bool = False
-    watch: Callable[[], None] | None = None
-    """Called while the workers run (checks the other nodes); when it raises, the stage is stopped."""
-
-
-Launcher = Callable[[StageLaunch], None]
-PLACEMENT_FLAGS = ("num_nodes", "gpus_per_node", "gpus", "hostfile", "master_addr", "node_rank", "no_ssh")
-
-
-def torchrun_launcher(launch: StageLaunch) -> None:
-    """Start the stage's workers under torchrun and wait for them (the production launcher)."""
-    run_stage(
-        launch.spec_path,
-        launch.spec.stage_dir,
-        launch.topology,
-        device_type=launch.device_type,
-        quiet=launch.quiet,
-        watch=launch.watch,
-    )
+Publisher = Callable[[Path], Path]
+"""Makes a stage's ``global_step<N>`` checkpoint loadable under another layout: returns the universal
+directory it published (with the ``latest_universal`` marker beside it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +75,7 @@ class _Context:
     dtype: str
     launcher: Launcher
     out: Callable[[str], None]
+    publisher: Publisher = publish
 
     def layout_dir(self, step: ChainStep) -> Path:
         return self.run.workdir / layout_relpath(self.run.config, step, self.dtype)
@@ -131,20 +91,24 @@ def run_chain(
     *,
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
+    publisher: Publisher = publish,
 ) -> RunState:
-    """Run (or resume) a chain to its end; returns the final run state."""
+    """Run (or resume) a chain to its end; returns the final run state. ``launcher`` and ``publisher`` are
+    the backend's (the native engine's by default; :mod:`cona.backends.megatron_deepspeed` has its own)."""
     run = args_or_options if isinstance(args_or_options, ChainRun) else chain_run_from_args(args_or_options)
     if run.nodes.num_nodes > 1:
-        return _run_on_nodes(run, launcher, out)
-    return _drive_chain(run, launcher, out)
+        return _run_on_nodes(run, launcher, out, publisher)
+    return _drive_chain(run, launcher, out, publisher)
 
 
-def _drive_chain(run: ChainRun, launcher: Launcher, out: Callable[[str], None]) -> RunState:
+def _drive_chain(
+    run: ChainRun, launcher: Launcher, out: Callable[[str], None], publisher: Publisher = publish
+) -> RunState:
     dtype = checkpoint_dtype(run.config.training, run.device_type)
     chain = load_chain(
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
     )
-    ctx = _Context(run=run, chain=chain, dtype=dtype, launcher=launcher, out=out)
+    ctx = _Context(run=run, chain=chain, dtype=dtype, launcher=launcher, out=out, publisher=publisher)
     state = _open_run(ctx)
     if state.current is None:
         return state
@@ -158,112 +122,24 @@ def _drive_chain(run: ChainRun, launcher: Launcher, out: Callable[[str], None]) 
     return state
 
 
-def chain_run_from_args(args: argparse.Namespace) -> ChainRun:
-    """Options from ``cona train --chain FILE [--config] [--device] [--workdir] [--gpus | --num-nodes
-    --gpus-per-node] [--run-name] [--master-port-base] [--quiet] [--fresh]``."""
-    config = resolve_log_root(load_config(getattr(args, "config", None), check_data_files=True))
-    if getattr(args, "device", None) is not None:
-        config = dataclasses.replace(
-            config, training=dataclasses.replace(config.training, device=args.device)
-        )
-    device_type = _device_type(config.training)
-    nodes = resolve_placement({name: getattr(args, name, None) for name in PLACEMENT_FLAGS}, os.environ)
-    chain_path = Path(args.chain)
-    run_name = check_run_name(getattr(args, "run_name", None) or f"chain-{chain_path.stem}")
-    return ChainRun(
-        chain_path=chain_path,
-        config=config,
-        workdir=Path(getattr(args, "workdir", None) or Path.cwd()).resolve(),
-        run_dir=Path(config.training.log_root) / run_name,
-        world_size=nodes.num_nodes * nodes.gpus_per_node
-        if nodes.num_nodes > 1
-        else _world_size(args, device_type),
-        device_type=device_type,
-        base_port=getattr(args, "master_port_base", None) or DEFAULT_MASTER_PORT_BASE,
-        fresh=bool(getattr(args, "fresh", False)),
-        quiet=bool(getattr(args, "quiet", False)),
-        nodes=nodes,
-    )
-
-
-def stage_topology(run: ChainRun, port: int) -> Topology:
-    """This node's part of every stage: all processes, or one node's share of a multi-node run."""
-    nodes = run.nodes
-    if nodes.num_nodes == 1:
-        return Topology(nproc_per_node=run.world_size, master_port=port)
-    return Topology(
-        nproc_per_node=nodes.gpus_per_node,
-        master_port=port,
-        master_addr=nodes.master_addr,
-        nnodes=nodes.num_nodes,
-        node_rank=nodes.node_rank,
-    )
-
-
-def _run_on_nodes(run: ChainRun, launcher: Launcher, out: Callable[[str], None]) -> RunState:
+def _run_on_nodes(
+    run: ChainRun, launcher: Launcher, out: Callable[[str], None], publisher: Publisher = publish
+) -> RunState:
     """Node 0 drives the chain and announces every stage; the other nodes follow its announcements."""
-    nodes, timeout_s = run.nodes, run.config.training.distributed_timeout_minutes * 60.0
-    if nodes.node_rank > 0:
-        dtype = checkpoint_dtype(run.config.training, run.device_type)  # every node validates the chain
-        load_chain(
-            run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
-        )
-
-        def run_local(stage: int, spec_path: Path, port: int, watch: Callable[[], None]) -> None:
-            launch = StageLaunch(
-                spec=StageSpec.read(spec_path),
-                spec_path=spec_path,
-                topology=stage_topology(run, port),
-                device_type=run.device_type,
-                quiet=run.quiet,
-                watch=watch,
-            )
-            launcher(launch)
-
-        follow(run.run_dir, nodes, timeout_s=timeout_s, run_local=run_local, out=out)
-        return load_state(run.run_dir)
-    remote = (
-        RemoteRunners(nodes, runner_command(run), cwd=Path.cwd(), env=os.environ, out=out)
-        if nodes.ssh
-        else None
+    dtype = checkpoint_dtype(run.config.training, run.device_type)  # every node validates the chain
+    load_chain(run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir)
+    return run_across_nodes(
+        run_dir=run.run_dir,
+        nodes=run.nodes,
+        timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
+        world_size=run.world_size,
+        device_type=run.device_type,
+        quiet=run.quiet,
+        launcher=launcher,
+        out=out,
+        remote_command=runner_command(run),
+        drive=lambda coordinated: _drive_chain(run, coordinated, out, publisher),
     )
-    with Coordinator(run.run_dir, nodes, timeout_s=timeout_s, out=out, remote=remote) as coordinator:
-
-        def coordinated(launch: StageLaunch) -> None:
-            coordinator.run_stage(
-                launch.spec.stage,
-                launch.spec_path,
-                launch.topology.master_port,
-                lambda watch: launcher(dataclasses.replace(launch, watch=watch)),
-            )
-
-        return _drive_chain(run, coordinated, out)
-
-
-def checkpoint_dtype(training: TrainingConfig, device_type: str) -> str:
-    """The checkpoints' dtype directory: fp32 on CPU (which always trains in fp32), else the config's."""
-    return "fp32" if device_type == "cpu" else training.dtype
-
-
-def _device_type(training: TrainingConfig) -> str:
-    if training.device != "auto":
-        return training.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _world_size(args: argparse.Namespace, device_type: str) -> int:
-    gpus, per_node = getattr(args, "gpus", None), getattr(args, "gpus_per_node", None)
-    if gpus is not None:
-        return gpus
-    if per_node is not None:
-        return (getattr(args, "num_nodes", None) or 1) * per_node
-    if device_type == "cuda":
-        import torch
-
-        return torch.cuda.device_count()
-    raise ChainError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
 
 
 def _open_run(ctx: _Context) -> RunState:
@@ -321,15 +197,10 @@ def _train(ctx: _Context, state: RunState, step: ChainStep) -> RunState:
         )
     if result.checkpoint is None:
         raise LaunchError(f"stage {step.step_num} saved no checkpoint at its end ({spec.result_path})")
-    stage = advance(
-        state.stage(step.step_num),
-        "trained",
-        checkpoint=result.checkpoint,
-        last_iteration=result.last_iteration,
-        consumed_samples=result.consumed_samples,
-        consumed_tokens=result.consumed_tokens,
-        timings=durations(result.timings, launched),
-    )
+    stage = trained(state.stage(step.step_num), result, launched)
+    line = switch_check_line(stage)
+    if line is not None:
+        ctx.out(line)
     return ctx.save(state, stage)
 
 
@@ -348,9 +219,7 @@ def _launch(ctx: _Context, state: RunState, spec: StageSpec, step: ChainStep) ->
         device_type=ctx.run.device_type,
         quiet=ctx.run.quiet,
     )
-    launched = time.time()
-    ctx.launcher(launch)
-    return state, launched
+    return state, launch_stage(ctx.launcher, launch)
 
 
 def _plan_stage(ctx: _Context, state: RunState, step: ChainStep) -> StageState:
@@ -364,26 +233,20 @@ def _plan_stage(ctx: _Context, state: RunState, step: ChainStep) -> StageState:
             f"{ctx.chain.path}: step {step.step_num}: stops at iteration {target}, but its "
             f"checkpoint is already at iteration {start}"
         )
-    noise = (
-        measured_noise_scale(ctx.run.run_dir, training, start)
-        if training.lr_scale_strategy == "adascale"
-        else None
-    )
-    lr = scaled_lr(training, step.gbs, noise_scale=noise)
-    min_lr_factor = lr.min_lr / training.base_min_lr if training.base_min_lr > 0 else lr.min_lr_factor
+    lr = stage_lr(ctx.run.run_dir, training, step.gbs, start)
     plan = {
         "start_iteration": start,
         "target_iteration": target,
         "load_path": str(load_path) if load_path else None,
-        "lr": lr.lr,
-        "min_lr": lr.min_lr,
-        "lr_factor": lr.lr / training.base_lr,
-        "min_lr_factor": min_lr_factor,
+        "lr": lr.scaled.lr,
+        "min_lr": lr.scaled.min_lr,
+        "lr_factor": lr.lr_factor,
+        "min_lr_factor": lr.min_lr_factor,
     }
     ctx.out(
         f"stage {step.step_num}: dp{step.dp}/tp{step.tp}/pp{step.pp} mbs{step.mbs} gbs{step.gbs}, "
-        f"iterations {start}->{target}, lr {lr.lr:.3g} (x{lr.lr / training.base_lr:.3g})"
-        f"{', capped' if lr.capped else ''}, load {load_path or 'none (from scratch)'}"
+        f"iterations {start}->{target}, lr {lr.scaled.lr:.3g} (x{lr.lr_factor:.3g})"
+        f"{', capped' if lr.scaled.capped else ''}, load {load_path or 'none (from scratch)'}"
     )
     return advance(
         state.stage(step.step_num),
@@ -391,18 +254,10 @@ def _plan_stage(ctx: _Context, state: RunState, step: ChainStep) -> StageState:
         start_iteration=start,
         target_iteration=target,
         load_path=plan["load_path"],
-        planned_at=_write_plan(ctx.run.run_dir, step.step_num, plan),
-        lr_factor=plan["lr_factor"],
-        min_lr_factor=min_lr_factor,
+        planned_at=write_plan(ctx.run.run_dir, step.step_num, plan),
+        lr_factor=lr.lr_factor,
+        min_lr_factor=lr.min_lr_factor,
     )
-
-
-def _write_plan(run_dir: Path, step_num: int, plan: dict) -> float:
-    """Record the stage's plan in ``stages/<N>/plan.json``; its modification time dates the plan."""
-    path = run_dir / "stages" / str(step_num) / "plan.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan, indent=1) + "\n")
-    return path.stat().st_mtime
 
 
 def _planned_load(ctx: _Context, state: RunState, step: ChainStep) -> Path:
@@ -442,13 +297,7 @@ def _stage_spec(ctx: _Context, stage: StageState, step: ChainStep) -> StageSpec:
 
 
 def _publish_changes(ctx: _Context, stage: StageState, step: ChainStep) -> dict:
-    if not step.convert:
-        return {}
-    began = time.perf_counter()
-    universal = publish(Path(stage.checkpoint))
-    seconds = time.perf_counter() - began
-    ctx.out(f"stage {step.step_num}: published {universal} ({seconds:.2f} s)")
-    return {"universal": str(universal), "timings": {**stage.timings, "publish_s": seconds}}
+    return publish_timed(ctx.publisher, stage, ctx.out) if step.convert else {}
 
 
 def _apply_pruning(ctx: _Context, step: ChainStep) -> tuple[str, ...]:

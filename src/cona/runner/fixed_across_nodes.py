@@ -1,0 +1,58 @@
+"""A fixed strategy across nodes (``cona train --dp .. --iters N --num-nodes K ..``): a one-stage chain.
+
+Across nodes a stage needs what a chain run has: a run directory every node agrees on, node 0 announcing the
+stage and publishing only when every node left it, and a run state that a rerun continues from. So the fixed
+strategy is written as the chain of one initial step and run by :func:`cona.runner.sequence.run_chain`; its LR
+is the one single-node fixed mode uses too (``training.base_lr`` scaled from ``base_gbs`` to the gbs).
+The run name must be the same on every node, so its default names the strategy instead of the start time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cona.config import ConaConfig
+from cona.runner.run_dir import check_run_name
+from cona.strategy import Strategy
+
+if TYPE_CHECKING:
+    pass
+
+CHAIN_NAME = "fixed_strategy_chain.json"
+
+
+def fixed_chain(strategy: Strategy, iters: int) -> dict:
+    """The chain of one initial step that trains ``strategy`` to iteration ``iters``."""
+    step = {"step_num": 1, "dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+    step |= {"gbs": strategy.gbs, "mbs": strategy.mbs, "train_iters": iters, "is_initial": True}
+    return {"steps": [step]}
+
+
+def fixed_run_name(strategy: Strategy) -> str:
+    return f"fixed-dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}_mbs{strategy.mbs}_gbs{strategy.gbs}"
+
+
+def write_chain(path: Path, chain: dict) -> None:
+    """Every node writes the same content; the rename keeps a reader on another node from seeing half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(chain, indent=1) + "\n")
+    partial.replace(path)
+
+
+def train_fixed_across_nodes(
+    args: argparse.Namespace, config: ConaConfig, strategy: Strategy, console
+) -> None:
+    from cona.runner.sequence import run_chain, torchrun_launcher  # imports torch
+
+    run_name = check_run_name(args.run_name or fixed_run_name(strategy))
+    chain_path = Path(config.training.log_root) / run_name / CHAIN_NAME
+    write_chain(chain_path, fixed_chain(strategy, args.iters))
+    chain_args = argparse.Namespace(**{**vars(args), "chain": chain_path, "run_name": run_name})
+    for name in ("dp", "tp", "pp", "gbs", "mbs", "iters"):
+        setattr(chain_args, name, None)
+    run_chain(chain_args, launcher=console.launcher(torchrun_launcher), out=console.message)
