@@ -9,7 +9,8 @@
     AdamW, no dropout, seq 1024, vocab 50304): error of ``h200_141g`` before calibration, after calibrating on
     all six rows (in-sample), and leave-one-out (calibrated on the other five: the honest number).
 (c) Optional: ``--metrics RUN/metrics.jsonl --config .conaconfig --system S`` does (b) for any run that logged
-    step times (e.g. CPU runs of the tiny model under several layouts on ``cpu_gloo``).
+    step times. ``bench/planner_cpu_layouts.py`` runs the tiny model under several CPU layouts itself and
+    prints the table with a calibration fitted on some layouts and judged on the others.
 
 Usage: python bench/planner_validation.py [--metrics PATH --config PATH --system NAME]
 """

@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from cona.planner import search
 from cona.planner.perf_model import predict
 from cona.planner.space import enumerate_strategies
 from cona.planner.systems import load_system
+from cona.strategy import SCHEDULE_CODES, Strategy, StrategyArray
 
 MODELS = {
     "gpt-350m": ModelConfig(name="gpt-350m", layers=24, hidden=1024, heads=16, seq=2048, vocab_size=50257),
@@ -41,6 +43,7 @@ SPEED_GPUS = (8, 64, 512, 4096)
 MAX_GBS = 4096
 BO_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
 BO_SYSTEMS = ("a100_80g", "h100_80g")
+OPTION_FIELDS = ("dp", "tp", "pp", "mbs", "zero_stage", "recompute", "sequence_parallel", "virtual_stages")
 
 
 def timed_exhaustive(model: ModelConfig, system, n_gpus: int, gbs: int) -> tuple[float, str, int]:
@@ -108,68 +111,206 @@ def random_frontier(rng: np.random.Generator) -> tuple[str, str, int, int]:
     return name, system, n_gpus, int(rng.choice(gbs_choices))
 
 
-def bo_part(searches: int, seed: int, progress_path: str | None = None) -> list[dict]:
-    """Random frontier searches; with ``progress_path``, the rows so far are rewritten there after each."""
+def frontier_problems(count: int, seed: int) -> list[tuple[str, str, int, int]]:
+    """The first ``count`` random frontiers of ``seed`` where something fits (the same list for every
+    version of the search, as long as the performance model is the same)."""
     rng = np.random.default_rng(seed)
     systems = {name: load_system(name) for name in BO_SYSTEMS}
-    rows: list[dict] = []
-    while len(rows) < searches:
+    problems = []
+    while len(problems) < count:
         name, system_name, n_gpus, gbs = random_frontier(rng)
-        system = systems[system_name]
         try:
-            truth = search.exhaustive_search(MODELS[name], system, n_gpus, gbs, top_k=1)
+            search.exhaustive_search(MODELS[name], systems[system_name], n_gpus, gbs, top_k=1)
         except PlanError:
             continue  # nothing fits (e.g. 175B on 8 GPUs): not a search BO could get right or wrong
+        problems.append((name, system_name, n_gpus, gbs))
+    return problems
+
+
+def describe(strategy: Strategy) -> str:
+    """Every option of a strategy, compactly."""
+    extras = [f"z{strategy.zero_stage}", strategy.recompute]
+    if strategy.sequence_parallel:
+        extras.append("sp")
+    if strategy.virtual_stages > 1:
+        extras.append(f"v{strategy.virtual_stages}")
+    return f"dp{strategy.dp}/tp{strategy.tp}/pp{strategy.pp} mbs{strategy.mbs} {' '.join(extras)}"
+
+
+def best_of(model: ModelConfig, system, evaluated) -> tuple[Strategy, float] | None:
+    """The fastest fitting strategy of ``evaluated`` (ties: less memory) and its time; None if none fits."""
+    prediction = predict(model, evaluated, system)
+    fits = np.flatnonzero(~prediction.oom)
+    if len(fits) == 0:
+        return None
+    first = fits[np.lexsort((prediction.memory_gib[fits], prediction.iteration_time_s[fits]))[0]]
+    return evaluated[int(first)], float(prediction.iteration_time_s[first])
+
+
+def where_the_optimum_lies(
+    model: ModelConfig, system, evaluated, found: Strategy, optimum: Strategy, n_gpus: int, gbs: int
+) -> dict:
+    """Why a search may miss: how much of the space fits, the rank of what it found among the fitting
+    strategies, how many evaluations it spent on the optimum's (tp, pp) layout (and how many of those fit),
+    and which options separate what it found from the optimum."""
+    space = enumerate_strategies(model, n_gpus, gbs, gpus_per_node=system.gpus_per_node)
+    full = predict(model, space, system)
+    fitting_times = full.iteration_time_s[~full.oom]
+    found_time = float(predict(model, found, system).iteration_time_s[0])
+    same_layout = (evaluated.tp == optimum.tp) & (evaluated.pp == optimum.pp)
+    fitting = ~predict(model, evaluated, system).oom
+    return {
+        "fitting_fraction": round(float(np.mean(~full.oom)), 3),
+        "found_rank": int(np.sum(fitting_times < found_time * (1 - 1e-12))) + 1,
+        "optimum_layout_evaluations": int(same_layout.sum()),
+        "optimum_layout_fitting": int(np.sum(same_layout & fitting)),
+        "options_differing": [f for f in OPTION_FIELDS if getattr(found, f) != getattr(optimum, f)],
+    }
+
+
+def bo_part(
+    searches: int, seed: int, progress_path: str | None = None, only: list[int] | None = None
+) -> list[dict]:
+    """Random frontier searches (numbered from 1; ``only`` runs just those numbers); with
+    ``progress_path``, the rows so far are rewritten there after each.
+
+    Each row has the search's result before its local refinement ("global": the bootstrap and GP phase,
+    which is the whole search with ``max_local_rounds=0``, evaluation for evaluation) and after it."""
+    systems = {name: load_system(name) for name in BO_SYSTEMS}
+    rows: list[dict] = []
+    for number, (name, system_name, n_gpus, gbs) in enumerate(frontier_problems(searches, seed), start=1):
+        if only and number not in only:
+            continue
+        system, model = systems[system_name], MODELS[name]
         started = time.perf_counter()
-        found = search.bayesian_search(MODELS[name], system, n_gpus, gbs, top_k=1, seed=len(rows))
+        truth = search.exhaustive_search(model, system, n_gpus, gbs, top_k=1)
+        exhaustive_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        found = search.bayesian_search(model, system, n_gpus, gbs, top_k=1, seed=number - 1)
         seconds = time.perf_counter() - started
-        ratio = float(found.prediction.iteration_time_s[0] / truth.prediction.iteration_time_s[0])
-        rows.append(
-            {
-                "model": name,
-                "system": system_name,
-                "gpus": n_gpus,
-                "gbs": gbs,
-                "space_size": truth.space_size,
-                "evaluations": found.evaluations,
-                "ratio": ratio,
-                "seconds": seconds,
-                "bo_best": found.best.short(),
-                "exhaustive_best": truth.best.short(),
-            }
-        )
+        optimum_s = float(truth.prediction.iteration_time_s[0])
+        global_evaluations = found.evaluations - found.refinement_evaluations
+        global_best = best_of(model, system, found.evaluated.select(np.arange(global_evaluations)))
+        row = {
+            "number": number,
+            "model": name,
+            "system": system_name,
+            "gpus": n_gpus,
+            "gbs": gbs,
+            "space_size": truth.space_size,
+            "evaluations": found.evaluations,
+            "global_evaluations": global_evaluations,
+            "ratio": float(found.prediction.iteration_time_s[0]) / optimum_s,
+            "global_ratio": global_best[1] / optimum_s if global_best else float("inf"),
+            "seconds": seconds,
+            "exhaustive_seconds": exhaustive_seconds,
+            "bo_best": describe(found.best),
+            "global_best": describe(global_best[0]) if global_best else "none fits",
+            "exhaustive_best": describe(truth.best),
+            "exhaustive_time_s": optimum_s,
+            "evaluated": {f: getattr(found.evaluated, f).tolist() for f in OPTION_FIELDS},
+        }
         print(
-            f"{len(rows):>3} {name:9} {system_name:9} N={n_gpus:<5} gbs={gbs:<5} space={truth.space_size:<6} "
-            f"evals={found.evaluations:<3} ratio={ratio:.4f} {seconds:.1f} s",
+            f"{number:>3} {name:9} {system_name:9} N={n_gpus:<5} gbs={gbs:<5} space={truth.space_size:<6} "
+            f"evals={global_evaluations:<3}->{found.evaluations:<3} ratio={row['global_ratio']:.4f}->"
+            f"{row['ratio']:.4f} {seconds:.1f} s",
             flush=True,
         )
+        phases = (
+            ("global", global_best, global_evaluations),
+            ("refined", (found.best, 0.0), found.evaluations),
+        )
+        for phase, best, count in phases:
+            ratio = row["global_ratio"] if phase == "global" else row["ratio"]
+            if best is not None and ratio > 1.02:
+                evaluated = found.evaluated.select(np.arange(count))
+                row[f"{phase}_miss"] = where_the_optimum_lies(
+                    model, system, evaluated, best[0], truth.best, n_gpus, gbs
+                )
+                print(
+                    f"    {phase} miss: optimum {row['exhaustive_best']}, found {describe(best[0])}; "
+                    f"{json.dumps(row[f'{phase}_miss'])}",
+                    flush=True,
+                )
+        rows.append(row)
         if progress_path:
             with open(progress_path, "w") as handle:
                 json.dump({"bo": rows}, handle, indent=2)
     return rows
 
 
+def evaluated_of(row: dict, count: int) -> StrategyArray:
+    """The first ``count`` strategies a recorded search evaluated (its row's ``evaluated`` columns)."""
+    columns = {field: np.asarray(values[:count]) for field, values in row["evaluated"].items()}
+    interleaved = columns["virtual_stages"] > 1
+    return StrategyArray(
+        **columns,
+        gbs=np.full(count, row["gbs"]),
+        pipeline_schedule=np.where(interleaved, SCHEDULE_CODES["interleaved_1f1b"], SCHEDULE_CODES["1f1b"]),
+    )
+
+
+def print_misses(rows: list[dict]) -> None:
+    """A Markdown table of the searches more than 2% off, before (global) and after the refinement."""
+    print(
+        "| # | model | system | N | gbs | phase | ratio | evaluations | optimum | found | fitting share "
+        "| found's rank | optimum's layout evaluated (fitting) | options differing |"
+    )
+    print("|---:|---|---|---:|---:|---|---:|---:|---|---|---:|---:|---|---|")
+    for row in rows:
+        model, system = MODELS[row["model"]], load_system(row["system"])
+        for phase, ratio_key, count_key in (("global", "global_ratio", "global_evaluations"),
+                                            ("refined", "ratio", "evaluations")):  # fmt: skip
+            if row[ratio_key] <= 1.02:
+                continue
+            evaluated = evaluated_of(row, row[count_key])
+            found, _ = best_of(model, system, evaluated)
+            truth = search.exhaustive_search(model, system, row["gpus"], row["gbs"], top_k=1).best
+            why = where_the_optimum_lies(model, system, evaluated, found, truth, row["gpus"], row["gbs"])
+            problem = f"{row['number']} | {row['model']} | {row['system']} | {row['gpus']} | {row['gbs']}"
+            print(
+                f"| {problem} | {phase} | {row[ratio_key]:.3f} | {row[count_key]} | {describe(truth)} "
+                f"| {describe(found)} | {why['fitting_fraction']:.2f} | {why['found_rank']} "
+                f"| {why['optimum_layout_evaluations']} ({why['optimum_layout_fitting']}) "
+                f"| {', '.join(why['options_differing'])} |"
+            )
+
+
 def summarise_bo(rows: list[dict]) -> dict:
-    ratios = [row["ratio"] for row in rows]
-    evaluations = [row["evaluations"] for row in rows]
-    fractions = [row["evaluations"] / row["space_size"] for row in rows]
-    summary = {
-        "searches": len(rows),
-        "within_2_percent": sum(ratio <= 1.02 for ratio in ratios) / len(rows),
-        "exact_optimum": sum(ratio <= 1.0 + 1e-12 for ratio in ratios) / len(rows),
-        "worst_ratio": max(ratios),
-        "evaluations_median": statistics.median(evaluations),
-        "evaluations_mean": statistics.fmean(evaluations),
-        "evaluations_max": max(evaluations),
-        "space_fraction_median": statistics.median(fractions),
-        "space_size_median": statistics.median(row["space_size"] for row in rows),
-        "seconds_per_search_median": statistics.median(row["seconds"] for row in rows),
-        "settings": {
-            "BOOTSTRAP_SAMPLES": search.BOOTSTRAP_SAMPLES,
-            "EI_STOP_FRACTION": search.EI_STOP_FRACTION,
-            "MAX_GP_UPDATES": search.MAX_GP_UPDATES,
-        },
-    }
+    """Quality and cost before the local refinement (the global phase) and after it."""
+    summary: dict = {"searches": len(rows)}
+    for phase, ratio_key, evaluations_key in (
+        ("global", "global_ratio", "global_evaluations"),
+        ("refined", "ratio", "evaluations"),
+    ):
+        ratios = [row[ratio_key] for row in rows]
+        evaluations = [row[evaluations_key] for row in rows]
+        summary[phase] = {
+            "within_2_percent": sum(ratio <= 1.02 for ratio in ratios),
+            "exact_optimum": sum(ratio <= 1.0 + 1e-12 for ratio in ratios),
+            "within_5_percent": sum(ratio <= 1.05 for ratio in ratios),
+            "worst_ratio": max(ratios),
+            "evaluations_median": statistics.median(evaluations),
+            "evaluations_mean": statistics.fmean(evaluations),
+            "evaluations_max": max(evaluations),
+            "evaluations_total": sum(evaluations),
+        }
+    summary.update(
+        {
+            "space_size_median": statistics.median(row["space_size"] for row in rows),
+            "space_total": sum(row["space_size"] for row in rows),
+            "seconds_per_search_median": statistics.median(row["seconds"] for row in rows),
+            "seconds_per_search_max": max(row["seconds"] for row in rows),
+            "bo_seconds_total": sum(row["seconds"] for row in rows),
+            "exhaustive_seconds_total": sum(row["exhaustive_seconds"] for row in rows),
+            "settings": {
+                "BOOTSTRAP_SAMPLES": search.BOOTSTRAP_SAMPLES,
+                "EI_STOP_FRACTION": search.EI_STOP_FRACTION,
+                "MAX_GP_UPDATES": search.MAX_GP_UPDATES,
+                "MAX_LOCAL_ROUNDS": search.MAX_LOCAL_ROUNDS,
+            },
+        }
+    )
     print(json.dumps(summary, indent=2))
     return summary
 
@@ -180,14 +321,38 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random frontiers")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-bo", action="store_true")
+    parser.add_argument("--only", type=int, nargs="*", help="run only these search numbers (from 1)")
     parser.add_argument("--json-out", default=None, help="also write every row and the summary here")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="summarise the BO rows of these --json-out files (no search)",
+    )
     args = parser.parse_args()
+    if args.merge:
+        rows = [row for path in args.merge for row in json.loads(Path(path).read_text())["bo"]]
+        rows = sorted(rows, key=lambda row: row["number"])
+        print_misses(rows)
+        summarise_bo(rows)
+        return
     output: dict = {}
     if not args.skip_speed:
         output["speed"] = speed_part()
     if not args.skip_bo:
-        output["bo"] = bo_part(args.searches, args.seed, args.json_out)
-        output["bo_summary"] = summarise_bo(output["bo"])
+        output["bo"] = bo_part(args.searches, args.seed, args.json_out, args.only)
+        summary = summarise_bo(output["bo"])
+        # What the evaluation counts would cost if each evaluation were one model call, as in BO.
+        reference = single_call_seconds(MODELS["gpt-1.3b"], load_system("a100_80g"))
+        summary["single_call_s"] = reference
+        summary["one_call_per_strategy_exhaustive_s"] = summary["space_total"] * reference
+        print(
+            f"one single-strategy model call {reference * 1e3:.3f} ms: one call per strategy over all spaces "
+            f"would take {summary['space_total'] * reference:.0f} s; BO took "
+            f"{summary['bo_seconds_total']:.0f} s, the vectorised exhaustive searches "
+            f"{summary['exhaustive_seconds_total']:.1f} s"
+        )
+        output["bo_summary"] = summary
     if args.json_out:
         with open(args.json_out, "w") as handle:
             json.dump(output, handle, indent=2)

@@ -8,7 +8,7 @@ import pytest
 
 from cona.config import ModelConfig
 from cona.errors import PlanError
-from cona.planner import search
+from cona.planner import local_search, search
 from cona.planner.search import bayesian_search, encode, exhaustive_search
 from cona.planner.space import SpaceOptions, enumerate_strategies
 from cona.planner.systems import load_system
@@ -112,8 +112,9 @@ def test_bayesian_search_finds_the_optimum_with_few_evaluations(known_model, a10
 
 
 def test_bayesian_search_is_deterministic(known_model, a100):
-    first = bayesian_search(GPT_1_3B, a100, 16, 64, options=SMALL_SPACE, seed=3, max_gp_updates=1)
-    second = bayesian_search(GPT_1_3B, a100, 16, 64, options=SMALL_SPACE, seed=3, max_gp_updates=1)
+    settings = {"options": SMALL_SPACE, "seed": 3, "max_gp_updates": 1, "max_local_rounds": 0}
+    first = bayesian_search(GPT_1_3B, a100, 16, 64, **settings)
+    second = bayesian_search(GPT_1_3B, a100, 16, 64, **settings)
     assert first.evaluations == second.evaluations == search.BOOTSTRAP_SAMPLES + 1
     assert [first.candidates[i] for i in range(len(first.candidates))] == [
         second.candidates[i] for i in range(len(second.candidates))
@@ -131,9 +132,10 @@ def test_bootstrap_covers_every_layout_first():
 
 def test_bootstrap_only_and_settings_overrides(known_model, a100):
     result = bayesian_search(
-        GPT_1_3B, a100, 16, 64, options=SMALL_SPACE, bootstrap_samples=7, max_gp_updates=0
+        GPT_1_3B, a100, 16, 64, options=SMALL_SPACE, bootstrap_samples=7, max_gp_updates=0, max_local_rounds=0
     )
     assert result.evaluations == 7
+    assert len(result.evaluated) == 7 and result.best in [result.evaluated[i] for i in range(7)]
     with pytest.raises(PlanError, match="bootstrap"):
         bayesian_search(GPT_1_3B, a100, 16, 64, bootstrap_samples=0)
 
@@ -149,6 +151,7 @@ def test_ei_stop_rule_ends_the_search_early(known_model, a100):
         bootstrap_samples=8,
         ei_stop_fraction=10.0,
         max_gp_updates=30,
+        max_local_rounds=0,
     )
     assert result.evaluations == 8
 
@@ -174,6 +177,64 @@ def test_search_moves_towards_the_feasible_region_when_nothing_fits_yet(monkeypa
         GPT_1_3B, a100, 16, 64, options=SMALL_SPACE, bootstrap_samples=3, seed=0, max_gp_updates=4
     )
     assert not result.prediction.oom.any()
+
+
+def test_neighbours_step_one_option_and_repair_invalid_steps():
+    space = enumerate_strategies(GPT_1_3B, 16, 64, gpus_per_node=8, options=SMALL_SPACE)
+    ranks = local_search.option_ranks(space)
+    center = int(np.flatnonzero((space.tp == 2) & (space.pp == 1) & (space.mbs == 2) & (space.zero_stage == 1)
+                                & (space.recompute == 0))[0])  # fmt: skip
+    found = [space[int(i)] for i in local_search.neighbours(ranks, center)]
+    assert space[center] not in found
+    steps = {(s.tp, s.pp, s.mbs, s.zero_stage, s.recompute) for s in found}
+    # tp 1 and 4 (dp follows), pp 2, mbs 1 and 4, ZeRO 3, full recompute: one option changed each.
+    assert steps == {(1, 1, 2, 1, "none"), (4, 1, 2, 1, "none"), (2, 2, 2, 1, "none"), (2, 1, 1, 1, "none"),
+                     (2, 1, 4, 1, "none"), (2, 1, 2, 3, "none"), (2, 1, 2, 1, "full")}  # fmt: skip
+    # From pp 1 there is no virtual stage > 1: the step to v 2 is repaired with the smallest other change.
+    interleaved = [s for s in found if s.virtual_stages > 1]
+    assert all(s.pp > 1 for s in interleaved)
+
+
+def test_local_refinement_climbs_to_the_optimum_without_the_gp(monkeypatch, a100):
+    # No GP update at all: on an objective that is unimodal along each option (everything fits), the layout
+    # sweep and hill climb alone must walk from the bootstrap's best to the optimum, one strategy per call.
+    fake = KnownModel(memory_limit_gib=1e9)
+    monkeypatch.setattr(search, "predict", fake)
+    result = bayesian_search(
+        GPT_1_3B, a100, 16, 64, options=SMALL_SPACE, bootstrap_samples=3, max_gp_updates=0, seed=0
+    )
+    best, best_time, size = brute_force_best(KnownModel(memory_limit_gib=1e9), a100)
+    assert result.best == best
+    assert result.evaluations < size / 3
+    assert fake.calls[:-1] == [1] * result.evaluations
+
+
+def test_layout_sweep_carries_the_options_to_every_layout():
+    space = enumerate_strategies(GPT_1_3B, 16, 64, gpus_per_node=8, options=SMALL_SPACE)
+    ranks = local_search.option_ranks(space)
+    center = int(np.flatnonzero((space.tp == 2) & (space.pp == 1) & (space.mbs == 2) & (space.zero_stage == 3)
+                                & (space.recompute == 2))[0])  # fmt: skip
+    sweep = [space[int(i)] for i in local_search.layout_representatives(space, ranks, center)]
+    layouts = set(zip(space.tp.tolist(), space.pp.tolist(), strict=True))
+    assert sorted((s.tp, s.pp) for s in sweep) == sorted(layouts)  # one per layout
+    assert space[center] in sweep
+    # Wherever the layout allows them (dp > 1 for ZeRO 3), the options are the center's.
+    same = [s for s in sweep if (s.tp, s.pp) in {(1, 1), (4, 2), (8, 1)}]
+    assert len(same) == 3
+    assert all((s.mbs, s.zero_stage, s.recompute) == (2, 3, "full") for s in same)
+
+
+def test_local_refinement_respects_its_round_limit(known_model, a100):
+    space = enumerate_strategies(GPT_1_3B, 16, 64, gpus_per_node=8, options=SMALL_SPACE)
+    layouts = len(set(zip(space.tp.tolist(), space.pp.tolist(), strict=True)))
+    one_round = bayesian_search(
+        GPT_1_3B, a100, 16, 64, options=SMALL_SPACE, bootstrap_samples=3, max_gp_updates=0, max_local_rounds=1
+    )
+    # The layout sweep, then at most one step along each of the 7 options in each direction.
+    assert 3 < one_round.evaluations <= 3 + layouts + 7 * 2
+    assert one_round.refinement_evaluations == one_round.evaluations - 3
+    with pytest.raises(PlanError, match="local rounds"):
+        bayesian_search(GPT_1_3B, a100, 16, 64, max_local_rounds=-1)
 
 
 def test_encoding_is_scaled_and_distinct():

@@ -56,7 +56,9 @@ def test_json_ranking_matches_the_exhaustive_search(capsys, config_path):
 
 def test_bayesian_search_is_the_default(capsys, config_path, monkeypatch):
     monkeypatch.setattr(
-        search, "bayesian_search", functools.partial(search.bayesian_search, max_gp_updates=1)
+        search,
+        "bayesian_search",
+        functools.partial(search.bayesian_search, max_gp_updates=1, max_local_rounds=0),
     )
     out = run_json(
         capsys,

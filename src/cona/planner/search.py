@@ -6,7 +6,8 @@ search makes one vectorised model call over the whole space. The Bayesian search
 one Calculon evaluation cost milliseconds of Python) evaluates one strategy per model call and counts the
 calls: a Gaussian process on a numeric encoding of the strategy, and expected improvement evaluated on every
 not-yet-evaluated candidate of the discrete space (no continuous optimisation, so every proposal is a valid
-strategy).
+strategy), then a local refinement around the best strategy found (a layout sweep and a hill climb over
+neighbouring strategies) that catches where the GP was confidently wrong.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from cona.config import ModelConfig
 from cona.errors import PlanError
+from cona.planner.local_search import refine_locally
 from cona.planner.perf_model import Prediction, predict
 from cona.planner.space import SpaceOptions, enumerate_strategies
 from cona.planner.systems import System
@@ -40,6 +42,10 @@ too early: on 12 random frontiers, half of the searches ended more than 2% from 
 (docs/benchmarks.md)."""
 MAX_GP_UPDATES = 60
 """Most Gaussian-process updates (one new evaluation each) after the bootstrap."""
+MAX_LOCAL_ROUNDS = 10
+"""Most hill-climbing rounds of the refinement that follows the GP phase (:func:`refine_locally`): each
+round evaluates the incumbent's not-yet-evaluated neighbours and moves to the best one if it is faster;
+0 turns the refinement off."""
 
 GP_FIT_STEPS = 60
 """L-BFGS steps of one GP hyperparameter fit (warm-started from the previous fit)."""
@@ -62,6 +68,10 @@ class SearchResult:
     """Strategies the performance model evaluated to find them."""
     space_size: int
     """Valid strategies in the space searched (before the memory check)."""
+    evaluated: StrategyArray | None = None
+    """Bayesian search: every strategy it evaluated, in evaluation order (None for the exhaustive search)."""
+    refinement_evaluations: int = 0
+    """Bayesian search: how many of the evaluations (the last ones) the local refinement made."""
 
     @property
     def best(self) -> Strategy:
@@ -109,16 +119,21 @@ def bayesian_search(
     bootstrap_samples: int = BOOTSTRAP_SAMPLES,
     ei_stop_fraction: float = EI_STOP_FRACTION,
     max_gp_updates: int = MAX_GP_UPDATES,
+    max_local_rounds: int = MAX_LOCAL_ROUNDS,
 ) -> SearchResult:
-    """BoTorch search over the same space; deterministic for a given ``seed``.
+    """BoTorch search over the same space, then a local refinement; deterministic for a given ``seed``.
 
     Two GP outputs on the strategy encoding: log throughput (``-log`` iteration time, known for every
     evaluated strategy, fitting or not) and log memory per GPU; the acquisition is expected improvement of the
-    first times the probability that the second is under the memory limit (constrained EI).
+    first times the probability that the second is under the memory limit (constrained EI). When EI says
+    nothing is worth evaluating (or the update budget is spent), :func:`refine_locally` checks the layouts
+    and the neighbouring strategies of the best one found, where the GP may be confidently wrong.
     """
     torch = _import_botorch_stack()
-    if bootstrap_samples < 1 or max_gp_updates < 0 or ei_stop_fraction < 0:
-        raise PlanError("BO settings: bootstrap samples must be >= 1, GP updates and EI stop fraction >= 0")
+    if bootstrap_samples < 1 or max_gp_updates < 0 or ei_stop_fraction < 0 or max_local_rounds < 0:
+        raise PlanError(
+            "BO settings: bootstrap samples must be >= 1, GP updates, local rounds and EI stop fraction >= 0"
+        )
     space = enumerate_strategies(model, n_gpus, gbs, gpus_per_node=system.gpus_per_node, options=options)
     observed = _Observations()
 
@@ -144,7 +159,10 @@ def bayesian_search(
             if proposal is None:
                 break
             evaluate(proposal)
-    return _ranked_result(model, system, space, observed, dtype, calibration, top_k, n_gpus, gbs)
+    global_evaluations = len(observed.indices)
+    refine_locally(space, observed, evaluate, max_local_rounds)
+    result = _ranked_result(model, system, space, observed, dtype, calibration, top_k, n_gpus, gbs)
+    return dataclasses.replace(result, refinement_evaluations=len(observed.indices) - global_evaluations)
 
 
 def _import_botorch_stack():
@@ -189,6 +207,12 @@ class _Observations:
         self.times.append(time)
         self.memory.append(memory)
         self.oom.append(oom)
+
+    def best_fitting(self) -> int | None:
+        """Space index of the fastest evaluated strategy that fits (None when none fits)."""
+        rows = zip(self.times, self.memory, self.indices, self.oom, strict=True)
+        fitting = [(time, memory, index) for time, memory, index, oom in rows if not oom]
+        return min(fitting)[2] if fitting else None
 
 
 @contextmanager
@@ -340,6 +364,7 @@ def _ranked_result(
         prediction=prediction,
         evaluations=len(indices),
         space_size=len(space),
+        evaluated=space.select(indices),
     )
 
 
