@@ -13,7 +13,8 @@ subprocess, with the same seed, LR rule, token-based LR schedule, evaluation set
 
 Time to target = the ``time`` of that evaluation's metrics record minus the moment this script started the
 run's process: start-up, the planner, every switch and the evaluations count. Start-up and the online run's
-switch gaps are also reported on their own. Method and choices: docs/benchmarks.md ("Time to a target perplexity").
+switch gaps are also reported on their own.
+Method and choices: docs/benchmarks.md ("Time to a target perplexity").
 
 GPU (one H200), from the repository root::
 
