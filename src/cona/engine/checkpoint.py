@@ -31,10 +31,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from cona.config import ConaConfig, ModelConfig, parse_config
+from cona.engine.checkpoint_files import (
+    CONFIG_FILE,
+    METADATA_FILE,
+    TRAINER_STATE_FILE,
+    read_dcp_metadata,
+    verify_complete,
+)
 from cona.errors import CheckpointError, ConaError
 from cona.strategy import Strategy
 
@@ -42,9 +49,6 @@ FORMAT_VERSION = 1
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
 TMP_PREFIX = ".tmp-"
-METADATA_FILE = ".metadata"
-TRAINER_STATE_FILE = "trainer_state.json"
-CONFIG_FILE = "config.json"
 STRATEGY_FILE = "strategy.json"
 MANIFEST_FILE = "manifest.json"
 PROBE_FILE = "probe.json"
@@ -246,55 +250,6 @@ def _follow_marker(marker: Path) -> Path:
     if not target.is_dir():
         raise CheckpointError(f"{marker} names {name}, which does not exist in {marker.parent}")
     return target
-
-
-def verify_complete(path: Path) -> None:
-    """Refuse (CheckpointError naming the path) a checkpoint that cannot be loaded in full: unreadable
-    or missing DCP metadata, a tensor whose shards do not cover it, a shard file missing or shorter than
-    the metadata says, or a missing trainer_state.json / config.json."""
-    path = Path(path)
-    metadata = read_dcp_metadata(path)
-    for name in (TRAINER_STATE_FILE, CONFIG_FILE):
-        if not (path / name).is_file():
-            raise CheckpointError(f"{path}: incomplete checkpoint: {name} is missing")
-    _check_chunks_cover_tensors(path, metadata)
-    _check_shard_files(path, metadata)
-
-
-def read_dcp_metadata(path: Path) -> Metadata:
-    if not (path / METADATA_FILE).is_file():
-        raise CheckpointError(f"{path}: incomplete checkpoint: no DCP {METADATA_FILE} file")
-    try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except Exception as err:  # a truncated pickle can raise almost anything
-        raise CheckpointError(f"{path}/{METADATA_FILE}: unreadable ({type(err).__name__})") from None
-
-
-def _check_chunks_cover_tensors(path: Path, metadata: Metadata) -> None:
-    stored = {(index.fqn, tuple(index.offset or ())) for index in metadata.storage_data}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            continue
-        covered = 0
-        for chunk in entry.chunks:
-            if (fqn, tuple(chunk.offsets)) not in stored:
-                raise CheckpointError(f"{path}: incomplete checkpoint: a shard of {fqn} is not stored")
-            covered += torch.Size(chunk.sizes).numel()
-        if covered != torch.Size(entry.size).numel():
-            raise CheckpointError(f"{path}: incomplete checkpoint: the shards of {fqn} do not cover it")
-
-
-def _check_shard_files(path: Path, metadata: Metadata) -> None:
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for relative, size in sorted(needed.items()):
-        shard = path / relative
-        if not shard.is_file():
-            raise CheckpointError(f"{path}: incomplete checkpoint: shard file {relative} is missing")
-        actual = shard.stat().st_size
-        if actual < size:
-            raise CheckpointError(f"{path}: shard file {relative} is truncated ({actual} of {size} bytes)")
 
 
 def _check_compatible(path: Path, model: ModelConfig) -> None:

@@ -1,0 +1,68 @@
+"""Is a checkpoint directory complete? Checks of its files alone, without loading a tensor or a process group.
+
+A PyTorch distributed checkpoint is complete when its DCP metadata reads, every tensor's shards are stored and
+cover it, every shard file is there at least as long as the metadata says, and CONA's JSON files are there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from cona.errors import CheckpointError
+
+METADATA_FILE = ".metadata"
+TRAINER_STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.json"
+
+
+def verify_complete(path: Path) -> None:
+    """Refuse (CheckpointError naming the path) a checkpoint that cannot be loaded in full: unreadable
+    or missing DCP metadata, a tensor whose shards do not cover it, a shard file missing or shorter than
+    the metadata says, or a missing trainer_state.json / config.json."""
+    path = Path(path)
+    metadata = read_dcp_metadata(path)
+    for name in (TRAINER_STATE_FILE, CONFIG_FILE):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: incomplete checkpoint: {name} is missing")
+    _check_chunks_cover_tensors(path, metadata)
+    _check_shard_files(path, metadata)
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    if not (path / METADATA_FILE).is_file():
+        raise CheckpointError(f"{path}: incomplete checkpoint: no DCP {METADATA_FILE} file")
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:  # a truncated pickle can raise almost anything
+        raise CheckpointError(f"{path}/{METADATA_FILE}: unreadable ({type(err).__name__})") from None
+
+
+def _check_chunks_cover_tensors(path: Path, metadata: Metadata) -> None:
+    stored = {(index.fqn, tuple(index.offset or ())) for index in metadata.storage_data}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        covered = 0
+        for chunk in entry.chunks:
+            if (fqn, tuple(chunk.offsets)) not in stored:
+                raise CheckpointError(f"{path}: incomplete checkpoint: a shard of {fqn} is not stored")
+            covered += torch.Size(chunk.sizes).numel()
+        if covered != torch.Size(entry.size).numel():
+            raise CheckpointError(f"{path}: incomplete checkpoint: the shards of {fqn} do not cover it")
+
+
+def _check_shard_files(path: Path, metadata: Metadata) -> None:
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        shard = path / relative
+        if not shard.is_file():
+            raise CheckpointError(f"{path}: incomplete checkpoint: shard file {relative} is missing")
+        actual = shard.stat().st_size
+        if actual < size:
+            raise CheckpointError(f"{path}: shard file {relative} is truncated ({actual} of {size} bytes)")
