@@ -188,8 +188,9 @@ def _train(args: argparse.Namespace) -> int:
     online = [f"--{name.replace('_', '-')}" for name in ONLINE_FLAGS if getattr(args, name) is not None]
     if online:
         raise ConaError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
-    if args.fresh:
-        raise ConaError("cona train: --fresh goes with --chain or online mode")
+    across_nodes = any(getattr(args, name) not in (None, False) for name in MULTI_NODE_FLAGS)
+    if args.fresh and not across_nodes:  # one fixed stage always starts a new run directory
+        raise ConaError("cona train: --fresh goes with --chain, online mode or a run across nodes")
     missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
     if missing:
         raise ConaError(
@@ -211,7 +212,7 @@ def _train(args: argparse.Namespace) -> int:
     console = RunConsole.for_stdout(quiet=args.quiet)
 
     validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
-    if not mds and any(getattr(args, name) not in (None, False) for name in MULTI_NODE_FLAGS):
+    if not mds and across_nodes:
         from cona.runner.fixed_across_nodes import train_fixed_across_nodes
 
         train_fixed_across_nodes(args, config, strategy, console)  # each node checks its own GPUs
