@@ -10,16 +10,14 @@ directory.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from cona.config_fields import expect_section, reject_unknown, typed_values
 from cona.errors import ConfigError
 
 CONFIG_NAME = ".conaconfig"
@@ -271,20 +269,20 @@ def parse_config(raw: Any, *, source: Path | None = None) -> ConaConfig:
     where = str(source) if source is not None else "<config>"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be an object with sections 'model' and 'training'")
-    _reject_unknown(raw, ("model", "training"), where, prefix="")
+    reject_unknown(raw, ("model", "training"), where, prefix="")
     if "model" not in raw:
         raise ConfigError(f"{where}: missing section 'model'")
-    model_raw = _expect_section(raw, "model", where)
-    training_raw = _expect_section(raw, "training", where) if "training" in raw else {}
+    model_raw = expect_section(raw, "model", where)
+    training_raw = expect_section(raw, "training", where) if "training" in raw else {}
     base_dir = source.parent if source is not None else Path.cwd()
-    training_values = _typed_values(TrainingConfig, training_raw, where, "training")
+    training_values = typed_values(TrainingConfig, training_raw, where, "training")
     for key in PATH_KEYS:
         # Defaults (log_root "logs") are relative to the file too, not to wherever cona was started.
         value = training_values.get(key, _TRAINING_DEFAULTS.get(key))
         if isinstance(value, str):
             training_values[key] = str((base_dir / Path(value).expanduser()).resolve())
     training = TrainingConfig(**training_values)
-    model_values = _typed_values(ModelConfig, model_raw, where, "model")
+    model_values = typed_values(ModelConfig, model_raw, where, "model")
     # A missing vocab file leaves vocab_size unknown here: commands that need it (training, the
     # planner) refuse through check_training_files / ModelConfig.padded_vocab_size, naming the key.
     vocab_path = Path(training.vocab_file) if training.vocab_file is not None else None
@@ -336,83 +334,6 @@ def split_fractions(split: str) -> tuple[float, float, float]:
         raise ConfigError(f"training.split: weights must be non-negative with a positive sum, got {split!r}")
     total = sum(weights)
     return (weights[0] / total, weights[1] / total, weights[2] / total)
-
-
-def _expect_section(raw: dict, name: str, where: str) -> dict:
-    section = raw[name]
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}: '{name}' must be an object, got {type(section).__name__}")
-    return section
-
-
-def _reject_unknown(raw: dict, known: typing.Iterable[str], where: str, prefix: str) -> None:
-    known = list(known)
-    for key in raw:
-        if key in known:
-            continue
-        hint = difflib.get_close_matches(key, known, n=1)
-        suggestion = f"; did you mean '{prefix}{hint[0]}'?" if hint else ""
-        raise ConfigError(f"{where}: unknown key '{prefix}{key}'{suggestion}")
-
-
-def _typed_values(cls: type, raw: dict, where: str, section: str) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    _reject_unknown(raw, fields, where, prefix=f"{section}.")
-    values: dict[str, Any] = {}
-    for name, f in fields.items():
-        key = f"{section}.{name}"
-        if name not in raw:
-            if f.default is dataclasses.MISSING:
-                raise ConfigError(f"{where}: missing required key '{key}'")
-            continue
-        values[name] = _check_type(raw[name], hints[name], where, key)
-    return values
-
-
-def _check_type(value: Any, hint: Any, where: str, key: str) -> Any:
-    """Return ``value`` if it fits ``hint`` (ints widen to float); raise a one-line error otherwise."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    optional = origin in (typing.Union, types.UnionType) and type(None) in args
-    if optional:
-        if value is None:
-            return None
-        hint = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if isinstance(value, str) and re.fullmatch(r"<[^<>]*>", value.strip()):
-        raise ConfigError(f"{where}: {key}: {value!r} is a placeholder from the example; put a real value")
-    if origin is Literal:
-        if value not in args:
-            choices = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{where}: {key}: {value!r} is not one of {choices}")
-        return value
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
-    ok = (
-        (hint is bool and isinstance(value, bool))
-        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
-        or (hint is float and isinstance(value, int | float) and not isinstance(value, bool))
-        or (hint is str and isinstance(value, str))
-    )
-    if not ok:
-        if isinstance(value, str) and hint in (int, float) and _looks_numeric(value):
-            raise ConfigError(
-                f"{where}: {key}: expected {expected}, got the string {value!r}; drop the quotes"
-            )
-        raise ConfigError(f"{where}: {key}: expected {expected}, got {json.dumps(value)}")
-    if hint is float:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ConfigError(f"{where}: {key}: must be finite")
-    return value
-
-
-def _looks_numeric(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> None:

@@ -24,7 +24,6 @@ stage that does not convert, to drop older universal copies left in a layout dir
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cona.config import ConaConfig
+from cona.config_fields import reject_unknown
 from cona.engine.checkpoint import layout_dir
 from cona.engine.parallel_dims import validate_layout as engine_validate_layout
 from cona.errors import ChainError, ConaError
@@ -163,7 +163,7 @@ def parse_chain(
     where = str(source) if source is not None else "<chain>"
     if not isinstance(raw, dict):
         raise ChainError(f"{where}: the top level must be an object with 'steps' (and optionally 'pruning')")
-    _reject_unknown(raw, TOP_KEYS, where)
+    reject_unknown(raw, TOP_KEYS, where, error=ChainError)
     raw_steps = raw.get("steps")
     if not isinstance(raw_steps, list) or not raw_steps:
         raise ChainError(f"{where}: 'steps' must be a non-empty list of stage objects")
@@ -180,21 +180,13 @@ def parse_chain(
     return ChainConfig(steps=steps, pruning=rules, path=source, digest=content_digest(raw))
 
 
-def _reject_unknown(raw: dict, known: tuple[str, ...], where: str) -> None:
-    for key in raw:
-        if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
-            suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
-            raise ChainError(f"{where}: unknown key '{key}'{suggestion}")
-
-
 def _parse_step(item: Any, index: int, where: str) -> ChainStep:
     label = f"{where}: steps[{index}]"
     if not isinstance(item, dict):
         raise ChainError(f"{label}: must be an object, got {json.dumps(item)}")
     if isinstance(item.get("step_num"), int):
         label += f" (step_num {item['step_num']})"
-    _reject_unknown(item, STEP_KEYS, label)
+    reject_unknown(item, STEP_KEYS, label, error=ChainError)
     for key in STEP_INT_KEYS:
         if key in item and item[key] is not None:
             _expect_positive_int(item[key], f"{label}: {key}")
@@ -297,7 +289,7 @@ def _parse_rule(item: Any, index: int, where: str) -> PruneRule:
     label = f"{where}: pruning[{index}]"
     if not isinstance(item, dict):
         raise ChainError(f"{label}: must be an object, got {json.dumps(item)}")
-    _reject_unknown(item, PRUNE_KEYS, label)
+    reject_unknown(item, PRUNE_KEYS, label, error=ChainError)
     for key in PRUNE_KEYS:
         if key not in item:
             raise ChainError(f"{label}: missing required key '{key}'")
