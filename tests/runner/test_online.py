@@ -102,6 +102,19 @@ def test_a_large_noise_scale_and_a_faster_frontier_request_a_switch(tmp_path):
     assert len(decisions(tmp_path)) == before, "after a request the search waits for the runner"
 
 
+def test_quiet_mode_says_no_stay_decision_but_logs_every_one(tmp_path):
+    lines: list[str] = []
+    search = make_search(tmp_path, predicted=1e9)
+    search.out, search.print_stays = lines.append, False
+    for iteration in range(1, 10):
+        append(tmp_path, [metrics_record(iteration, 2, noise_scale=1000.0)])
+        search.poll()
+    assert [d["decision"] for d in decisions(tmp_path)] == ["stay"] * 9 and lines == []
+    append(tmp_path, [metrics_record(10, 2, noise_scale=1000.0)])
+    search.poll()  # enough measurements now: a switch, which quiet mode still says
+    assert len(lines) == 1 and lines[0].startswith("decision at iteration 10: switch")
+
+
 def test_an_unknown_noise_scale_never_requests_a_switch(tmp_path):
     search = make_search(tmp_path, predicted=1e9)
     append(tmp_path, [metrics_record(i, 2, noise_scale=1000.0, grad_sqr=-1.0) for i in range(1, 40)])

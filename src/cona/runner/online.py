@@ -274,6 +274,7 @@ class _Runner:
                 startup_prices_switch="predicted_switch_cost_s" not in self.run.policy_overrides,
                 metrics_offset=_size(spec.metrics_path),
                 out=self.out,
+                print_stays=not self.run.quiet,  # quiet mode: stage lines, switches and stops only
             )
             search.start()
             try:

@@ -122,14 +122,18 @@ class StageSearch:
         startup_prices_switch: bool = True,
         metrics_offset: int = 0,
         out: Callable[[str], None] = print,
+        print_stays: bool = True,
     ) -> None:
+        """``print_stays``: also say some "stay" decisions on ``out`` (switches and stops always are; every
+        decision is in decisions.jsonl). Off in quiet mode."""
         self.run_dir, self.stage, self.launched_at = run_dir, stage, launched_at
+        self.print_stays = print_stays
         self.settings, self.policy_state, self.tracker = settings, policy_state, tracker
         self.frontier, self.budget, self.pending, self.out = frontier, budget, pending, out
         self._calibrated_rate: float | None = None
         self._anchor: float | None = None
-        self._evaluations = 0
         """Measured / calibrated-model tokens/s of the running strategy at the last evaluation."""
+        self._evaluations = 0
         self.noise_scale_floor = noise_scale_floor
         self.startup_prices_switch = startup_prices_switch
         self.tail = JsonlTail(run_dir / "metrics.jsonl", metrics_offset)
@@ -279,7 +283,7 @@ class StageSearch:
         with open(self.run_dir / DECISIONS_NAME, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         self._evaluations += 1
-        if decision.action == "stay" and (self._evaluations - 1) % PRINT_EVERY_STAY:
+        if decision.action == "stay" and (not self.print_stays or (self._evaluations - 1) % PRINT_EVERY_STAY):
             return  # decisions.jsonl has every evaluation; the console every switch and some stays
         noise = record.get("noise_scale")
         noise_text = f"{noise:.1f}" if noise is not None else "unknown"
