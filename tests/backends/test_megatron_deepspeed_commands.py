@@ -274,3 +274,19 @@ def test_unsupported_settings_are_refused_with_their_key():
     with pytest.raises(ConfigError, match="training.zero_stage=2"):
         check_supported(_config(), dataclasses.replace(strategy, zero_stage=2), "cpu")
     check_supported(_config(), strategy, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("model_keys", "key"),
+    [
+        ({"family": "llama"}, "model.family=llama"),
+        ({"kv_heads": 2}, "model.kv_heads=2"),
+        ({"tie_embeddings": False}, "model.tie_embeddings=False"),
+    ],
+)
+def test_model_structures_pretrain_gpt_cannot_express_are_refused(model_keys, key):
+    config = parse_config(
+        {**_config().to_dict(), "model": {**_config().to_dict()["model"], **model_keys}}, source=None
+    )
+    with pytest.raises(ConfigError, match=key):
+        check_supported(config, Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=4), "cpu")

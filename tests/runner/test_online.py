@@ -206,11 +206,11 @@ class StreamingEngine:
         ).write(spec.result_path)
 
 
-def test_an_online_run_switches_and_its_realized_chain_replays(tmp_path):
+def tiny_online_run(tmp_path: Path, **overrides) -> OnlineRun:
+    """An online run of the tiny config on 4 CPU workers, gbs 2 -> 4, 150 iterations, no hysteresis."""
     write_tiny_config(tmp_path)
-    config = load_config(tmp_path / ".conaconfig")
-    run = OnlineRun(
-        config=config,
+    return OnlineRun(
+        config=load_config(tmp_path / ".conaconfig"),
         workdir=tmp_path,
         run_dir=tmp_path / "logs" / "online",
         world_size=4,
@@ -221,7 +221,12 @@ def test_an_online_run_switches_and_its_realized_chain_replays(tmp_path):
         total_iters=150,
         botorch=False,
         policy_overrides={"hysteresis": 0.0},
+        **overrides,
     )
+
+
+def test_an_online_run_switches_and_its_realized_chain_replays(tmp_path):
+    run = tiny_online_run(tmp_path)
     lines: list[str] = []
     engine = StreamingEngine()
     state = run_online(run, launcher=engine, out=lines.append)
@@ -235,6 +240,7 @@ def test_an_online_run_switches_and_its_realized_chain_replays(tmp_path):
     assert [(d["stage"], d["candidate"]["strategy"]["gbs"]) for d in switches] == [(1, 4)]
     assert logged[-1]["stage"] == 2, "the search goes on in the new stage"
     chain_path = run.run_dir / "realized_chain.json"
+    config = run.config
     chain = load_chain(chain_path, config=config, world_size=4, dtype="fp32", workdir=tmp_path)
     assert [step.strategy(config).short() for step in chain.steps] == [s.short() for s in strategies]
     replay_dir = tmp_path / "replay"
@@ -279,20 +285,7 @@ class CrashingEngine(StreamingEngine):
 
 
 def test_rerunning_after_a_failed_stage_resumes_the_online_run(tmp_path):
-    write_tiny_config(tmp_path)
-    run = OnlineRun(
-        config=load_config(tmp_path / ".conaconfig"),
-        workdir=tmp_path,
-        run_dir=tmp_path / "logs" / "online",
-        world_size=4,
-        device_type="cpu",
-        system="cpu_gloo",
-        initial_gbs=2,
-        max_gbs=4,
-        total_iters=150,
-        botorch=False,
-        policy_overrides={"hysteresis": 0.0},
-    )
+    run = tiny_online_run(tmp_path)
     with pytest.raises(LaunchError):
         run_online(run, launcher=CrashingEngine(), out=lambda line: None)
     lines: list[str] = []
@@ -317,22 +310,8 @@ def test_the_demo_config_is_valid_and_does_not_depend_on_the_cwd(tmp_path, monke
 
 def test_an_online_run_across_two_nodes_runs_each_stage_on_both(tmp_path):
     """Node 0 searches and decides; node 1's runner starts its share of every stage node 0 announces."""
-    write_tiny_config(tmp_path)
     node0 = NodePlacement(num_nodes=2, gpus_per_node=2, hosts=("h0", "h1"))
-    run = OnlineRun(
-        config=load_config(tmp_path / ".conaconfig"),
-        workdir=tmp_path,
-        run_dir=tmp_path / "logs" / "online",
-        world_size=4,
-        device_type="cpu",
-        system="cpu_gloo",
-        initial_gbs=2,
-        max_gbs=4,
-        total_iters=150,
-        botorch=False,
-        policy_overrides={"hysteresis": 0.0},
-        nodes=node0,
-    )
+    run = tiny_online_run(tmp_path, nodes=node0)
     follower_run = dataclasses.replace(run, nodes=dataclasses.replace(node0, node_rank=1))
     followed: list[StageLaunch] = []
     follower = threading.Thread(target=run_online, args=(follower_run,), kwargs={"launcher": followed.append})

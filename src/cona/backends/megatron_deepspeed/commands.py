@@ -149,6 +149,21 @@ def precision_of(training: TrainingConfig, device_type: str) -> str:
 
 def check_supported(config: ConaConfig, strategy: Strategy, device_type: str) -> None:
     """Refuse what this backend cannot run, naming the config key (before anything is launched)."""
+    model = config.model
+    gpt_structure = {
+        "family": (model.family, "gpt"),
+        "activation": (model.activation, "gelu"),
+        "position_embedding": (model.position_embedding, "learned"),
+        "kv_heads": (model.kv_heads, model.heads),
+        "tie_embeddings": (model.tie_embeddings, True),
+        "bias": (model.bias, True),
+    }
+    for key, (value, supported) in gpt_structure.items():
+        if value != supported:  # the generated pretrain_gpt.py arguments describe a GPT only
+            raise ConfigError(
+                f"model.{key}={value}: the Megatron-DeepSpeed backend trains the GPT of pretrain_gpt.py "
+                f"({key} {supported}); use the native backend for this model"
+            )
     if strategy.zero_stage != 1:
         raise ConfigError(
             f"training.zero_stage={strategy.zero_stage}: the Megatron-DeepSpeed backend runs the pipe model, "
