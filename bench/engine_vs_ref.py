@@ -298,6 +298,102 @@ def profile(size: str, mbs: int, args: argparse.Namespace, out_dir: Path) -> Non
         torch.cuda.empty_cache()
 
 
+def host_phases(size: str, mbs: int, args: argparse.Namespace) -> dict:
+    """Host time per phase of each step (perf_counter, no synchronisation between phases) against the wall
+    time per step: where the host's sum is the wall time, the step is host-bound, and that sum is what to
+    cut."""
+    steps = max(args.steps, 20)
+    result = {}
+    for name in ("ref", "ours"):
+        torch._dynamo.reset()
+        phases, step = _phase_step(name, size, mbs, args)
+        for _ in range(args.warmup + 1):
+            step()
+        synchronize(args.device)
+        for key in phases:
+            phases[key] = 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(args.device)
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+        result[name] = {"wall_ms": round(wall_ms, 2)} | {
+            key: round(value * 1e3 / steps, 3) for key, value in phases.items()
+        }
+        print(f"  host phases {name} {size} mbs{mbs}: {json.dumps(result[name])}", flush=True)
+        del step
+    return result
+
+
+def host_profile(size: str, mbs: int, args: argparse.Namespace, out_dir: Path) -> None:
+    """cProfile of our step on the host (GNS on every step): which Python calls the host time goes to."""
+    import cProfile
+    import io
+    import pstats
+
+    torch._dynamo.reset()
+    _, step = _phase_step("ours", size, mbs, args)
+    for _ in range(args.warmup + 1):
+        step()
+    synchronize(args.device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(max(args.steps, 20)):
+        step()
+    synchronize(args.device)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(45)
+    (out_dir / f"host_profile_{size}_mbs{mbs}.txt").write_text(text.getvalue())
+    print(text.getvalue()[:6000], flush=True)
+
+
+def _phase_step(name: str, size: str, mbs: int, args: argparse.Namespace) -> tuple[dict, Callable]:
+    """A step like ``reference_step``/``engine_step`` (GNS on every step) that adds each phase's host
+    seconds to the returned dict (ours: "train_step" includes "forward")."""
+    phases: dict[str, float] = {}
+
+    def timed(key: str, fn: Callable, *a, **kw):
+        began = time.perf_counter()
+        value = fn(*a, **kw)
+        phases[key] = phases.get(key, 0.0) + time.perf_counter() - began
+        return value
+
+    if name == "ref":
+        layers, h, heads = SIZES[size]
+        model = RefGPT(layers, h, heads, vocab=padded_vocab_size(size), seq=args.seq).to(args.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
+        compiled = torch.compile(model) if not args.no_compile else model
+        inputs, targets = random_batch(size, mbs, args.seq, args.device)
+
+        def ref_step() -> None:
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
+                loss = timed("forward", compiled, inputs, targets)
+            timed("backward", loss.backward)
+            timed("optimizer", opt.step)
+            timed("zero_grad", opt.zero_grad, set_to_none=True)
+
+        return phases, ref_step
+    model, optimizer, config = engine_model(size, mbs, args)
+    forward = model._forward_loss
+    model._forward_loss = lambda *a: timed("forward", forward, *a)
+    batch = [random_batch(size, mbs, args.seq, args.device)]
+    interval = IntervalSums()
+
+    def our_step() -> None:
+        began = time.perf_counter()
+        out = model.train_step_pending(batch, measure_gns=True)
+        phases["train_step"] = phases.get("train_step", 0.0) + time.perf_counter() - began
+        norm = timed("clip", model.clip_grad_norm_pending, config.training.clip_grad)
+        stepped = timed("optimizer", model.optimizer_step_pending, optimizer)
+        timed("zero_grad", optimizer.zero_grad, set_to_none=True)
+        timed("interval_sums", interval.add, out, norm, stepped)
+
+    return phases, our_step
+
+
 def init_single_process_group(device: str) -> None:
     """A 1-process group, as a worker of a 1-GPU stage has (NCCL; gloo for a CPU smoke run)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -334,6 +430,13 @@ def parse_args() -> argparse.Namespace:
         help="time our step with GNS measured on every step / on the trainer's steps / off, no reference",
     )
     parser.add_argument("--profile", default=None, metavar="SIZE:MBS")
+    parser.add_argument("--host-profile", default=None, metavar="SIZE:MBS", help="cProfile of our step")
+    parser.add_argument(
+        "--host-phases",
+        default=None,
+        metavar="SIZE:MBS",
+        help="host time per phase of each step (ref and ours) against the wall time per step",
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="JSON file for the rows (and profiles beside it)"
     )
@@ -370,6 +473,14 @@ def main() -> None:
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
     if not args.gns_overhead:
         print_table(rows)
+    if args.host_phases:
+        size, mbs = args.host_phases.split(":")
+        phases = host_phases(size, int(mbs), args)
+        if args.out is not None:
+            args.out.with_name("host_phases.json").write_text(json.dumps(phases, indent=1) + "\n")
+    if args.host_profile:
+        size, mbs = args.host_profile.split(":")
+        host_profile(size, int(mbs), args, (args.out.parent if args.out else Path(".")))
     if args.profile:
         size, mbs = args.profile.split(":")
         profile(size, int(mbs), args, (args.out.parent if args.out else Path(".")))

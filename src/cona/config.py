@@ -216,7 +216,11 @@ class TrainingConfig:
     pipeline_virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B only)."""
     compile: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile the model: whole, with its loss, where neither split nor sharded; else per block."""
+    cuda_graphs: bool = True
+    """With ``compile`` on CUDA, where the whole model is compiled and a step is one micro-batch: replay its
+    forward and backward as CUDA graphs (torch.compile mode "reduce-overhead"), which removes the per-kernel
+    launch cost that bounds small models' steps."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

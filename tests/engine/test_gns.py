@@ -108,6 +108,27 @@ def test_pair_norm_is_the_norm_of_the_sum_even_after_clipping() -> None:
     assert difference_estimate(14.0, 2.25, expected, 4) == (8.125, expected / 4, 4, 8)
 
 
+def test_held_copies_survive_the_gradients_being_overwritten() -> None:
+    """Under CUDA graphs the next replay overwrites a step's gradients, and clipping scales only the live
+    ones: the copy held must give the unclipped previous gradient, and forget() keeps its buffers."""
+    previous = PreviousGradient(copies=True)
+    a = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
+    b = [torch.tensor([0.5, -1.0]), torch.tensor([[1.0]])]
+    weights = torch.tensor([1.0, 0.5])
+    previous.hold(a, 14.0)
+    buffers = previous.grads
+    torch._foreach_mul_(a, 0.25)  # clipping the live gradients
+    previous.note_scaled(0.25)
+    torch._foreach_copy_(a, [torch.full_like(t, 99.0) for t in a])  # the replay reusing their memory
+    expected = (1.5**2 + 1.0**2) + 0.5 * 4.0**2
+    assert previous.sum_sqr(b, weights).item() == pytest.approx(expected)
+    previous.forget()
+    assert previous.grads is None and previous.sum_sqr(b, weights).item() == 0.0
+    previous.hold(b, 2.25)
+    assert all(held is buffer for held, buffer in zip(previous.grads, buffers, strict=True))
+    assert torch.equal(previous.grads[0], b[0]) and previous.grads[0] is not b[0]
+
+
 @pytest.fixture(scope="module")
 def one_process_group():
     """A 1-process gloo group in this pytest process (the engine builds its mesh on it)."""

@@ -13,8 +13,9 @@ kernels the step runs. Masked objectives (BERT): a small batch's gradient is tha
 masked-token mean, see :mod:`cona.engine.objective`.
 
 With one micro-batch on one dp rank (n = dp * micro_batches = 1) there is only one gradient per step; then
-AdaptDL's difference estimator is used: the previous step's gradient is kept (by reference, no copy) and
-the two consecutive gradients play the two small batches (slightly biased: the parameters moved in between).
+AdaptDL's difference estimator is used: the previous step's gradient is kept (by reference, no copy; copied
+under CUDA graphs) and the two consecutive gradients play the two small batches (slightly biased: the
+parameters moved in between).
 
 Measuring is optional per step (the trainer measures only the few steps before each metrics line): on an
 unmeasured step the hooks return at once and the difference estimator forgets its previous gradient, so
@@ -138,16 +139,25 @@ class PreviousGradient:
     out. Each measured step then costs one fused in-place add and one norm over the gradients, plus one
     in-place division when the clipping factor is a device tensor (it is not known on the host, and a
     Python factor is needed to fold it into the add).
+
+    With ``copies`` (CUDA graphs: a step's gradients live in the graph's memory, which the next replay
+    overwrites) the gradients are copied into buffers kept for the whole run, before clipping touches them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, copies: bool = False) -> None:
+        self.copies = copies
         self.grads: list[torch.Tensor] | None = None
         self.sqr: float | torch.Tensor | None = None
         self.scale: float | torch.Tensor = 1.0
+        self._buffers: list[torch.Tensor] | None = None
+
+    def forget(self) -> None:
+        """Drop the held gradient (the next estimate starts afresh); copy buffers are kept for reuse."""
+        self.grads, self.sqr, self.scale = None, None, 1.0
 
     def note_scaled(self, factor: float | torch.Tensor) -> None:
-        """The held gradients were multiplied by ``factor`` in place (gradient clipping)."""
-        if self.grads is not None:
+        """The gradients were multiplied by ``factor`` in place (gradient clipping); held copies were not."""
+        if self.grads is not None and not self.copies:
             self.scale = self.scale * factor
 
     def sum_sqr(self, grads: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
@@ -168,6 +178,11 @@ class PreviousGradient:
         return (norms.square() * weights).sum() / scale_sqr
 
     def hold(self, grads: list[torch.Tensor], sqr: float | torch.Tensor) -> None:
+        if self.copies:
+            if self._buffers is None or len(self._buffers) != len(grads):
+                self._buffers = [torch.empty_like(grad) for grad in grads]
+            torch._foreach_copy_(self._buffers, grads)
+            grads = self._buffers
         self.grads, self.sqr, self.scale = list(grads), sqr, 1.0
 
 

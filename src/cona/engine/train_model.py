@@ -55,6 +55,19 @@ def compiles_whole_model(strategy: Strategy) -> bool:
     return strategy.tp == 1 and strategy.pp == 1 and (strategy.dp == 1 or strategy.zero_stage == 0)
 
 
+def uses_cuda_graphs(training: TrainingConfig, strategy: Strategy, device: torch.device) -> bool:
+    """``training.cuda_graphs`` applies where the whole model is compiled on a GPU and a step runs one
+    micro-batch: with several, autograd accumulates into gradients that the next replay of the same backward
+    graph would overwrite first."""
+    return (
+        training.cuda_graphs
+        and training.compile
+        and device.type == "cuda"
+        and compiles_whole_model(strategy)
+        and strategy.micro_batches == 1
+    )
+
+
 def resolved_dtype(training: TrainingConfig, device: torch.device) -> str:
     """The precision a run trains in: fp32 on CPU, ``training.dtype`` on CUDA."""
     return training.dtype if device.type == "cuda" else "fp32"
@@ -81,6 +94,9 @@ class TrainingModel:
         self.is_first_stage = 0 in stage_ids
         self.is_last_stage = num_stages(strategy) - 1 in stage_ids  # pp = 1: one stage, first and last
         self._fsdp = strategy.dp > 1 and strategy.zero_stage >= 1
+        self._params: list[nn.Parameter] | None = None
+        if not self._fsdp:  # FSDP2 swaps the parameters registered on its modules: look them up each time
+            self._params = self._unique_params()
         self._grad_reducer = (
             GradAllReducer(self._unique_params(), mesh["dp"])
             if strategy.dp > 1 and strategy.zero_stage == 0
@@ -90,9 +106,11 @@ class TrainingModel:
         self._pipeline = (
             PipelineRunner(model_parts, stage_ids, strategy, mesh, device) if strategy.pp > 1 else None
         )
+        self.cuda_graphs = uses_cuda_graphs(config.training, strategy, device)
         self._forward_loss = self._plain_forward_loss
         if config.training.compile and compiles_whole_model(strategy):
-            self._forward_loss = torch.compile(self._plain_forward_loss)
+            mode = "reduce-overhead" if self.cuda_graphs else None
+            self._forward_loss = torch.compile(self._plain_forward_loss, mode=mode)
         self._split_norm_params()
         # Hooks only where a step has several small batches (else the difference estimator is used).
         several = strategy.dp * strategy.micro_batches > 1
@@ -102,12 +120,14 @@ class TrainingModel:
             device=device,
             via_forward_hooks=self._fsdp,
         )
-        self._previous = gns.PreviousGradient()
+        self._previous = gns.PreviousGradient(copies=self.cuda_graphs)
         self._measure_gns = True
         self._last_norm_sqr: torch.Tensor | None = None
 
     # ---- parameter bookkeeping -------------------------------------------------------------------------
     def _unique_params(self) -> list[nn.Parameter]:
+        if self._params is not None:
+            return self._params  # walking the module tree costs ~1 ms of host time per call
         return [p for part in self.model_parts for p in part.parameters()]
 
     def _split_norm_params(self) -> None:
@@ -168,6 +188,8 @@ class TrainingModel:
             )
         for param in self._unique_params():
             param.grad = None
+        if self.cuda_graphs:  # the last step's graph outputs are dead: the replay may reuse their memory
+            torch.compiler.cudagraph_mark_step_begin()
         scale = self.scaler.scale
         measure = measure_gns and self._measure_gns
         if self._pipeline is None:
@@ -233,7 +255,7 @@ class TrainingModel:
         n_small = self.strategy.dp * n_micro
         differences = n_small == 1 and measure
         if not differences:  # an estimate pairs two consecutive steps: forget an older gradient
-            self._previous = gns.PreviousGradient()
+            self._previous.forget()
         pair_sqr = self._previous.sum_sqr(gns_grads, self._gns_weights) if differences else gns_sqr * 0
         totals = self._all_reduce_sum(
             [self._local_loss(losses), gns_sqr, tied_sqr, self._meter.total, pair_sqr]
@@ -264,7 +286,7 @@ class TrainingModel:
         """Stop measuring the gradient-noise inputs (their fields become NaN), e.g. to time what they cost."""
         self._measure_gns = False
         self._meter.remove()
-        self._previous = gns.PreviousGradient()
+        self._previous.forget()
 
     def _difference_output(
         self, loss: torch.Tensor, big_sqr: torch.Tensor, pair_sqr: torch.Tensor, gns_grads: list[torch.Tensor]
@@ -273,7 +295,7 @@ class TrainingModel:
         batch = self.strategy.gbs
         # Only fp16 can overflow without the run being broken; its check waits for the device.
         if self.scaler.enabled and not math.isfinite(big_sqr.item()):
-            self._previous = gns.PreviousGradient()  # the memory (added to in place) is dropped
+            self._previous.forget()  # the memory (added to in place) is dropped
             nan = self._device_scalar(math.nan)
             return PendingStepOutput(
                 loss=loss, gns_small_sqr=nan, gns_big_sqr=nan, gns_small_batch=batch, gns_big_batch=2 * batch
@@ -392,8 +414,15 @@ class TrainingModel:
         share = self._share([targets for _, targets in batches], len(batches))
         with self._compute_context():
             if self._pipeline is None:
-                return [self._forward_loss(inputs, targets, share).detach() for inputs, targets in batches]
+                return [self._eval_forward(inputs, targets, share) for inputs, targets in batches]
             return self._pipeline.eval_losses(batches, self._unique_params(), share=share)
+
+    def _eval_forward(self, inputs: torch.Tensor, targets: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+        if not self.cuda_graphs:
+            return self._forward_loss(inputs, targets, share).detach()
+        # The next replay overwrites a graph's output: each micro-batch's loss is copied out first.
+        torch.compiler.cudagraph_mark_step_begin()
+        return self._forward_loss(inputs, targets, share).detach().clone()
 
     def probe_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss of one fixed batch given whole to every rank (switch verification).

@@ -1,0 +1,112 @@
+"""CUDA graphs (``training.cuda_graphs``) compute the same steps as the plain compiled model (GPU only).
+
+Both engines start from the same weights and train on the same batches; the graphs must give the same
+losses, gradient norms, gradient-noise inputs and eval losses, replay at all (no skipped graph), and draw a
+new dropout mask on every step (a mask baked into the graph would repeat). Skipped without CUDA; run on a
+GPU machine with ``python -m pytest tests/engine/test_cuda_graphs.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.torchrun_util import free_port
+
+from cona.config import ConaConfig, ModelConfig, TrainingConfig
+from cona.engine.optim import build_optimizer
+from cona.engine.parallel_dims import build_mesh
+from cona.engine.train_model import TrainingModel, build_training_model, uses_cuda_graphs
+from cona.strategy import Strategy
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+VOCAB, SEQ, MBS = 512, 128, 4
+
+
+@pytest.fixture(scope="module")
+def one_gpu_group():
+    created = not dist.is_initialized()
+    if created:
+        torch.cuda.set_device(0)
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+            device_id=torch.device("cuda", 0),
+        )  # fmt: skip
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def config(*, cuda_graphs: bool, dropout: float = 0.0) -> ConaConfig:
+    return ConaConfig(
+        model=ModelConfig(
+            layers=2, hidden=128, heads=4, seq=SEQ, vocab_size=VOCAB,
+            attention_dropout=dropout, hidden_dropout=dropout,
+        ),
+        training=TrainingConfig(device="cuda", dtype="bf16", seed=5, compile=True, cuda_graphs=cuda_graphs),
+    )  # fmt: skip
+
+
+def engine(cfg: ConaConfig, gbs: int = MBS) -> TrainingModel:
+    torch._dynamo.reset()
+    strategy = Strategy(dp=1, tp=1, pp=1, mbs=MBS, gbs=gbs)
+    return build_training_model(cfg, strategy, build_mesh(strategy, "cuda"), torch.device("cuda", 0))
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def train(model: TrainingModel, cfg: ConaConfig, steps: int) -> list[tuple[float, ...]]:
+    optimizer = build_optimizer(model.model_parts, cfg.training)
+    rows = []
+    for step in range(steps):
+        out = model.train_step([batch(step)], iteration=step + 1)
+        norm = model.clip_grad_norm_(cfg.training.clip_grad)
+        model.optimizer_step(optimizer)
+        rows.append((out.loss, norm, out.gns_small_sqr, out.gns_big_sqr))
+    rows.append((model.eval_loss([batch(100), batch(101)]),))
+    return rows
+
+
+@gpu
+def test_graphs_train_the_same_steps_as_the_compiled_model(one_gpu_group) -> None:
+    torch._dynamo.utils.counters.clear()
+    with_graphs = engine(config(cuda_graphs=True))
+    assert with_graphs.cuda_graphs
+    graph_rows = train(with_graphs, config(cuda_graphs=True), steps=6)
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    del with_graphs
+    plain = engine(config(cuda_graphs=False))
+    assert not plain.cuda_graphs
+    plain_rows = train(plain, config(cuda_graphs=False), steps=6)
+    assert math.isnan(graph_rows[0][2])  # the difference estimator needs a previous step
+    for got, want in zip(graph_rows[1:], plain_rows[1:], strict=True):
+        assert got == pytest.approx(want, rel=2e-3)
+
+
+@gpu
+def test_dropout_draws_a_new_mask_on_every_replay(one_gpu_group) -> None:
+    cfg = config(cuda_graphs=True, dropout=0.3)
+    model = engine(cfg)
+    same = batch(7)
+    losses = [model.train_step([same], iteration=i).loss for i in (1, 2, 3, 1)]
+    assert len(set(losses[:3])) == 3  # a new mask per iteration
+    assert losses[3] == losses[0]  # seeded by the iteration: the same mask again
+
+
+def test_graphs_only_where_a_step_is_one_whole_model_forward_and_backward() -> None:
+    training, gpu0 = config(cuda_graphs=True).training, torch.device("cuda", 0)
+    strategy = Strategy(dp=1, tp=1, pp=1, mbs=MBS, gbs=2 * MBS)  # accumulation: two backward per step
+    assert not uses_cuda_graphs(training, strategy, gpu0)
+    one = dataclasses.replace(strategy, gbs=MBS)
+    assert uses_cuda_graphs(training, one, gpu0)
+    assert not uses_cuda_graphs(training, one, torch.device("cpu"))
+    assert not uses_cuda_graphs(dataclasses.replace(training, compile=False), one, gpu0)
+    assert not uses_cuda_graphs(dataclasses.replace(training, cuda_graphs=False), one, gpu0)
+    assert not uses_cuda_graphs(training, dataclasses.replace(one, tp=2), gpu0)
