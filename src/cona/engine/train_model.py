@@ -32,6 +32,7 @@ from cona.engine.pipeline import (
     split_stage,
     stage_ids_of_rank,
 )
+from cona.engine.step_noise import NoiseInputs, local_grads
 from cona.engine.step_output import LossScaler, PendingStepOutput, StepOutput
 from cona.strategy import Strategy
 
@@ -111,17 +112,15 @@ class TrainingModel:
         if config.training.compile and compiles_whole_model(strategy):
             mode = "reduce-overhead" if self.cuda_graphs else None
             self._forward_loss = torch.compile(self._plain_forward_loss, mode=mode)
-        self._split_norm_params()
-        # Hooks only where a step has several small batches (else the difference estimator is used).
-        several = strategy.dp * strategy.micro_batches > 1
-        self._meter = gns.MicroBatchNormMeter(
-            self._meter_modules() if several else [],
-            ranks_per_copy=strategy.tp,
+        self._noise = NoiseInputs(
+            model_parts,
+            strategy=strategy,
+            tie_embeddings=config.model.tie_embeddings,
+            is_first_stage=self.is_first_stage,
+            fsdp=self._fsdp,
             device=device,
-            via_forward_hooks=self._fsdp,
+            copy_previous=self.cuda_graphs,
         )
-        self._previous = gns.PreviousGradient(copies=self.cuda_graphs)
-        self._measure_gns = True
         self._last_norm_sqr: torch.Tensor | None = None
 
     # ---- parameter bookkeeping -------------------------------------------------------------------------
@@ -129,35 +128,6 @@ class TrainingModel:
         if self._params is not None:
             return self._params  # walking the module tree costs ~1 ms of host time per call
         return [p for part in self.model_parts for p in part.parameters()]
-
-    def _split_norm_params(self) -> None:
-        """GNS parameters (all but the embedding/head matrices), those matrices where this rank counts them,
-        and weights. Under pp > 1 a tied matrix is counted on the first stage only; an untied head is a
-        parameter of its own, counted on the last stage."""
-        dp_tp = self.strategy.dp * self.strategy.tp
-        tied = self.config.model.tie_embeddings
-        self._gns_params: list[nn.Parameter] = []
-        self._tied_params: list[nn.Parameter] = []
-        for part in self.model_parts:
-            for name, param in part.named_parameters():
-                if not gns.is_tied(name):
-                    self._gns_params.append(param)
-                elif self.is_first_stage or not tied:  # the last stage's copy of a tied one is not
-                    self._tied_params.append(param)
-        self._gns_weights = torch.tensor(
-            [gns.shard_count(p) / dp_tp for p in self._gns_params], device=self.device
-        )
-        self._tied_weights = torch.tensor(
-            [gns.shard_count(p) / dp_tp for p in self._tied_params], device=self.device
-        )
-
-    def _meter_modules(self) -> list[nn.Module]:
-        if not self._fsdp:
-            return self.model_parts
-        return [m for part in self.model_parts for m in (*part.layers.values(), part)]
-
-    def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        return [gns.local_tensor(p.grad) for p in params if p.grad is not None]
 
     # ---- the step ------------------------------------------------------------------------------------
     def seed_dropout(self, iteration: int) -> None:
@@ -191,12 +161,11 @@ class TrainingModel:
         if self.cuda_graphs:  # the last step's graph outputs are dead: the replay may reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
         scale = self.scaler.scale
-        measure = measure_gns and self._measure_gns
         if self._pipeline is None:
-            self._meter.start_step(n_micro / scale, active=measure)
+            measure = self._noise.start_step(n_micro / scale, measure=measure_gns)
             losses = self._plain_forward_backward(micro_batches, scale)
         else:  # the schedule scales the gradient by 1 / n_micro after the per-micro-batch hooks ran
-            self._meter.start_step(1 / scale, active=measure)
+            measure = self._noise.start_step(1 / scale, measure=measure_gns)
             inputs, targets = self._to_device(
                 *(torch.cat(parts) for parts in zip(*micro_batches, strict=True))
             )
@@ -210,7 +179,7 @@ class TrainingModel:
         if self._grad_reducer is not None:
             self._grad_reducer.all_reduce()
         if self.scaler.enabled:
-            torch._foreach_mul_(self._local_grads(self._unique_params()), 1 / scale)
+            torch._foreach_mul_(local_grads(self._unique_params()), 1 / scale)
         return self._step_output(losses, n_micro, measure)
 
     def _plain_forward_loss(
@@ -249,72 +218,19 @@ class TrainingModel:
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
     def _step_output(self, losses: list[torch.Tensor], n_micro: int, measure: bool) -> PendingStepOutput:
-        gns_grads = self._local_grads(self._gns_params)
-        gns_sqr = _weighted_sqr(gns_grads, self._gns_weights)
-        tied_sqr = _weighted_sqr(self._local_grads(self._tied_params), self._tied_weights)
         n_small = self.strategy.dp * n_micro
-        differences = n_small == 1 and measure
-        if not differences:  # an estimate pairs two consecutive steps: forget an older gradient
-            self._previous.forget()
-        pair_sqr = self._previous.sum_sqr(gns_grads, self._gns_weights) if differences else gns_sqr * 0
-        totals = self._all_reduce_sum(
-            [self._local_loss(losses), gns_sqr, tied_sqr, self._meter.total, pair_sqr]
-        )
-        loss, big_sqr, tied, small_sum, pair_sum = totals.unbind()
-        self._last_norm_sqr = big_sqr + tied
-        gbs = self.strategy.gbs
-        if not measure:
-            nan = self._device_scalar(math.nan)
-            return PendingStepOutput(
-                loss=loss,
-                gns_small_sqr=nan,
-                gns_big_sqr=nan,
-                gns_small_batch=gbs // n_small,
-                gns_big_batch=gbs,
-            )
-        if differences:
-            return self._difference_output(loss, big_sqr, pair_sum, gns_grads)
-        return PendingStepOutput(
-            loss=loss,
-            gns_small_sqr=small_sum / n_small,
-            gns_big_sqr=big_sqr,
-            gns_small_batch=gbs // n_small,
-            gns_big_batch=gbs,
+        sums, grads = self._noise.local_sums(n_small, measure)
+        totals = self._all_reduce_sum([self._local_loss(losses), *sums])
+        loss, *sums = totals.unbind()
+        big_sqr, tied_sqr = sums[0], sums[1]
+        self._last_norm_sqr = big_sqr + tied_sqr
+        return self._noise.output(
+            loss, sums, grads, n_small=n_small, measure=measure, may_overflow=self.scaler.enabled
         )
 
     def disable_gns(self) -> None:
         """Stop measuring the gradient-noise inputs (their fields become NaN), e.g. to time what they cost."""
-        self._measure_gns = False
-        self._meter.remove()
-        self._previous.forget()
-
-    def _difference_output(
-        self, loss: torch.Tensor, big_sqr: torch.Tensor, pair_sqr: torch.Tensor, gns_grads: list[torch.Tensor]
-    ) -> PendingStepOutput:
-        """One gradient per step: the previous and this step's gradients are the two small batches."""
-        batch = self.strategy.gbs
-        # Only fp16 can overflow without the run being broken; its check waits for the device.
-        if self.scaler.enabled and not math.isfinite(big_sqr.item()):
-            self._previous.forget()  # the memory (added to in place) is dropped
-            nan = self._device_scalar(math.nan)
-            return PendingStepOutput(
-                loss=loss, gns_small_sqr=nan, gns_big_sqr=nan, gns_small_batch=batch, gns_big_batch=2 * batch
-            )
-        small, big, small_batch, big_batch = gns.difference_estimate(
-            self._previous.sqr, big_sqr, pair_sqr, batch
-        )
-        self._previous.hold(gns_grads, big_sqr)
-        return PendingStepOutput(
-            loss=loss,
-            gns_small_sqr=self._device_scalar(small) if isinstance(small, float) else small,
-            gns_big_sqr=self._device_scalar(big) if isinstance(big, float) else big,
-            gns_small_batch=small_batch,
-            gns_big_batch=big_batch,
-        )
-
-    def _device_scalar(self, value: float) -> torch.Tensor:
-        # torch.full fills on the device; torch.tensor(value, device=...) would copy from the host and wait.
-        return torch.full((), value, dtype=torch.float32, device=self.device)
+        self._noise.disable()
 
     def _local_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """This rank's share of the global mean loss (the last stage's dp*tp ranks each hold one copy): the
@@ -350,8 +266,8 @@ class TrainingModel:
         if max_norm > 0:
             clips = torch.isfinite(norm) & (norm > max_norm)
             factor = torch.where(clips, max_norm / (norm + 1e-6), torch.ones_like(norm)).float()
-            torch._foreach_mul_(self._local_grads(self._unique_params()), factor)
-            self._previous.note_scaled(factor)
+            torch._foreach_mul_(local_grads(self._unique_params()), factor)
+            self._noise.previous.note_scaled(factor)
         return norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -435,13 +351,6 @@ class TrainingModel:
         inputs, targets = inputs.repeat(repeats, 1), targets.repeat(repeats, 1)
         batches = list(zip(inputs.split(mbs), targets.split(mbs), strict=True))
         return self.eval_loss(batches)
-
-
-def _weighted_sqr(grads: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), device=weights.device)
-    norms = torch.stack(torch._foreach_norm(grads)).float()
-    return (norms.square() * weights).sum()
 
 
 def build_training_model(
