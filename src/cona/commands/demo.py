@@ -90,14 +90,17 @@ def register(subparsers) -> None:
 
 
 def demo_config(data_dir: Path, run_root: Path, *, device: str) -> dict[str, Any]:
-    """The embedded config with absolute paths: data under ``data_dir``, logs under ``run_root``."""
+    """The embedded config with absolute paths: data under ``data_dir`` (the corpus in the tiny example's
+    4096-entry vocabulary), logs under ``run_root``."""
+    from cona.data.demo import TINY_MERGES_NAME, TINY_OUTPUT_PREFIX, TINY_VOCAB_NAME, dataset_prefix
+
     training = {
         **DEMO_TRAINING,
         "device": device,
         "dtype": "bf16" if device == "cuda" else "fp32",
-        "data_prefix": str(data_dir / "wiki_text_document"),
-        "vocab_file": str(data_dir / "gpt2-vocab.json"),
-        "merge_file": str(data_dir / "gpt2-merges.txt"),
+        "data_prefix": dataset_prefix(data_dir, TINY_OUTPUT_PREFIX),
+        "vocab_file": str(data_dir / TINY_VOCAB_NAME),
+        "merge_file": str(data_dir / TINY_MERGES_NAME),
         "data_cache_path": str(data_dir / "index-cache"),
         "log_root": str(run_root / "logs"),
     }
@@ -175,8 +178,8 @@ def _online_args(config_path: Path, run_root: Path, processes: int, system: str)
 
 
 def _ensure_demo_data(data_dir: Path) -> None:
-    from cona.data.demo import COMPLETE_MARKER, obtain_demo_data
+    from cona.data.demo import demo_data_complete, obtain_demo_data
 
-    if not (data_dir / COMPLETE_MARKER).is_file():
+    if not demo_data_complete(data_dir):
         print(f"cona demo: obtaining the demo data into {data_dir} first", flush=True)
         obtain_demo_data(data_dir)
