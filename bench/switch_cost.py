@@ -2,9 +2,11 @@
 
 THE SWITCH: a two-stage chain on one process, stage 1 at gbs G and stage 2 at gbs 2G (same layout, so only
 the batch changes), run by the chain runner (:func:`cona.runner.sequence.run_chain`, the code behind
-``cona train --chain``). The runner records the switch's split in ``runner_state.json``: save (stage 1's
-final checkpoint), publish (the universal copy), process start (torchrun launch until the worker's imports
-are done), load (mesh, model, optimizer, data, checkpoint) and first step (stage 2's first iteration).
+``cona train --chain``), with stage 2 in stage 1's worker processes as that command runs it
+(``--restart-workers``: new processes for stage 2). The runner records the switch's split in
+``runner_state.json``: save (stage 1's final checkpoint), publish (the universal copy), process start
+(torchrun launch until the worker's imports are done; with reused processes, until they read the next
+stage), load (mesh, model, optimizer, data, checkpoint) and first step (stage 2's first iteration).
 Stage 1's own start-up (nothing to load) and stage 2's median step time are printed next to it, so the
 part of ``load`` that is the checkpoint and the part of ``first step`` that is a warm-up show.
 
@@ -40,6 +42,7 @@ from cona.config import load_config
 from cona.data.indexed import IndexedDatasetWriter
 from cona.runner.run_dir import resolve_log_root
 from cona.runner.sequence import ChainRun, checkpoint_dtype, run_chain
+from cona.runner.worker_session import stage_launcher
 
 GPT2_VOCAB = 50257
 # (layers, hidden, heads, default seq); tiny is the shape of examples/tiny/.conaconfig.
@@ -100,6 +103,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None, help="parent of the temporary directory")
     parser.add_argument("--json-out", default=None, help="also write the numbers to this JSON file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument(
+        "--restart-workers",
+        action="store_true",
+        help="start new worker processes for stage 2 (as `cona train --restart-workers`); by default stage 2 "
+        "runs in stage 1's processes, as `cona train --chain` does",
+    )
     args = parser.parse_args()
     if args.seq is None:
         args.seq = SIZES[args.size][3]
@@ -210,7 +219,8 @@ def measure_switch(setup: Setup, args: argparse.Namespace, repeat: int) -> Switc
         base_port=free_port_base(stages=2),
         quiet=True,
     )
-    state = run_chain(run, out=lambda line: print(f"  runner: {line}", flush=True))
+    with stage_launcher(restart_workers=args.restart_workers) as launcher:
+        state = run_chain(run, launcher=launcher, out=lambda line: print(f"  runner: {line}", flush=True))
     stage1, stage2 = state.stages
     metrics = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     records = [record for record in metrics if record["stage"] == 2]

@@ -13,6 +13,7 @@ from cona.config import load_config
 from cona.runner.online import OnlineRun, run_online
 from cona.runner.run_dir import resolve_log_root
 from cona.runner.state import load_state
+from cona.runner.worker_session import WorkerSession
 
 TOTAL_ITERS = 60
 
@@ -44,7 +45,8 @@ def test_an_online_run_switches_and_the_realized_chain_replays_it(tmp_path):
         policy_overrides={"predicted_switch_cost_s": 0.0},
     )
     lines: list[str] = []
-    state = run_online(run, out=lines.append)
+    with WorkerSession() as session:  # as `cona train` runs it: both stages in the same processes
+        state = run_online(run, launcher=session, out=lines.append)
 
     assert len(state.stages) == 2 and state.stages[-1].last_iteration == TOTAL_ITERS
     decisions = [json.loads(line) for line in (run.run_dir / "decisions.jsonl").read_text().splitlines()]

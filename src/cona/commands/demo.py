@@ -129,15 +129,16 @@ def _demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     from cona.runner.online import online_run_from_args, run_online  # imports torch and the planner
-    from cona.runner.sequence import torchrun_launcher
+    from cona.runner.worker_session import stage_launcher
 
     system = demo_system(torch.cuda.get_device_name(0) if device == "cuda" else None)
     run = online_run_from_args(_online_args(config_path, run_root, processes, system))
-    run_online(
-        dataclasses.replace(run, noise_scale_floor=NOISE_SCALE_FLOOR),
-        launcher=console.launcher(torchrun_launcher),
-        out=console.message,
-    )
+    with stage_launcher(restart_workers=False) as launcher:  # the stages reuse the worker processes
+        run_online(
+            dataclasses.replace(run, noise_scale_floor=NOISE_SCALE_FLOOR),
+            launcher=console.launcher(launcher),
+            out=console.message,
+        )
     print(f"cona demo: done; run directory, checkpoints and realized_chain.json under {run_root}")
     return 0
 

@@ -82,6 +82,12 @@ def register(subparsers) -> None:
         "--gpus", type=int, default=None, help="processes of every stage: GPUs, or CPU workers"
     )
     chain.add_argument("--fresh", action="store_true", help="discard the chain's run state and start it over")
+    chain.add_argument(
+        "--restart-workers",
+        action="store_true",
+        help="start new worker processes for every stage of a chain or online run (by default consecutive "
+        "stages on one node reuse the processes; the switch still saves and loads the checkpoint)",
+    )
     _add_online_flags(parser)
     _add_multi_node_flags(parser)
     _add_backend_flags(parser)
@@ -161,10 +167,12 @@ def _train(args: argparse.Namespace) -> int:
             train_chain(args)
             return 0
         from cona.runner.console import RunConsole
-        from cona.runner.sequence import run_chain, torchrun_launcher  # imports torch: not at `cona --help`
+        from cona.runner.sequence import run_chain  # imports torch: not at `cona --help`
+        from cona.runner.worker_session import stage_launcher
 
         console = RunConsole.for_stdout(quiet=args.quiet)
-        run_chain(args, launcher=console.launcher(torchrun_launcher), out=console.message)
+        with stage_launcher(restart_workers=getattr(args, "restart_workers", False)) as launcher:
+            run_chain(args, launcher=console.launcher(launcher), out=console.message)
         return 0
     online_given = any(getattr(args, name) is not None for name in ONLINE_FLAGS)
     if args.gpus is not None or online_given:
@@ -180,10 +188,11 @@ def _train(args: argparse.Namespace) -> int:
             )
         from cona.runner.console import RunConsole
         from cona.runner.online import run_online  # imports torch: not at `cona --help` time
-        from cona.runner.sequence import torchrun_launcher
+        from cona.runner.worker_session import stage_launcher
 
         console = RunConsole.for_stdout(quiet=args.quiet)
-        run_online(args, launcher=console.launcher(torchrun_launcher), out=console.message)
+        with stage_launcher(restart_workers=getattr(args, "restart_workers", False)) as launcher:
+            run_online(args, launcher=console.launcher(launcher), out=console.message)
         return 0
     online = [f"--{name.replace('_', '-')}" for name in ONLINE_FLAGS if getattr(args, name) is not None]
     if online:
@@ -191,6 +200,8 @@ def _train(args: argparse.Namespace) -> int:
     across_nodes = any(getattr(args, name) not in (None, False) for name in MULTI_NODE_FLAGS)
     if args.fresh and not across_nodes:  # one fixed stage always starts a new run directory
         raise ConaError("cona train: --fresh goes with --chain, online mode or a run across nodes")
+    if getattr(args, "restart_workers", False):  # one stage: there is nothing to restart
+        raise ConaError("cona train: --restart-workers goes with --chain or online mode")
     missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
     if missing:
         raise ConaError(

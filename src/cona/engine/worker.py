@@ -8,6 +8,12 @@ the probe loss and saves, and writes ``stage_result.json`` (rank 0). Every rank 
 exception a rank writes ``stages/<N>/rank<r>.error`` (JSON with the traceback) for the runner to show, and
 exits 1.
 
+In a session (``python -m cona.engine.worker SPEC --session DIR``, :mod:`cona.runner.worker_session`) the
+processes run one stage after another without restarting: they join the process group once, and after
+each stage drop its objects, rank 0 writes ``DIR/done-<k>.json``, and every rank waits for the runner's
+``DIR/next-<k+1>.json``: ``{"spec": PATH, "written_at": T}`` runs that stage, ``{"stop": true}`` ends the
+session. A rank whose runner (``CONA_RUNNER_PID``) or torchrun is gone stops waiting and exits 1.
+
 The process ends with ``os._exit`` after a barrier: interpreter finalisation can abort in gloo's threads
 once DTensor collectives ran (see docs: torch-native-on-cpu, gotcha 1).
 """
@@ -15,6 +21,7 @@ once DTensor collectives ran (see docs: torch-native-on-cpu, gotcha 1).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -27,6 +34,7 @@ from typing import IO, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from cona.config import ConaConfig
 from cona.data.gpt_dataset import build_datasets
@@ -42,6 +50,7 @@ from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
 from cona.engine.parallel_dims import build_mesh, validate_layout
 from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
+from cona.engine.session import SESSION_FLAG, next_stage
 from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV, StageResult, StageSpec
 from cona.engine.switch_check import ProbeRecord, Verdict, compare_probe, write_verdict
 from cona.engine.train_model import TrainingModel, build_training_model, resolved_dtype
@@ -55,27 +64,44 @@ def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     spec_path = Path(args[0])
-    error_dir = spec_path.parent  # the stage directory, also when the spec itself cannot be read
-    try:
-        spec = StageSpec.read(spec_path)
-        error_dir = spec.stage_dir
-        console = redirect_output(spec.stage_dir, rank)
-        echo = rank == 0 and os.environ.get(WORKER_CONSOLE_ENV) != "0"  # else the runner's console shows them
-        run_stage(spec, console=console if echo else None, process_start=process_start)
-    except BaseException as err:  # noqa: BLE001 (every failure must reach the runner as an .error file)
-        write_error(error_dir, rank, err)
-        _flush()
-        os._exit(1)
-    finish()
-
-
-def run_stage(spec: StageSpec, *, console: IO[str] | None, process_start: float) -> StageResult:
-    """Build, resume, train and save one stage; rank 0 writes ``stage_result.json``."""
+    session_dir = Path(args[2]) if len(args) == 3 and args[1] == SESSION_FLAG else None
+    echo = rank == 0 and os.environ.get(WORKER_CONSOLE_ENV) != "0"  # else the runner's console shows them
     timings = {
         "launch": float(os.environ.get(LAUNCH_TIME_ENV, process_start)),
         "process_start": process_start,
     }
-    device, control_group = init_distributed(spec.config)
+    console, joined = None, None
+    for number in itertools.count(1):
+        error_dir = spec_path.parent  # the stage directory, also when the spec itself cannot be read
+        try:
+            spec = StageSpec.read(spec_path)
+            error_dir = spec.stage_dir
+            console = console or open_console()
+            point_output(spec.stage_dir, rank)
+            joined = joined or init_distributed(spec.config)  # once: a session keeps the process group
+            run_stage(spec, *joined, console=console if echo else None, timings=timings)
+            command = next_stage(spec, session_dir, number, rank) if session_dir else {"stop": True}
+        except BaseException as err:  # noqa: BLE001 (every failure must reach the runner as an .error file)
+            write_error(error_dir, rank, err)
+            _flush()
+            os._exit(1)
+        if command.get("stop"):
+            finish()
+        # A reused process starts the stage when it reads the command: its "process start" is that wait.
+        spec_path = Path(command["spec"])
+        timings = {"launch": float(command["written_at"]), "process_start": time.time()}
+
+
+def run_stage(
+    spec: StageSpec,
+    device: torch.device,
+    control_group: dist.ProcessGroup | None,
+    *,
+    console: IO[str] | None,
+    timings: dict[str, float],
+) -> StageResult:
+    """Build, resume, train and save one stage; rank 0 writes ``stage_result.json``. The stage's mesh
+    groups are destroyed at the end (a session's next stage builds its own)."""
     context, progress = build_stage(
         spec, device, control_group=control_group, console=console, timings=timings
     )
@@ -105,7 +131,17 @@ def run_stage(spec: StageSpec, *, console: IO[str] | None, process_start: float)
     )
     if dist.get_rank() == 0:
         result.write(spec.result_path)
+    _destroy_mesh_groups(context.model.mesh)
     return result
+
+
+def _destroy_mesh_groups(mesh: DeviceMesh) -> None:
+    """Leave the mesh's own process groups (never the default one): each holds connections, and on CUDA
+    NCCL buffers, that a session would otherwise pile up stage after stage."""
+    world = dist.group.WORLD
+    for group in {id(group): group for group in mesh.get_all_groups()}.values():
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 def build_stage(
@@ -265,17 +301,21 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
-def redirect_output(stage_dir: Path, rank: int) -> IO[str]:
-    """Send this process's stdout/stderr (Python's and native code's) to ``rank<r>.log``; return a
-    stream on the original stdout for the console lines."""
+def open_console() -> IO[str]:
+    """A stream on the original stdout (a duplicate of fd 1), for the console lines; opened once, before
+    :func:`point_output` moves fd 1 to a stage's log."""
+    _flush()
+    return open(os.dup(1), "w", buffering=1)  # noqa: SIM115 (lives as long as the process)
+
+
+def point_output(stage_dir: Path, rank: int) -> None:
+    """Send this process's stdout/stderr (Python's and native code's) to ``rank<r>.log`` of the stage."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     _flush()
-    console_fd = os.dup(1)
     log_fd = os.open(stage_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    return open(console_fd, "w", buffering=1)  # noqa: SIM115 (lives as long as the process)
 
 
 def write_error(stage_dir: Path, rank: int, err: BaseException) -> Path:

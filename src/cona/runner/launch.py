@@ -21,9 +21,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV
 from cona.errors import LaunchError
@@ -89,9 +90,14 @@ def check_port_free(port: int, addr: str = "") -> None:
 
 
 def torchrun_command(
-    spec_path: Path, topology: Topology, *, worker_module: str = WORKER_MODULE, python: str = sys.executable
+    spec_path: Path,
+    topology: Topology,
+    *,
+    worker_module: str = WORKER_MODULE,
+    python: str = sys.executable,
+    worker_args: Sequence[str] = (),
 ) -> list[str]:
-    """``python -m torch.distributed.run ... -m <worker_module> SPEC`` for this node."""
+    """``python -m torch.distributed.run ... -m <worker_module> SPEC [worker_args]`` for this node."""
     return [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(topology.nnodes),
@@ -100,7 +106,7 @@ def torchrun_command(
         "--master-addr", topology.master_addr,
         "--master-port", str(topology.master_port),
         "--max-restarts", "0",
-        "-m", worker_module, str(spec_path),
+        "-m", worker_module, str(spec_path), *worker_args,
     ]  # fmt: skip
 
 
@@ -137,25 +143,11 @@ def run_stage(
     workers are stopped and its exception propagates."""
     if topology.node_rank == 0:
         check_port_free(topology.master_port)
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    for rank in topology.local_ranks:
-        # A retried stage must not report the errors of an earlier attempt; other nodes' ranks are theirs.
-        (stage_dir / f"rank{rank}.error").unlink(missing_ok=True)
+    clear_errors(stage_dir, topology)
     command = torchrun_command(spec_path, topology, worker_module=worker_module)
-    full_env = worker_env(
-        env if env is not None else os.environ,
-        device_type=device_type,
-        nproc_per_node=topology.nproc_per_node,
-    )
-    full_env[LAUNCH_TIME_ENV] = str(time.time())
-    if quiet:
-        full_env[WORKER_CONSOLE_ENV] = "0"
+    full_env = launch_env(env, topology, device_type=device_type, quiet=quiet)
     with open(stage_dir / topology.torchrun_log, "w") as torchrun_log:
-        torchrun_log.write(" ".join(command) + "\n")
-        torchrun_log.flush()
-        process = subprocess.Popen(
-            command, env=full_env, stdout=torchrun_log if quiet else None, stderr=torchrun_log
-        )
+        process = start_torchrun(command, full_env, torchrun_log, quiet=quiet)
         pids_path = record_pids(stage_dir / topology.pids_file, topology, process.pid)
         try:
             returncode = _wait(process, watch)
@@ -165,14 +157,50 @@ def run_stage(
         raise LaunchError(describe_failure(stage_dir, returncode, torchrun_log=topology.torchrun_log))
 
 
-def record_pids(path: Path, topology: Topology, torchrun_pid: int) -> Path:
-    """Write who runs the stage on this node: host, runner pid, torchrun pid, and when it started."""
+def clear_errors(stage_dir: Path, topology: Topology) -> None:
+    """Make the stage directory; a retried stage must not report the errors of an earlier attempt (other
+    nodes' ranks are theirs to clear)."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    for rank in topology.local_ranks:
+        (stage_dir / f"rank{rank}.error").unlink(missing_ok=True)
+
+
+def launch_env(
+    env: Mapping[str, str] | None, topology: Topology, *, device_type: str, quiet: bool
+) -> dict[str, str]:
+    """The workers' environment (:func:`worker_env` of ``env``, else of ours), with the launch time and,
+    when ``quiet``, no console lines from rank 0."""
+    full_env = worker_env(
+        env if env is not None else os.environ,
+        device_type=device_type,
+        nproc_per_node=topology.nproc_per_node,
+    )
+    full_env[LAUNCH_TIME_ENV] = str(time.time())
+    if quiet:
+        full_env[WORKER_CONSOLE_ENV] = "0"
+    return full_env
+
+
+def start_torchrun(
+    command: list[str], env: Mapping[str, str], torchrun_log: IO[str], *, quiet: bool
+) -> subprocess.Popen:
+    """Start torchrun with its output in ``torchrun_log`` (its standard output on the terminal unless
+    ``quiet``)."""
+    torchrun_log.write(" ".join(command) + "\n")
+    torchrun_log.flush()
+    return subprocess.Popen(command, env=env, stdout=torchrun_log if quiet else None, stderr=torchrun_log)
+
+
+def record_pids(path: Path, topology: Topology, torchrun_pid: int, **extra: object) -> Path:
+    """Write who runs the stage on this node: host, runner pid, torchrun pid, when it started, and
+    ``extra`` keys."""
     record = {
         "host": socket.gethostname(),
         "node_rank": topology.node_rank,
         "runner_pid": os.getpid(),
         "torchrun_pid": torchrun_pid,
         "started": time.time(),
+        **extra,
     }
     _write_json_atomic(path, record)
     return path
@@ -203,13 +231,18 @@ def _wait(process: subprocess.Popen, watch: Callable[[], None] | None) -> int:
             time.sleep(_WATCH_INTERVAL_S)
         return process.wait()
     except BaseException:
-        process.terminate()
-        try:
-            process.wait(timeout=_TERMINATE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         raise
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = _TERMINATE_GRACE_S) -> None:
+    """SIGTERM (torchrun passes it on to its workers), SIGKILL after ``grace_s``; waits for the end."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def describe_failure(stage_dir: Path, returncode: int, *, torchrun_log: str = TORCHRUN_LOG) -> str:

@@ -59,6 +59,9 @@ class RecordedProcesses:
     runner_alive: bool | None
     """None when the record was written on another host (signals cannot reach it from here)."""
     torchrun_alive: bool | None
+    session: bool = False
+    """The stage ran in a worker session (:mod:`cona.runner.worker_session`): its recorded end is the
+    stage's, and torchrun may live on into the next stage."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +185,7 @@ def _read_pids(path: Path, stage: int, proc_root: Path) -> RecordedProcesses | N
     except (OSError, ValueError, KeyError, TypeError):
         return None  # unreadable: the newest stage then answers from its other nodes, if any
     here = host == socket.gethostname()
+    session = "session" in raw
     return RecordedProcesses(
         stage=stage,
         host=host,
@@ -190,7 +194,10 @@ def _read_pids(path: Path, stage: int, proc_root: Path) -> RecordedProcesses | N
         returncode=raw.get("returncode"),
         ended="ended" in raw,
         runner_alive=pid_alive(runner_pid, started, proc_root) if here else None,
-        torchrun_alive=pid_alive(torchrun_pid, started, proc_root) if here and "ended" not in raw else None,
+        torchrun_alive=pid_alive(torchrun_pid, started, proc_root)
+        if here and ("ended" not in raw or session)
+        else None,
+        session=session,
     )
 
 
@@ -373,7 +380,10 @@ def _node_text(record: RecordedProcesses) -> str:
             f"{record.torchrun_pid}): not checkable from {socket.gethostname()}"
         )
     runner = f"runner pid {record.runner_pid} {'alive' if record.runner_alive else 'gone'}"
-    if record.ended:
+    if record.ended and record.session:
+        kept = "alive, kept for the next stage" if record.torchrun_alive else "gone"
+        torchrun = f"stage ended with code {record.returncode}, torchrun pid {record.torchrun_pid} {kept}"
+    elif record.ended:
         torchrun = f"torchrun pid {record.torchrun_pid} exited with code {record.returncode}"
     elif record.torchrun_alive:
         torchrun = f"torchrun pid {record.torchrun_pid} alive"

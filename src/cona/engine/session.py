@@ -1,0 +1,98 @@
+"""The worker side of a session: consecutive stages in the same processes (:mod:`cona.runner.worker_session`
+is the runner side).
+
+A session worker is started as ``python -m cona.engine.worker SPEC --session DIR``. After each stage every
+rank drops the stage's objects, rank 0 writes ``DIR/done-<k>.json`` once all ranks got there, and every
+rank waits for the runner's ``DIR/next-<k+1>.json``: ``{"spec": PATH, "written_at": T}`` runs that stage,
+``{"stop": true}`` ends the session. Commands are files (written by the runner through a temporary name) so
+that the protocol needs nothing beyond the run directory. A rank whose runner (``CONA_RUNNER_PID``) or
+torchrun is gone stops waiting and exits 1, so a killed runner never leaves workers behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cona.config import ConaConfig
+from cona.engine.spec import StageSpec
+
+SESSION_FLAG = "--session"
+RUNNER_PID_ENV = "CONA_RUNNER_PID"
+"""The runner's pid, for session workers: they stop waiting for a next stage once it is gone."""
+COMMAND_POLL_S = 0.03
+
+
+def done_marker(session_dir: Path, number: int) -> Path:
+    """Written by rank 0 when the session's ``number``-th stage (from 1) finished and its objects are gone."""
+    return session_dir / f"done-{number}.json"
+
+
+def next_command(session_dir: Path, number: int) -> Path:
+    """The runner's command for the session's ``number``-th stage (``{"stop": true}`` ends the session)."""
+    return session_dir / f"next-{number}.json"
+
+
+def next_stage(spec: StageSpec, session_dir: Path, number: int, rank: int) -> dict:
+    """Between two stages of a session: drop the finished stage's objects, say it is done (rank 0, once
+    every rank got there), and wait for the runner's next command. Exits 1 when the runner is gone."""
+    _release_stage_memory(spec.config)
+    dist.barrier()
+    if rank == 0:
+        _write_json_atomic(done_marker(session_dir, number), {"stage": spec.stage, "time": time.time()})
+    runner_pid = int(os.environ.get(RUNNER_PID_ENV, "0"))
+    command = wait_for_command(next_command(session_dir, number + 1), runner_pid=runner_pid)
+    if command is None:
+        print(f"runner pid {runner_pid} or torchrun is gone: leaving the session", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+    return command
+
+
+def wait_for_command(path: Path, *, runner_pid: int, poll_s: float = COMMAND_POLL_S) -> dict | None:
+    """The runner's command once ``path`` appears; None as soon as the runner process or this process's
+    parent (torchrun) is gone, so a killed runner leaves no worker waiting for ever."""
+    parent = os.getppid()
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            pass
+        if os.getppid() != parent or not _alive(runner_pid):
+            return None
+        time.sleep(poll_s)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # signal 0 to pid 0 or -1 would test a whole process group
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    return True
+
+
+def _release_stage_memory(config: ConaConfig) -> None:
+    """Free what the finished stage held (its model, optimizer and data are unreachable by now): the
+    next stage has other shapes, so cached CUDA blocks and compiled graphs would only be in its way."""
+    gc.collect()
+    if config.training.compile:
+        torch._dynamo.reset()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _write_json_atomic(path: Path, record: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(path)
