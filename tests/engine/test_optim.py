@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from cona.config import TrainingConfig
-from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule, set_lr, uses_weight_decay
+from cona.engine.optim import (
+    LRSchedule,
+    build_optimizer,
+    initialise_state,
+    lr_schedule,
+    set_lr,
+    uses_weight_decay,
+)
 from cona.errors import ConfigError
 
 
@@ -151,3 +158,41 @@ def test_cosine_matches_closed_form_everywhere() -> None:
     for tokens in range(50, 251, 10):
         expected = 0.25 + 0.75 * 0.5 * (1 + math.cos(math.pi * (tokens - 50) / 200))
         assert schedule.lr_at(tokens) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("amsgrad", "implementation"),
+    [
+        (False, "foreach"),
+        (True, "foreach"),
+        pytest.param(
+            False,
+            "fused",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="fused AdamW needs CUDA"),
+        ),
+    ],
+)
+def test_initialised_state_is_what_adams_first_step_creates(amsgrad: bool, implementation: str) -> None:
+    """The state a checkpoint loads into: the same entries, shapes, dtypes and devices as AdamW's own lazy
+    initialisation (here made by a step on zero gradients with lr 0, as DCP would), with step 0."""
+    device = "cuda" if implementation == "fused" else "cpu"
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)).to(device)
+    flags = {implementation: True, "amsgrad": amsgrad}
+    ours = torch.optim.AdamW(model.parameters(), lr=1e-3, **flags)
+    torchs = torch.optim.AdamW(model.parameters(), lr=0.0, **flags)
+    initialise_state(ours)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    torchs.step()
+    for param in model.parameters():
+        mine, reference = ours.state[param], torchs.state[param]
+        assert mine.keys() == reference.keys()
+        for key, value in mine.items():
+            want = reference[key]
+            assert (value.shape, value.dtype, value.device) == (want.shape, want.dtype, want.device)
+            if key != "step":
+                assert torch.count_nonzero(value) == 0
+        assert mine["step"].item() == 0.0 and reference["step"].item() == 1.0
+    before = {id(value) for state in ours.state.values() for value in state.values()}
+    initialise_state(ours)  # an optimizer with state keeps it
+    assert before == {id(value) for state in ours.state.values() for value in state.values()}

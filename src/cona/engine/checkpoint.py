@@ -42,6 +42,7 @@ from cona.engine.checkpoint_files import (
     read_dcp_metadata,
     verify_complete,
 )
+from cona.engine.optim import initialise_state
 from cona.errors import CheckpointError, ConaError
 from cona.strategy import Strategy
 
@@ -200,7 +201,8 @@ def load_checkpoint(
     checkpoint = resolve_checkpoint(path)
     verify_complete(checkpoint)
     _check_compatible(checkpoint, config.model)
-    # Tensors of the current layout (AdamW state is created if missing), which DCP fills in.
+    # Tensors of the current layout, which DCP fills in (AdamW's state is created first if missing).
+    initialise_state(optimizer)
     model_state, optim_state = model_and_optimizer_state(model_parts, optimizer)
     state = {"model": model_state, "optim": optim_state}
     _check_tensors_present(checkpoint, state)

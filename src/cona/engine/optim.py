@@ -87,6 +87,28 @@ def build_optimizer(model_parts: list[nn.Module], training: TrainingConfig) -> t
     )
 
 
+def initialise_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give Adam(W) the per-parameter state its first step would create (step 0, zero moments), so that a
+    checkpoint can be loaded into it. Left to DCP, ``get_state_dict`` on an optimizer without state runs a
+    step on zero gradients instead, which under TP on the CPU costs seconds (every foreach op propagates
+    DTensor shardings). Other optimizers, and one that has state, are left as they are."""
+    if optimizer.state or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        # As Adam keeps `step`: on the parameter's device for fused/capturable, else a CPU scalar (float64
+        # only under a float64 default dtype and not fused).
+        on_device = group["fused"] or group["capturable"]
+        wide = torch.get_default_dtype() == torch.float64 and not group["fused"]
+        step_dtype = torch.float64 if wide else torch.float32
+        moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        for param in group["params"]:
+            state = optimizer.state[param]
+            device = param.device if on_device else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=step_dtype, device=device)
+            for name in moments:
+                state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every parameter group."""
     for group in optimizer.param_groups:
