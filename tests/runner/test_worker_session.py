@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_chain_e2e import free_port_base
 from test_status import running_copy
 from tiny_chain import chain_args, write_chain, write_config_and_data
 
@@ -45,11 +47,15 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def gone(pid: int) -> bool:
+    """No such process, or only its zombie (an orphan's exit status waits for whoever adopted it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 @pytest.mark.slow
@@ -114,6 +120,52 @@ def test_a_stage_failing_in_a_session_names_the_stage_and_rank_and_leaves_no_pro
     records = _pids_records(run_dir)
     assert records[0]["returncode"] == 0 and records[1]["returncode"] != 0
     assert [stage.status for stage in load_state(run_dir).stages] == ["done", "running"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_sigkill_of_the_runner_between_stages_leaves_no_worker_and_the_rerun_finishes(tmp_path):
+    """Only the runner is killed, while the session's workers wait for stage 2 (the runner hangs in its
+    publish): they notice, leave, and torchrun ends; the same command again finishes the chain."""
+    config = write_config_and_data(tmp_path)
+    chain = write_chain(tmp_path / "chain.json", STEPS[:2])
+    args = chain_args(config, chain, tmp_path, "killed", stages=2)
+    publishing = tmp_path / "publishing"
+
+    def publish_and_hang(checkpoint: Path) -> Path:
+        publishing.write_text(str(checkpoint))
+        time.sleep(600)  # killed here
+        return publish(checkpoint)
+
+    runner = os.fork()
+    if runner == 0:
+        try:
+            with WorkerSession() as session:
+                run_chain(args, launcher=session, out=lambda line: None, publisher=publish_and_hang)
+        finally:
+            os._exit(3)
+    try:
+        _wait_until(publishing.exists, timeout_s=240, what="stage 1 to end")
+        (torchrun,) = torchrun_pids(tmp_path / "logs" / "killed")
+        assert not gone(torchrun)  # the session's processes wait for the next stage
+    finally:
+        os.kill(runner, signal.SIGKILL)
+        os.waitpid(runner, 0)
+    _wait_until(lambda: gone(torchrun), timeout_s=30, what="the orphaned session to end")
+
+    args.master_port_base = free_port_base(2)
+    with WorkerSession() as session:
+        state = run_chain(args, launcher=session, out=lambda line: None)
+    assert [stage.status for stage in state.stages] == ["done", "done"]
+    assert state.stages[-1].consumed_samples == 2 * 8 + 2 * 16
+
+
+def _wait_until(condition, *, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout_s} s for {what}")
+        time.sleep(0.1)
 
 
 def test_waiting_workers_stop_waiting_when_the_runner_is_gone(tmp_path):
