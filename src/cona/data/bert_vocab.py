@@ -44,6 +44,20 @@ def jsonl_texts(path: Path, key: str) -> Iterator[str]:
             yield record[key]
 
 
+class CountedTexts:
+    """The ``key`` texts of a jsonl corpus as a trainer consumes them, counting the documents on the way
+    (a trainer that reads from an iterator says nothing of how many it read)."""
+
+    def __init__(self, path: Path, key: str) -> None:
+        self.path, self.key = path, key
+        self.documents = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for text in jsonl_texts(self.path, self.key):
+            self.documents += 1
+            yield text
+
+
 def train_bert_vocab(corpus: Path, out_dir: Path, *, vocab_size: int, json_key: str = "text") -> BertVocab:
     """Train a WordPiece vocabulary of at most ``vocab_size`` entries on ``corpus``; write
     ``out_dir/vocab.txt``."""
@@ -51,22 +65,15 @@ def train_bert_vocab(corpus: Path, out_dir: Path, *, vocab_size: int, json_key: 
         raise DataError(f"--corpus: {corpus} does not exist")
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"--vocab-size: must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
-    documents = 0
-
-    def counted_texts() -> Iterator[str]:
-        nonlocal documents
-        for text in jsonl_texts(corpus, json_key):
-            documents += 1
-            yield text
-
+    texts = CountedTexts(corpus, json_key)
     wordpiece = tokenizers.BertWordPieceTokenizer(lowercase=True)
     wordpiece.train_from_iterator(
-        counted_texts(),
+        iter(texts),
         vocab_size=vocab_size,
         special_tokens=list(WORDPIECE_SPECIAL_TOKENS),
         show_progress=False,
     )
-    if documents == 0:
+    if texts.documents == 0:
         raise DataError(f"--corpus: {corpus} holds no documents")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / VOCAB_NAME
@@ -75,4 +82,4 @@ def train_bert_vocab(corpus: Path, out_dir: Path, *, vocab_size: int, json_key: 
     lines = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     tmp.write_text("".join(f"{token}\n" for token in lines), encoding="utf-8")
     os.replace(tmp, path)  # a reader never sees half a vocabulary
-    return BertVocab(path=path, vocab_size=len(vocab), documents=documents)
+    return BertVocab(path=path, vocab_size=len(vocab), documents=texts.documents)

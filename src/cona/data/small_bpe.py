@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from cona.data.bert_vocab import jsonl_texts
+from cona.data.bert_vocab import CountedTexts
 from cona.data.tokenizer import END_OF_TEXT
 from cona.errors import DataError
 
@@ -104,19 +104,14 @@ def train_small_bpe(
         raise DataError(f"{corpus}: corpus file does not exist (needed to train {vocab_file.name})")
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"{vocab_file.name}: vocab size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
-    documents = 0
-
-    def counted_texts() -> Iterator[str]:
-        nonlocal documents
-        for text in jsonl_texts(corpus, json_key):
-            documents += 1
-            yield text
-
-    merges = train_byte_level_merges(counted_texts(), vocab_size=vocab_size)
-    if documents == 0:
+    texts = CountedTexts(corpus, json_key)
+    merges = train_byte_level_merges(iter(texts), vocab_size=vocab_size)
+    if texts.documents == 0:
         raise DataError(f"{corpus}: holds no documents to train {vocab_file.name} on")
     vocab, merges_text = gpt2_vocab_and_merges(merges)
     # ASCII JSON (GPT-2's own encoder.json is too): readable whatever the locale's default encoding.
     _write_atomic(vocab_file, json.dumps(vocab) + "\n")
     _write_atomic(merge_file, merges_text)
-    return SmallBpe(vocab_file=vocab_file, merge_file=merge_file, vocab_size=len(vocab), documents=documents)
+    return SmallBpe(
+        vocab_file=vocab_file, merge_file=merge_file, vocab_size=len(vocab), documents=texts.documents
+    )

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from cona.config import ConaConfig
 from cona.engine.spec import StageSpec
+from cona.processes import signal_reaches
 
 SESSION_FLAG = "--session"
 RUNNER_PID_ENV = "CONA_RUNNER_PID"
@@ -65,21 +66,9 @@ def wait_for_command(path: Path, *, runner_pid: int, poll_s: float = COMMAND_POL
             return json.loads(path.read_text())
         except FileNotFoundError:
             pass
-        if os.getppid() != parent or not _alive(runner_pid):
+        if os.getppid() != parent or not signal_reaches(runner_pid):
             return None
         time.sleep(poll_s)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False  # signal 0 to pid 0 or -1 would test a whole process group
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # it exists, under another user
-    return True
 
 
 def _release_stage_memory(config: ConaConfig) -> None:

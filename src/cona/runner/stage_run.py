@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from cona.engine.spec import StageSpec
 from cona.engine.switch_check import VERDICT_FILE, Verdict, read_verdict
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.lr_scaling import ScaledLR, scaled_lr
-from cona.runner.launch import Topology, run_stage
+from cona.runner.launch import WORKER_MODULE, Topology, run_stage
 from cona.runner.state import StageState, measured_noise_scale
 
 
@@ -42,14 +42,19 @@ class StageLaunch:
 Launcher = Callable[[StageLaunch], None]
 
 
-def torchrun_launcher(launch: StageLaunch) -> None:
-    """Start the stage's workers under torchrun and wait for them (the production launcher)."""
+def torchrun_launcher(
+    launch: StageLaunch, *, worker_module: str = WORKER_MODULE, env: Mapping[str, str] | None = None
+) -> None:
+    """Start the stage's workers under a new torchrun and wait for them (``cona train --restart-workers``,
+    and every stage of a run across nodes)."""
     run_stage(
         launch.spec_path,
         launch.spec.stage_dir,
         launch.topology,
         device_type=launch.device_type,
         quiet=launch.quiet,
+        worker_module=worker_module,
+        env=env,
         watch=launch.watch,
     )
 

@@ -27,6 +27,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from cona.engine.checkpoint import LATEST, LATEST_UNIVERSAL, STEP_DIR
+from cona.processes import signal_reaches
 from cona.runner.launch import PIDS_GLOB
 from cona.runner.publish import read_marker
 from cona.runner.report import RunData, load_run, strategy_label
@@ -205,14 +206,8 @@ def pid_alive(pid: int, recorded_at: float, proc_root: Path = PROC) -> bool:
     """Whether the process recorded at ``recorded_at`` with this pid still runs on this host: signal 0
     reaches it and, where /proc tells, it is no zombie and started no later than it was recorded (a later
     start is another process that got the pid after ours ended)."""
-    if pid <= 0:
-        return False  # signal 0 to pid 0 or -1 would test a whole process group
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not signal_reaches(pid):
         return False
-    except PermissionError:
-        pass  # it exists, under another user
     started = process_state(pid, proc_root)
     if started is None:
         return True

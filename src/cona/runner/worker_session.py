@@ -40,7 +40,6 @@ from cona.runner.launch import (
     launch_env,
     record_exit,
     record_pids,
-    run_stage,
     start_torchrun,
     stop_process,
     torchrun_command,
@@ -98,16 +97,7 @@ class WorkerSession:
     def __call__(self, launch: StageLaunch) -> None:
         if launch.topology.nnodes > 1:
             self.close()
-            run_stage(
-                launch.spec_path,
-                launch.spec.stage_dir,
-                launch.topology,
-                device_type=launch.device_type,
-                quiet=launch.quiet,
-                worker_module=self._worker_module,
-                env=self._env,
-                watch=launch.watch,
-            )
+            torchrun_launcher(launch, worker_module=self._worker_module, env=self._env)
             return
         running = self._running
         if running is not None and (running.shape != _Shape.of(launch) or running.process.poll() is not None):
