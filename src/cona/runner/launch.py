@@ -202,7 +202,7 @@ def record_pids(path: Path, topology: Topology, torchrun_pid: int, **extra: obje
         "started": time.time(),
         **extra,
     }
-    _write_json_atomic(path, record)
+    write_json_atomic(path, record)
     return path
 
 
@@ -213,11 +213,11 @@ def record_exit(path: Path, returncode: int | None) -> None:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return  # removed or unreadable meanwhile: there is no record to complete
-    _write_json_atomic(path, {**record, "ended": time.time(), "returncode": returncode})
+    write_json_atomic(path, {**record, "ended": time.time(), "returncode": returncode})
 
 
-def _write_json_atomic(path: Path, record: dict) -> None:
-    """Through a temporary name, so ``cona status`` never reads half a record."""
+def write_json_atomic(path: Path, record: dict) -> None:
+    """Through a temporary name, so a reader (``cona status``, a session's workers) never sees half of it."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(path)

@@ -18,7 +18,6 @@ session and starts a new one; a run across nodes starts every stage anew (:func:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -43,6 +42,7 @@ from cona.runner.launch import (
     start_torchrun,
     stop_process,
     torchrun_command,
+    write_json_atomic,
 )
 from cona.runner.stage_run import Launcher, StageLaunch, torchrun_launcher
 
@@ -107,7 +107,7 @@ class WorkerSession:
             running = self._start(launch)
         else:
             running.stages += 1
-            _write_json_atomic(
+            write_json_atomic(
                 next_command(running.directory, running.stages),
                 {"spec": str(launch.spec_path), "written_at": time.time()},
             )
@@ -166,7 +166,7 @@ class WorkerSession:
         if running is None:
             return
         if running.process.poll() is None:
-            _write_json_atomic(next_command(running.directory, running.stages + 1), {"stop": True})
+            write_json_atomic(next_command(running.directory, running.stages + 1), {"stop": True})
             try:
                 running.process.wait(timeout=_STOP_GRACE_S)
             except subprocess.TimeoutExpired:
@@ -229,10 +229,3 @@ def _new_session_dir(run_dir: Path) -> Path:
             number += 1
             continue
         return directory
-
-
-def _write_json_atomic(path: Path, record: dict) -> None:
-    """Through a temporary name: the workers never read half a command."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    tmp.replace(path)
