@@ -11,6 +11,7 @@ show as a jump.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
 
-from cona.data.gpt_dataset import micro_batch_sample_ids
 from cona.data.indexed import IndexedDatasetWriter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +107,8 @@ def _port_free(port: int) -> bool:
 
 
 def cona_train(config: Path, workdir: Path, run_name: str, *args: str, stages: int = 1) -> str:
-    """Run ``cona train`` in a subprocess; returns its stdout (fails the test with its output if it fails)."""
+    """Run ``cona train`` in a subprocess with the workers' step trace on; returns its stdout (fails the
+    test with its output if it fails)."""
     command = [
         sys.executable, "-m", "cona", "train",
         "--config", str(config),
@@ -116,7 +118,10 @@ def cona_train(config: Path, workdir: Path, run_name: str, *args: str, stages: i
         "--quiet",
         *args,
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, cwd=workdir)
+    env = {**os.environ, **TRACE_ENV}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, cwd=workdir, env=env
+    )
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -130,17 +135,6 @@ def by_stage(records: list[dict]) -> dict[int, list[dict]]:
     for record in records:
         stages.setdefault(record["stage"], []).append(record)
     return stages
-
-
-def sample_ids_of(record: dict, step: dict) -> np.ndarray:
-    """Every global sample id the iteration of ``record`` trained on, over all dp ranks, from the sampler
-    with the strategy of its chain ``step`` (the record's consumed_samples is counted after the step)."""
-    start = record["consumed_samples"] - step["gbs"]
-    return np.concatenate([
-        batch
-        for dp_rank in range(step["dp"])
-        for batch in micro_batch_sample_ids(start, step["gbs"], step["mbs"], step["dp"], dp_rank)
-    ])  # fmt: skip
 
 
 def stage_iterations(chain: dict) -> list[int]:
@@ -199,11 +193,21 @@ def test_chain_switching_dp_tp_pp_and_gbs_continues_the_loss_and_uses_each_sampl
         f"consumed_samples={total_samples}, consumed_tokens={total_samples * 32}"
     )
 
-    # No sample index twice: the sampler's ids of every iteration, under that stage's strategy, cover
-    # range(total_samples) exactly once.
-    ids = np.concatenate([sample_ids_of(r, steps[r["stage"] - 1]) for r in records])
-    assert len(ids) == total_samples
-    np.testing.assert_array_equal(np.sort(ids), np.arange(total_samples))
+    # What the workers trained on, from their step trace: ids 0..total-1 in order, each once, across the
+    # gbs and layout changes; and the LR every step applied is the sqrt rule's schedule at that gbs.
+    trained = assert_each_sample_once_in_order(run_dir, total_samples=total_samples)
+    assert [step.stage for step in trained] == [r["stage"] for r in records]
+    training = json.loads(config_path.read_text())["training"]
+    assert_lr_follows_schedule(
+        trained,
+        seq=32,
+        base_lr=training["base_lr"],
+        base_min_lr=training["base_min_lr"],
+        base_gbs=training["base_gbs"],
+        rule="sqrt",
+        warmup_tokens=training["lr_warmup_tokens"],
+        decay_tokens=total_samples * 32,  # no lr_decay_tokens: the chain's planned tokens
+    )
 
     # Every switch logged its cost split, with the publish of the stage before (all but the last convert),
     # and passed switch verification (the probe loss saved and the one after loading agree).
@@ -248,6 +252,8 @@ def test_chain_changing_only_the_layout_reproduces_a_fixed_strategy_run(config_p
         s["step_num"] for s, n in zip(steps, per_stage, strict=True) for _ in range(n)
     ]
     assert [r["consumed_samples"] for r in chained] == [r["consumed_samples"] for r in fixed]
+    for name in ("layout", "fixed"):
+        assert_each_sample_once_in_order(logs / name, total_samples=8 * iterations)
     # Same LR schedule (same planned tokens, gbs at base_gbs), then the same losses step by step.
     np.testing.assert_allclose([r["lr"] for r in chained], [r["lr"] for r in fixed], rtol=1e-12)
     np.testing.assert_allclose(

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kill_in_save_worker import KILL_STAGE_ENV
-from test_chain_e2e import free_port_base, sample_ids_of
+from test_chain_e2e import free_port_base
+from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, trained_steps
 from tiny_chain import SEQ, chain_args, write_chain, write_config_and_data
 
 from cona.runner.launch import run_stage
@@ -78,7 +79,11 @@ def run_in_own_process_group(args) -> int:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeating_samples(tmp_path):
+def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeating_samples(
+    tmp_path, monkeypatch
+):
+    for name, value in TRACE_ENV.items():  # the workers record what they train on
+        monkeypatch.setenv(name, value)
     config = write_config_and_data(tmp_path)
     chain = write_chain(tmp_path / "chain.json", list(STEPS))
     args = chain_args(config, chain, tmp_path, "kill", stages=len(STEPS))
@@ -96,6 +101,8 @@ def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeat
     killed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     killed_stage2 = [record for record in killed if record["stage"] == 2]
     assert [record["iteration"] for record in killed_stage2] == [4, 5, 6]
+    killed_trace = {step.iteration: step.sample_ids for step in trained_steps(run_dir)}
+    assert sorted(killed_trace) == list(range(1, 7))
 
     # The same command again (on fresh ports: the killed stage's may still be held by the kernel).
     lines: list[str] = []
@@ -121,7 +128,8 @@ def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeat
     # The run's training as it stands: each iteration's last record (the rerun's for 4..6).
     final = {record["iteration"]: record for record in records}
     assert sorted(final) == list(range(1, 8))
-    steps = [{"step_num": number, **step} for number, step in enumerate(STEPS, start=1)]
-    ids = np.concatenate([sample_ids_of(final[i], steps[final[i]["stage"] - 1]) for i in sorted(final)])
-    np.testing.assert_array_equal(np.sort(ids), np.arange(TOTAL_SAMPLES))
+    # What the workers trained, as it stands after the rerun: ids 0..87 in order, each once; and the
+    # retrained iterations took the same samples as the killed attempt.
+    trained = assert_each_sample_once_in_order(run_dir, total_samples=TOTAL_SAMPLES)
+    assert all(step.sample_ids == killed_trace[step.iteration] for step in trained if step.iteration <= 6)
     assert [final[i]["consumed_samples"] for i in sorted(final)] == [8, 16, 24, 40, 56, 72, 88]

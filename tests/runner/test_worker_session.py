@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_chain_e2e import free_port_base
 from test_status import running_copy
+from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
 from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.cli import main
@@ -60,8 +61,15 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_the_workers(tmp_path):
+def test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_the_workers(
+    tmp_path, monkeypatch
+):
+    for name, value in TRACE_ENV.items():  # the workers record what they train on
+        monkeypatch.setenv(name, value)
     config = write_config_and_data(tmp_path)
+    raw = json.loads(config.read_text())
+    raw["training"]["lr_scale_strategy"] = "linear"
+    config.write_text(json.dumps(raw))
     chain = write_chain(tmp_path / "chain.json", STEPS)
     with WorkerSession() as session:
         reused = run_chain(
@@ -79,6 +87,20 @@ def test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_
     assert [stage.status for stage in reused.stages] == ["done"] * len(STEPS)
     np.testing.assert_allclose(losses(logs / "reused"), losses(logs / "restarted"), rtol=1e-6, atol=0)
     assert len(losses(logs / "reused")) == 5
+    # What the workers trained on and the LR they applied, in both: the linear rule's schedule.
+    training = raw["training"]
+    for name in ("reused", "restarted"):
+        trained = assert_each_sample_once_in_order(logs / name, total_samples=TOTAL_SAMPLES)
+        assert_lr_follows_schedule(
+            trained,
+            seq=raw["model"]["seq"],
+            base_lr=training["base_lr"],
+            base_min_lr=training["base_min_lr"],
+            base_gbs=training["base_gbs"],
+            rule="linear",
+            warmup_tokens=training["lr_warmup_tokens"],
+            decay_tokens=TOTAL_SAMPLES * raw["model"]["seq"],
+        )
     # One torchrun for the whole chain, gone at the end; a new one per stage without the session.
     session_pids = torchrun_pids(logs / "reused")
     assert len(set(session_pids)) == 1 and gone(session_pids[0])

@@ -1,0 +1,147 @@
+"""Plant one known bug at a time in a copy of the project and run the tests that should catch it.
+
+Each mutation replaces one exact piece of source (it must occur exactly once) in a fresh copy of
+``src/``, ``tests/`` and ``examples/`` and runs the listed tests against that copy; a mutation whose tests
+all pass *survived*: the tests cannot see that bug. The list holds the bugs issue reviews planted (a
+trainer that skips or repeats samples at a gbs change, a worker that ignores its LR factor, ...).
+
+    PYTHONPATH=src .venv/bin/python bench/mutations.py            # every mutation (minutes: real chains)
+    PYTHONPATH=src .venv/bin/python bench/mutations.py --only next_window,ignore_lr_factor
+    PYTHONPATH=src .venv/bin/python bench/mutations.py --list
+
+Prints one line per mutation (caught / SURVIVED, with the seconds its tests took) and exits 1 when any
+survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED = ("src", "tests", "examples", "pyproject.toml")
+TEST_TIMEOUT_S = 1200
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str
+
+
+SAMPLE_TESTS = (
+    "tests/runner/test_worker_session.py::test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_the_workers",
+)
+MUTATIONS = (
+    Mutation(
+        name="next_window",
+        why="the trainer fetches the next step's sample window",
+        path="src/cona/engine/trainer.py",
+        old="progress.consumed_samples, strategy.gbs, strategy.mbs, strategy.dp, ctx.dp_rank",
+        new="progress.consumed_samples + strategy.gbs, strategy.gbs, strategy.mbs, strategy.dp, ctx.dp_rank",
+        tests=SAMPLE_TESTS,
+    ),
+    Mutation(
+        name="window_from_iteration",
+        why="the window is iteration x current gbs (skips or repeats samples at every gbs change)",
+        path="src/cona/engine/trainer.py",
+        old="progress.consumed_samples, strategy.gbs, strategy.mbs, strategy.dp, ctx.dp_rank",
+        new="progress.iteration * strategy.gbs, strategy.gbs, strategy.mbs, strategy.dp, ctx.dp_rank",
+        tests=SAMPLE_TESTS,
+    ),
+    Mutation(
+        name="ignore_lr_factor",
+        why="the worker ignores the stage's lr_factor (no LR scaling after a gbs change)",
+        path="src/cona/engine/worker.py",
+        old="lr_factor=spec.lr_factor,",
+        new="lr_factor=1.0,",
+        tests=SAMPLE_TESTS,
+    ),
+)
+
+
+def copy_project(destination: Path) -> None:
+    for name in COPIED:
+        source = ROOT / name
+        target = destination / name
+        if source.is_dir():
+            shutil.copytree(
+                source, target, ignore=shutil.ignore_patterns("__pycache__", "logs", "checkpoints")
+            )
+        else:
+            shutil.copy2(source, target)
+    if (ROOT / "data").exists():
+        (destination / "data").symlink_to(ROOT / "data")
+
+
+def plant(copy: Path, mutation: Mutation) -> None:
+    path = copy / mutation.path
+    text = path.read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise SystemExit(f"mutation {mutation.name}: {mutation.path} holds its text {count} times, not once")
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def run_tests(copy: Path, tests: tuple[str, ...]) -> bool:
+    """Whether every test passed (the mutation survived)."""
+    env = {**os.environ, "PYTHONPATH": str(copy / "src")}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
+    return done.returncode == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="comma list of mutation names")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args(argv)
+    chosen = list(MUTATIONS)
+    if args.only:
+        names = args.only.split(",")
+        unknown = sorted(set(names) - {m.name for m in MUTATIONS})
+        if unknown:
+            parser.error(f"--only: unknown mutation(s) {', '.join(unknown)}")
+        chosen = [m for m in MUTATIONS if m.name in names]
+    if args.list:
+        for mutation in chosen:
+            print(f"{mutation.name}: {mutation.why} ({mutation.path})")
+        return 0
+    control_tests = tuple(dict.fromkeys(test for mutation in chosen for test in mutation.tests))
+    with tempfile.TemporaryDirectory(prefix="cona-mutation-control-") as tmp:
+        copy_project(Path(tmp))
+        if not run_tests(Path(tmp), control_tests):  # else a failure would read as a caught bug
+            print("the tests fail on the unmutated copy: fix them first", file=sys.stderr)
+            return 2
+    survivors = []
+    for mutation in chosen:
+        with tempfile.TemporaryDirectory(prefix=f"cona-mutation-{mutation.name}-") as tmp:
+            copy = Path(tmp)
+            copy_project(copy)
+            plant(copy, mutation)
+            began = time.perf_counter()
+            survived = run_tests(copy, mutation.tests)
+        verdict = "SURVIVED" if survived else "caught"
+        print(
+            f"{mutation.name:28s} {verdict:8s} {time.perf_counter() - began:6.1f} s  {mutation.why}",
+            flush=True,
+        )
+        if survived:
+            survivors.append(mutation.name)
+    print(f"{len(chosen) - len(survivors)} caught, {len(survivors)} survived", flush=True)
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
