@@ -6,7 +6,7 @@ Shared by the planner (which ranks strategies), the runner (which chains them) a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 import numpy as np
@@ -52,6 +52,11 @@ class Strategy:
 
     def short(self) -> str:
         return f"dp{self.dp}/tp{self.tp}/pp{self.pp} mbs{self.mbs} gbs{self.gbs}"
+
+    def same_layout(self, other: Strategy) -> bool:
+        """Whether ``other`` differs from this one in gbs and mbs at most: a switch between them can keep
+        the model's sharding and optimizer state in memory (an in-place switch)."""
+        return replace(other, gbs=self.gbs, mbs=self.mbs) == self
 
 
 @dataclass(frozen=True, slots=True)

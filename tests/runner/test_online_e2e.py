@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 from test_train_cli import free_port_base, write_tiny_setup
+from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
 
 from cona.cli import main
 from cona.config import load_config
@@ -16,11 +18,15 @@ from cona.runner.state import load_state
 from cona.runner.worker_session import WorkerSession
 
 TOTAL_ITERS = 60
+IN_PLACE_ITERS = 120
+"""Long enough that the search thread decides well before the end, also on a busy machine."""
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_an_online_run_switches_and_the_realized_chain_replays_it(tmp_path):
+def test_an_online_run_switches_and_the_realized_chain_replays_it(tmp_path, monkeypatch):
+    for name, value in TRACE_ENV.items():  # the workers record what they train on
+        monkeypatch.setenv(name, value)
     config_path = write_tiny_setup(tmp_path)
     raw = json.loads(config_path.read_text())
     raw["training"].update(log_interval=1, eval_interval=100)
@@ -56,6 +62,21 @@ def test_an_online_run_switches_and_the_realized_chain_replays_it(tmp_path):
     assert switch[0]["measured_noise_scale"] is not None and switch[0]["time_saved_s"] > 0
     assert any(line.startswith("stage 1 -> 2: switch to dp2/tp1/pp1") for line in lines)
     assert any("online run online" in line for line in lines), "the summary table"
+    # What the workers trained on across the switch, and the LR they applied (sqrt rule, base_gbs 8;
+    # the schedule's horizon is --total-iters at the initial gbs).
+    trained = assert_each_sample_once_in_order(run.run_dir, total_samples=state.stages[-1].consumed_samples)
+    assert {len(step.sample_ids) for step in trained} == {1, 2}
+    training = raw["training"]
+    assert_lr_follows_schedule(
+        trained,
+        seq=raw["model"]["seq"],
+        base_lr=training["base_lr"],
+        base_min_lr=training["base_min_lr"],
+        base_gbs=training["base_gbs"],
+        rule="sqrt",
+        warmup_tokens=training["lr_warmup_tokens"],
+        decay_tokens=TOTAL_ITERS * 1 * raw["model"]["seq"],
+    )
 
     replay_args = ["train", "--chain", str(run.run_dir / "realized_chain.json"), "--config", str(config_path)]
     replay_args += ["--gpus", "2", "--workdir", str(tmp_path / "replay"), "--run-name", "replay", "--quiet"]
@@ -69,3 +90,97 @@ def test_an_online_run_switches_and_the_realized_chain_replays_it(tmp_path):
     replay_metrics = (tmp_path / "logs" / "replay" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["dp"] for line in replay_metrics] == online_layouts
     assert dataclasses.asdict(replayed.stages[0])["status"] == "done"
+
+
+def _losses(run_dir) -> dict[int, float]:
+    """Each iteration's last logged loss (a retrained iteration is logged again)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {record["iteration"]: record["loss"] for record in records}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switch(tmp_path, monkeypatch):
+    for name, value in TRACE_ENV.items():
+        monkeypatch.setenv(name, value)
+    config_path = write_tiny_setup(tmp_path)
+    raw = json.loads(config_path.read_text())
+    # One LR horizon for both runs (without it online mode ends the cosine at --total-iters x the initial
+    # gbs, the replayed chain at its own tokens): the losses compared must differ only by the switch.
+    raw["training"].update(log_interval=1, eval_interval=100, lr_decay_tokens=4000)
+    config_path.write_text(json.dumps(raw))
+    run = OnlineRun(
+        config=resolve_log_root(load_config(config_path)),
+        workdir=tmp_path / "work",
+        run_dir=tmp_path / "logs" / "inplace",
+        world_size=1,  # one process: every strategy has the same layout, so gbs 1 -> 2 is in place
+        device_type="cpu",
+        system="cpu_gloo",
+        initial_gbs=1,
+        max_gbs=2,
+        total_iters=IN_PLACE_ITERS,
+        botorch=False,
+        base_port=free_port_base(),
+        quiet=True,
+        noise_scale_floor=1000.0,
+        policy_overrides={"predicted_switch_cost_s": 0.0, "predicted_in_place_cost_s": 0.0},
+    )
+    lines: list[str] = []
+    with WorkerSession() as session:
+        state = run_online(run, launcher=session, out=lines.append)
+
+    assert len(state.stages) == 2 and any(
+        line.startswith("stage 1 -> 2: switch in place to") for line in lines
+    )
+    assert state.stages[0].checkpoint is None  # nothing saved at the switch
+    total = state.stages[-1].consumed_samples
+    trained = assert_each_sample_once_in_order(run.run_dir, total_samples=total)
+    training = raw["training"]
+    schedule = dict(
+        seq=raw["model"]["seq"], base_lr=training["base_lr"], base_min_lr=training["base_min_lr"],
+        base_gbs=training["base_gbs"], rule="sqrt", warmup_tokens=training["lr_warmup_tokens"],
+        decay_tokens=training["lr_decay_tokens"],
+    )  # fmt: skip
+    assert_lr_follows_schedule(trained, **schedule)
+
+    # The same chain through a checkpoint (chain mode saves, loads and verifies at every switch): the same
+    # losses step by step, and the in-place gap is a fraction of that switch's.
+    replay_args = ["train", "--chain", str(run.run_dir / "realized_chain.json"), "--config", str(config_path)]
+    replay_args += ["--gpus", "1", "--workdir", str(tmp_path / "replay"), "--run-name", "replay", "--quiet"]
+    assert main([*replay_args, "--master-port-base", str(free_port_base())]) == 0
+    replay_dir = tmp_path / "logs" / "replay"
+    replayed = load_state(replay_dir)
+    assert replayed.stages[0].checkpoint is not None
+    in_place_losses = _losses(run.run_dir)
+    assert sorted(in_place_losses) == list(range(1, IN_PLACE_ITERS + 1))
+    assert list(in_place_losses.values()) == pytest.approx(list(_losses(replay_dir).values()), rel=1e-6)
+    # The switch itself (everything but the first step at the new batch shape, which both pay and which a
+    # busy CPU stretches): the in-place one skips the probe, save, publish, load and verification.
+    in_place_cost, checkpoint_cost = state.stages[1].switch_cost, replayed.stages[1].switch_cost
+    assert {"probe_s", "publish_s", "verify_s"}.isdisjoint(in_place_cost), in_place_cost
+    in_place_gap, checkpoint_gap = (
+        sum(value for key, value in cost.items() if key != "first_step_s")
+        for cost in (in_place_cost, checkpoint_cost)
+    )
+    assert in_place_gap <= 0.25 * checkpoint_gap, (in_place_cost, checkpoint_cost)
+
+    # A kill in stage 2 before it saved loses the state the switch kept in memory: the same command
+    # retrains stage 1 up to the switch and finishes, with the same samples and losses.
+    switch_iteration = state.stages[0].last_iteration
+    run_state_path = run.run_dir / "runner_state.json"
+    books = json.loads(run_state_path.read_text())
+    books["stages"][1].update(status="running", checkpoint=None, last_iteration=None, attempts=1)
+    run_state_path.write_text(json.dumps(books))
+    (run.run_dir / "stages" / "2" / "stage_result.json").unlink()
+    for checkpoint in (tmp_path / "work" / "checkpoints").rglob("global_step*"):
+        shutil.rmtree(checkpoint)
+    for marker in (tmp_path / "work" / "checkpoints").rglob("latest"):
+        marker.unlink()
+    lines.clear()
+    with WorkerSession() as session:
+        resumed = dataclasses.replace(run, base_port=free_port_base())
+        state = run_online(resumed, launcher=session, out=lines.append)
+    assert any(line.startswith(f"stage 1: retraining iterations 0..{switch_iteration}") for line in lines)
+    assert state.stages[-1].consumed_samples == total
+    assert_each_sample_once_in_order(run.run_dir, total_samples=total)
+    assert list(_losses(run.run_dir).values()) == pytest.approx(list(in_place_losses.values()), rel=1e-6)

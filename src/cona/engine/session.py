@@ -41,10 +41,12 @@ def next_command(session_dir: Path, number: int) -> Path:
     return session_dir / f"next-{number}.json"
 
 
-def next_stage(spec: StageSpec, session_dir: Path, number: int, rank: int) -> dict:
-    """Between two stages of a session: drop the finished stage's objects, say it is done (rank 0, once
-    every rank got there), and wait for the runner's next command. Exits 1 when the runner is gone."""
-    _release_stage_memory(spec.config)
+def next_stage(spec: StageSpec, session_dir: Path, number: int, rank: int, *, keep_state: bool) -> dict:
+    """Between two stages of a session: drop the finished stage's objects (unless it handed its state over
+    to the next stage: ``keep_state``), say it is done (rank 0, once every rank got there), and wait for the
+    runner's next command. Exits 1 when the runner is gone."""
+    if not keep_state:
+        release_stage_memory(spec.config)
     dist.barrier()
     if rank == 0:
         _write_json_atomic(done_marker(session_dir, number), {"stage": spec.stage, "time": time.time()})
@@ -71,7 +73,7 @@ def wait_for_command(path: Path, *, runner_pid: int, poll_s: float = COMMAND_POL
         time.sleep(poll_s)
 
 
-def _release_stage_memory(config: ConaConfig) -> None:
+def release_stage_memory(config: ConaConfig) -> None:
     """Free what the finished stage held (its model, optimizer and data are unreachable by now): the
     next stage has other shapes, so cached CUDA blocks and compiled graphs would only be in its way."""
     gc.collect()

@@ -56,6 +56,15 @@ class StageSpec:
     """Save a checkpoint when the stop rule is met (a switch request always saves)."""
     save_interval: int | None = None
     """Also save every this many iterations; None saves only at the end and on a switch."""
+    continue_in_place: bool = False
+    """Take over the model, optimizer and data the session's previous stage left in memory (an in-place
+    switch: only gbs, mbs and the LR change) instead of loading ``load_path``; refused unless the state in
+    memory is at ``start_iteration``."""
+    start_iteration: int | None = None
+    """With ``continue_in_place``: the iteration the state in memory must be at."""
+    hand_over_in_place: bool = False
+    """At the stop rule, neither save nor drop the state: the session's next stage continues it in place
+    (a stage retrained up to an in-place switch that a kill interrupted)."""
 
     def __post_init__(self) -> None:
         if self.stage < 1:
@@ -140,7 +149,7 @@ class StageSpec:
         return cls.from_dict(raw)
 
 
-STOP_REASONS = ("completed", "switch_requested")
+STOP_REASONS = ("completed", "switch_requested", "switch_in_place")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +158,8 @@ class StageResult:
 
     stage: int
     reason: str
-    """Why it stopped: ``completed`` (stop rule met) or ``switch_requested``."""
+    """Why it stopped: ``completed`` (stop rule met), ``switch_requested`` (saved for the next stage) or
+    ``switch_in_place`` (nothing saved: the session's next stage continues the state in memory)."""
     last_iteration: int
     consumed_samples: int
     consumed_tokens: int
@@ -163,6 +173,8 @@ class StageResult:
     switch_check: dict | None = None
     """The verdict of the loaded checkpoint's verification (:class:`cona.engine.switch_check.Verdict` as a
     dict); None when the stage started from scratch."""
+    handed_over: bool = False
+    """The stage's state stays in the session's memory for the next stage (no checkpoint at its end)."""
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,7 @@ class TrainingModel:
         stage_ids: list[int],
     ) -> None:
         self.config, self.strategy, self.mesh, self.device = config, strategy, mesh, device
-        self.model_parts = model_parts
+        self.model_parts, self._stage_ids = model_parts, stage_ids
         self.dtype = resolved_dtype(config.training, device)
         self.scaler = LossScaler(enabled=self.dtype == "fp16")
         self.dp_rank = mesh.get_local_rank("dp")
@@ -104,24 +105,45 @@ class TrainingModel:
             else None
         )
         self._tied_sync = TiedEmbeddingSync(mesh, model_parts) if strategy.pp > 1 else None
+        self._compiled: dict[str | None, Callable] = {}
+        """The compiled forward per torch.compile mode, kept across in-place switches (see rebatch)."""
+        self._set_batch_parts(strategy)
+        self._last_norm_sqr: torch.Tensor | None = None
+
+    def _set_batch_parts(self, strategy: Strategy) -> None:
+        """What depends on the micro-batch count: the pipeline schedule, CUDA graphs (single micro-batch
+        steps only), the compiled forward's mode and the gradient-noise meter."""
+        self.strategy = strategy
         self._pipeline = (
-            PipelineRunner(model_parts, stage_ids, strategy, mesh, device) if strategy.pp > 1 else None
+            PipelineRunner(self.model_parts, self._stage_ids, strategy, self.mesh, self.device)
+            if strategy.pp > 1
+            else None
         )
-        self.cuda_graphs = uses_cuda_graphs(config.training, strategy, device)
+        self.cuda_graphs = uses_cuda_graphs(self.config.training, strategy, self.device)
         self._forward_loss = self._plain_forward_loss
-        if config.training.compile and compiles_whole_model(strategy):
+        if self.config.training.compile and compiles_whole_model(strategy):
             mode = "reduce-overhead" if self.cuda_graphs else None
-            self._forward_loss = torch.compile(self._plain_forward_loss, mode=mode)
+            if mode not in self._compiled:
+                self._compiled[mode] = torch.compile(self._plain_forward_loss, mode=mode)
+            self._forward_loss = self._compiled[mode]
         self._noise = NoiseInputs(
-            model_parts,
+            self.model_parts,
             strategy=strategy,
-            tie_embeddings=config.model.tie_embeddings,
+            tie_embeddings=self.config.model.tie_embeddings,
             is_first_stage=self.is_first_stage,
             fsdp=self._fsdp,
-            device=device,
+            device=self.device,
             copy_previous=self.cuda_graphs,
         )
-        self._last_norm_sqr: torch.Tensor | None = None
+
+    def rebatch(self, strategy: Strategy) -> None:
+        """Continue under another gbs and mbs on the same layout (an in-place switch): the parameters, their
+        sharding and the graphs compiled so far stay (torch.compile keeps one graph per micro-batch shape);
+        what depends on the micro-batch count is rebuilt."""
+        if not self.strategy.same_layout(strategy):
+            raise ValueError(f"rebatch keeps the layout: {self.strategy.short()} -> {strategy.short()}")
+        self._noise.meter.remove()
+        self._set_batch_parts(strategy)
 
     # ---- parameter bookkeeping -------------------------------------------------------------------------
     def _unique_params(self) -> list[nn.Parameter]:

@@ -10,6 +10,7 @@ on the last steps before each metrics line (:func:`gns_due`), which the line's m
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from cona.engine.metrics import MASKED_TOKENS, MetricsLogger, model_flops_utiliz
 from cona.engine.optim import LRSchedule, set_lr
 from cona.engine.probe import ProbeBatch
 from cona.engine.spec import StageSpec
+from cona.engine.step_trace import StepTrace
 from cona.engine.train_model import PendingStepOutput, TrainingModel
 
 Batch = list[tuple[Tensor, Tensor]]
@@ -64,6 +66,8 @@ class StageContext:
     train_data: GPTDataset
     eval_batches: Batch
     """This dp rank's share of the fixed validation set (see :func:`fixed_eval_batches`)."""
+    valid_data: GPTDataset
+    """The validation split the eval batches come from (an in-place switch to another mbs re-cuts them)."""
     dp_rank: int
     flops_per_token: float
     peak_flops_per_device: float | None
@@ -78,6 +82,8 @@ class StageContext:
     """The fixed batch whose loss verifies a checkpoint across a save and the next load."""
     control_group: dist.ProcessGroup | None = None
     """A gloo group over all ranks for host-side agreement (None: the default group is gloo already)."""
+    step_trace: StepTrace | None = None
+    """Records the samples and LR of every step when tests switch it on (:mod:`cona.engine.step_trace`)."""
 
 
 @dataclass(kw_only=True)
@@ -134,14 +140,14 @@ def train_stage(ctx: StageContext, progress: Progress) -> str:
             out.loss.item()  # once per stage: the milestone is the first step finished on the device
             ctx.timings["first_step_done"] = time.time()
         switch = switch_requested(spec.switch_request_path, ctx.control_group)
-        ending = switch or stop_rule_met(spec, progress)
+        ending = switch is not None or stop_rule_met(spec, progress)
         interval = _maybe_log(ctx, progress, interval, lr, force=ending)
         if spec.save_interval and progress.iteration % spec.save_interval == 0 and not ending:
             ctx.save(progress)
             interval.started = time.perf_counter()  # the save is not step time
-        if switch:
+        if switch is not None:
             ctx.timings["train_done"] = time.time()
-            return "switch_requested"
+            return switch
     ctx.timings["train_done"] = time.time()
     return "completed"
 
@@ -152,13 +158,24 @@ def stop_rule_met(spec: StageSpec, progress: Progress) -> bool:
     return spec.max_tokens is not None and progress.consumed_tokens >= spec.max_tokens
 
 
-def switch_requested(request_path: Path, group: dist.ProcessGroup | None) -> bool:
-    """Rank 0 looks for the request file; one broadcast makes every rank agree on what it saw. The flag
-    travels through a gloo group as a CPU tensor, so the check never waits for the GPU."""
-    seen = dist.get_rank() == 0 and request_path.exists()
-    flag = torch.tensor([1 if seen else 0], dtype=torch.int32)
+def switch_requested(request_path: Path, group: dist.ProcessGroup | None) -> str | None:
+    """The stop reason a switch request asks for (``switch_requested``, or ``switch_in_place`` when the
+    request says ``"in_place": true``), or None without one. Rank 0 reads the request file; one broadcast
+    makes every rank agree on what it saw. The flag travels through a gloo group as a CPU tensor, so the
+    check never waits for the GPU."""
+    code = 0
+    if dist.get_rank() == 0 and request_path.exists():
+        code = 2 if _reads_in_place(request_path) else 1
+    flag = torch.tensor([code], dtype=torch.int32)
     dist.broadcast(flag, src=0, group=group)
-    return bool(flag.item())
+    return {0: None, 1: "switch_requested", 2: "switch_in_place"}[int(flag.item())]
+
+
+def _reads_in_place(request_path: Path) -> bool:
+    try:
+        return json.loads(request_path.read_text()).get("in_place") is True
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False  # unreadable: the safe way, through a checkpoint
 
 
 def gns_due(spec: StageSpec, progress: Progress) -> bool:
@@ -202,6 +219,9 @@ def _step(
     grad_norm = ctx.model.clip_grad_norm_pending(spec.config.training.clip_grad)
     stepped = ctx.model.optimizer_step_pending(ctx.optimizer)
     ctx.optimizer.zero_grad(set_to_none=True)
+    if ctx.step_trace is not None:
+        lrs = [group["lr"] for group in ctx.optimizer.param_groups]
+        ctx.step_trace.record(iteration=progress.iteration + 1, micro_batches=sample_ids, lrs=lrs)
     return out, grad_norm, stepped
 
 

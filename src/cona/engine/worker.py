@@ -20,7 +20,6 @@ once DTensor collectives ran (see docs: torch-native-on-cpu, gotcha 1).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -28,35 +27,24 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import IO, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from cona.config import ConaConfig
-from cona.data.gpt_dataset import build_datasets
-from cona.engine.checkpoint import (
-    PROBE_FILE,
-    layout_dir,
-    load_checkpoint,
-    read_checkpoint_info,
-    resolve_checkpoint,
-    save_checkpoint,
-)
-from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
-from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
-from cona.engine.parallel_dims import build_mesh, validate_layout
-from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
-from cona.engine.session import SESSION_FLAG, next_stage
+from cona.engine.session import SESSION_FLAG, next_stage, release_stage_memory
 from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV, StageResult, StageSpec
-from cona.engine.switch_check import ProbeRecord, Verdict, compare_probe, write_verdict
-from cona.engine.train_model import TrainingModel, build_training_model, resolved_dtype
-from cona.engine.trainer import Progress, StageContext, fixed_eval_batches, train_stage
-from cona.errors import CheckpointError
-from cona.planner.flops import training_flops_per_token
+from cona.engine.stage_build import (
+    InPlaceState,
+    build_stage,
+    continue_in_place,
+    destroy_mesh_groups,
+    drop_in_place_state,
+    verify_loaded,
+)
+from cona.engine.trainer import train_stage
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -70,7 +58,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         "launch": float(os.environ.get(LAUNCH_TIME_ENV, process_start)),
         "process_start": process_start,
     }
-    console, joined = None, None
+    console, joined, carried = None, None, None
     for number in itertools.count(1):
         error_dir = spec_path.parent  # the stage directory, also when the spec itself cannot be read
         try:
@@ -79,8 +67,18 @@ def main(argv: list[str] | None = None) -> NoReturn:
             console = console or open_console()
             point_output(spec.stage_dir, rank)
             joined = joined or init_distributed(spec.config)  # once: a session keeps the process group
-            run_stage(spec, *joined, console=console if echo else None, timings=timings)
-            command = next_stage(spec, session_dir, number, rank) if session_dir else {"stop": True}
+            if carried is not None and not spec.continue_in_place:  # the stage builds its own
+                drop_in_place_state(carried)
+                carried = None
+                release_stage_memory(spec.config)
+            _, carried = run_stage(
+                spec, *joined, console=console if echo else None, timings=timings, carried=carried
+            )
+            command = (
+                next_stage(spec, session_dir, number, rank, keep_state=carried is not None)
+                if session_dir
+                else {"stop": True}
+            )
         except BaseException as err:  # noqa: BLE001 (every failure must reach the runner as an .error file)
             write_error(error_dir, rank, err)
             _flush()
@@ -99,24 +97,32 @@ def run_stage(
     *,
     console: IO[str] | None,
     timings: dict[str, float],
-) -> StageResult:
-    """Build, resume, train and save one stage; rank 0 writes ``stage_result.json``. The stage's mesh
-    groups are destroyed at the end (a session's next stage builds its own)."""
-    context, progress = build_stage(
-        spec, device, control_group=control_group, console=console, timings=timings
-    )
+    carried: InPlaceState | None = None,
+) -> tuple[StageResult, InPlaceState | None]:
+    """Build (or continue in place), resume, train and save one stage; rank 0 writes ``stage_result.json``.
+    Returns the result and, when the stage hands its state over to the session's next stage (an in-place
+    switch), that state; otherwise the stage's mesh groups are destroyed at the end."""
     verdict = None
-    if spec.load_path is not None:
-        timings["load_done"] = time.time()
-        verdict = verify_loaded(context, spec.load_path, iteration=progress.iteration)
-        timings["verify_done"] = time.time()
+    if spec.continue_in_place:
+        context, progress = continue_in_place(carried, spec, console=console, timings=timings)
+    else:
+        context, progress = build_stage(
+            spec, device, control_group=control_group, console=console, timings=timings
+        )
+        if spec.load_path is not None:
+            timings["load_done"] = time.time()
+            verdict = verify_loaded(context, spec.load_path, iteration=progress.iteration)
+            timings["verify_done"] = time.time()
     timings["setup_done"] = time.time()
     try:
         reason = train_stage(context, progress)
     finally:
         if context.logger is not None:
             context.logger.close()
-    saves = reason == "switch_requested" or spec.save_at_end
+        if context.step_trace is not None:
+            context.step_trace.close()
+    hand_over = reason == "switch_in_place" or (reason == "completed" and spec.hand_over_in_place)
+    saves = not hand_over and (reason == "switch_requested" or spec.save_at_end)
     checkpoint = context.save(progress, milestones=timings) if saves else None
     timings["save_done"] = time.time()
     result = StageResult(
@@ -128,146 +134,14 @@ def run_stage(
         checkpoint=str(checkpoint) if checkpoint is not None else None,
         timings=timings,
         switch_check=verdict.to_dict() if verdict is not None else None,
+        handed_over=hand_over,
     )
     if dist.get_rank() == 0:
         result.write(spec.result_path)
-    _destroy_mesh_groups(context.model.mesh)
-    return result
-
-
-def _destroy_mesh_groups(mesh: DeviceMesh) -> None:
-    """Leave the mesh's own process groups (never the default one): each holds connections, and on CUDA
-    NCCL buffers, that a session would otherwise pile up stage after stage."""
-    world = dist.group.WORLD
-    for group in {id(group): group for group in mesh.get_all_groups()}.values():
-        if group is not world:
-            dist.destroy_process_group(group)
-
-
-def build_stage(
-    spec: StageSpec,
-    device: torch.device,
-    *,
-    control_group: dist.ProcessGroup | None,
-    console: IO[str] | None,
-    timings: dict[str, float],
-) -> tuple[StageContext, Progress]:
-    """Mesh, model, optimizer, data and LR schedule of this rank, resumed from ``spec.load_path``."""
-    config, strategy = spec.config, spec.strategy
-    validate_layout(config.model, config.training, strategy, world_size=dist.get_world_size())
-    mesh = build_mesh(strategy, device.type)
-    model = build_training_model(config, strategy, mesh, device)
-    optimizer = build_optimizer(model.model_parts, config.training)
-    splits = _build_datasets(config)
-    progress = Progress()
-    if spec.load_path is not None:
-        state = load_checkpoint(
-            spec.load_path, model_parts=model.model_parts, optimizer=optimizer, config=config
-        )
-        progress = Progress.from_trainer_state(state)
-    schedule = lr_schedule(
-        config.training,
-        planned_tokens=spec.planned_tokens,
-        lr_factor=spec.lr_factor,
-        min_lr_factor=spec.min_lr_factor,
-    )
-    dp_rank = mesh["dp"].get_local_rank()
-    eval_samples = spec.resolved_eval_iters() * config.training.base_gbs
-    dtype = resolved_dtype(config.training, device)
-    probe = probe_batch(splits)
-    context = StageContext(
-        spec=spec,
-        model=model,
-        optimizer=optimizer,
-        schedule=schedule,
-        train_data=splits.train,
-        eval_batches=fixed_eval_batches(
-            splits.valid,
-            samples=eval_samples,
-            mbs=strategy.mbs,
-            dp=strategy.dp,
-            dp_rank=dp_rank,
-            device=device,
-        ),
-        dp_rank=dp_rank,
-        flops_per_token=training_flops_per_token(config.model),
-        peak_flops_per_device=peak_flops(_device_name(device), dtype),
-        logger=_rank0_logger(spec, console),
-        save=partial(
-            _save, spec, model, optimizer, schedule, layout_dir(spec.workdir, config, strategy, dtype), probe
-        ),
-        probe_batch=probe,
-        timings=timings,
-        control_group=control_group,
-    )
-    return context, progress
-
-
-def _save(
-    spec: StageSpec,
-    model: TrainingModel,
-    optimizer: torch.optim.Optimizer,
-    schedule: LRSchedule,
-    checkpoint_root: Path,
-    probe: ProbeBatch,
-    at: Progress,
-    *,
-    milestones: dict[str, float] | None = None,
-) -> Path:
-    """Collective save of the stage's state at ``at`` (trainer_state as the engine contract lists it), with
-    the probe loss of the state saved, which whoever loads it verifies (any later stage may load it under
-    another layout). ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
-    record = measure_probe(model, probe, iteration=at.iteration)
-    if milestones is not None:
-        milestones["probe_done"] = time.time()
-    trainer_state = {
-        **dataclasses.asdict(at),
-        "stage": spec.stage,
-        "seed": spec.config.training.seed,
-        "lr_schedule": dataclasses.asdict(schedule),
-    }
-    return save_checkpoint(
-        checkpoint_root,
-        iteration=at.iteration,
-        model_parts=model.model_parts,
-        optimizer=optimizer,
-        trainer_state=trainer_state,
-        config=spec.config,
-        strategy=spec.strategy,
-        probe=record.to_dict(),
-    )
-
-
-def verify_loaded(context: StageContext, load_path: Path, *, iteration: int) -> Verdict:
-    """Collective: the probe loss of the weights just loaded against the one saved with them. Rank 0 writes
-    the verdict to ``stages/<N>/switch_check.json``; every rank raises :class:`CheckpointError` when the
-    two differ by more than float noise (all ranks hold the same all-reduced loss, so all agree)."""
-    checkpoint = resolve_checkpoint(load_path)
-    saved = read_checkpoint_info(checkpoint).probe
-    try:
-        before = ProbeRecord.from_dict(saved) if saved is not None else None
-    except CheckpointError as err:
-        raise CheckpointError(f"{checkpoint / PROBE_FILE}: {err}") from None
-    after = measure_probe(context.model, context.probe_batch, iteration=iteration)
-    verdict = compare_probe(before, after, checkpoint=str(checkpoint))
-    if dist.get_rank() == 0:
-        write_verdict(context.spec.stage_dir, verdict)
-        print(verdict.message(), flush=True)  # to rank0.log; the runner reports it to the user
-    if not verdict.passed:
-        raise CheckpointError(verdict.message())
-    return verdict
-
-
-def _rank0_logger(spec: StageSpec, console: IO[str] | None) -> MetricsLogger | None:
-    if dist.get_rank() != 0:
-        return None
-    return build_metrics_logger(
-        metrics_path=spec.metrics_path,
-        training=spec.config.training,
-        run_name=spec.run_dir.name,
-        run_config=spec.to_dict(),
-        console=console,
-    )
+    if hand_over:
+        return result, InPlaceState(context=context, progress=progress)
+    destroy_mesh_groups(context.model.mesh)
+    return result, None
 
 
 def init_distributed(config: ConaConfig) -> tuple[torch.device, dist.ProcessGroup | None]:
@@ -285,20 +159,6 @@ def init_distributed(config: ConaConfig) -> tuple[torch.device, dist.ProcessGrou
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu"), None
-
-
-def _build_datasets(config: ConaConfig):
-    """Rank 0 builds (and caches) the sample indices first, so the other ranks only read the cache."""
-    if dist.get_rank() == 0:
-        splits = build_datasets(config)
-        dist.barrier()
-        return splits
-    dist.barrier()
-    return build_datasets(config)
-
-
-def _device_name(device: torch.device) -> str | None:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def open_console() -> IO[str]:

@@ -63,6 +63,12 @@ class PolicySettings:
     """Noise-scale measurements needed before any switch."""
     predicted_switch_cost_s: float = 0.0
     """Switch cost assumed until a switch has been measured."""
+    in_place: bool = False
+    """Whether the runner can switch in place (same processes, state kept in memory) to a strategy that
+    keeps the layout; such a switch is charged its own cost."""
+    predicted_in_place_cost_s: float = 1.0
+    """In-place switch cost assumed until one has been measured (a rebuild of the batch-dependent parts and,
+    compiled, a first step at a new shape)."""
     fallback: bool = False
     fallback_ema_alpha: float = 0.1
     fallback_patience: int = 3
@@ -74,7 +80,7 @@ class PolicySettings:
             raise PlanError(f"the frontier's gbs factor must be at least 2, got {self.gbs_factor}")
         if self.gbs_list is not None and (not self.gbs_list or min(self.gbs_list) < 1):
             raise PlanError(f"the frontier's gbs list must hold positive sizes, got {self.gbs_list}")
-        if self.hysteresis < 0 or self.predicted_switch_cost_s < 0:
+        if self.hysteresis < 0 or min(self.predicted_switch_cost_s, self.predicted_in_place_cost_s) < 0:
             raise PlanError("hysteresis and switch cost must be non-negative")
         if not 0.0 < self.fallback_ema_alpha <= 1.0 or self.fallback_patience < 1:
             raise PlanError("fallback_ema_alpha must be in (0, 1] and fallback_patience at least 1")
@@ -149,8 +155,11 @@ class PolicyState:
     earlier: tuple[FinishedStage, ...] = ()
     """Stages at smaller gbs that led here, oldest first (a fallback pops the last one)."""
     measured_switch_cost_s: float | None = None
-    """Mean of the measured switch costs so far."""
+    """Mean of the measured switch costs so far (through a checkpoint)."""
     switches: int = 0
+    measured_in_place_cost_s: float | None = None
+    """Mean of the measured in-place switch costs so far."""
+    in_place_switches: int = 0
     noise_ema: float | None = None
     """The fallback EMA of the noise scale (samples)."""
     below_break_even: int = 0
@@ -162,12 +171,17 @@ def initial_state(current: Candidate) -> PolicyState:
 
 
 def after_switch(
-    state: PolicyState, *, new: Candidate, old_measured_tokens_per_s: float, switch_cost_s: float | None
+    state: PolicyState,
+    *,
+    new: Candidate,
+    old_measured_tokens_per_s: float,
+    switch_cost_s: float | None,
+    in_place: bool = False,
 ) -> PolicyState:
     """The state once the runner has carried out a switch (or fallback) to ``new``.
 
     ``switch_cost_s`` is the measured time the switch took (None if it could not be measured); the mean of
-    the measured costs replaces the predicted one in later decisions.
+    the measured costs (of in-place switches apart) replaces the predicted one in later decisions.
     """
     if new.strategy.gbs < state.current.strategy.gbs:
         earlier = state.earlier[:-1] if state.earlier else ()
@@ -176,19 +190,23 @@ def after_switch(
             strategy=state.current.strategy, measured_tokens_per_s=old_measured_tokens_per_s
         )
         earlier = (*state.earlier, finished)
-    cost = state.measured_switch_cost_s
-    switches = state.switches
-    if switch_cost_s is not None:
-        cost = switch_cost_s if cost is None else (cost * switches + switch_cost_s) / (switches + 1)
-        switches += 1
-    return dataclasses.replace(
-        state,
-        current=new,
-        earlier=earlier,
-        measured_switch_cost_s=cost,
-        switches=switches,
-        below_break_even=0,
-    )
+    state = dataclasses.replace(state, current=new, earlier=earlier, below_break_even=0)
+    if switch_cost_s is None:
+        return state
+    if in_place:
+        cost, count = _mean_with(state.measured_in_place_cost_s, state.in_place_switches, switch_cost_s)
+        return dataclasses.replace(state, measured_in_place_cost_s=cost, in_place_switches=count)
+    cost, count = _mean_with(state.measured_switch_cost_s, state.switches, switch_cost_s)
+    return dataclasses.replace(state, measured_switch_cost_s=cost, switches=count)
+
+
+def _mean_with(mean: float | None, count: int, value: float) -> tuple[float, int]:
+    return (value if mean is None else (mean * count + value) / (count + 1)), count + 1
+
+
+def switches_in_place(current: Strategy, target: Strategy, settings: PolicySettings) -> bool:
+    """Whether a switch from ``current`` to ``target`` is carried out in place."""
+    return settings.in_place and current.same_layout(target)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -285,7 +303,9 @@ def _compare(
         "progress_per_s": candidate_progress,
     }
     saved_s = max(1.0 - current_progress / candidate_progress, 0.0) * remaining_s
-    cost_s = record["switch_cost_s"]
+    in_place = switches_in_place(state.current.strategy, candidate.strategy, settings)
+    cost_s, source = switch_cost_s(state, settings, in_place=in_place)
+    record.update(switch_cost_s=cost_s, switch_cost_source=source, in_place=in_place)
     record["time_saved_s"] = saved_s
     ratio = f"candidate makes {candidate_progress / current_progress:.3f}x the progress per second"
     margin = f"the switch cost {cost_s:.1f} s x {1 + settings.hysteresis:g}"
@@ -298,8 +318,15 @@ def _compare(
     return _decision("stay", None, why, record, state)
 
 
-def switch_cost_s(state: PolicyState, settings: PolicySettings) -> tuple[float, str]:
-    """The cost to charge a switch, and whether it was measured or predicted."""
+def switch_cost_s(
+    state: PolicyState, settings: PolicySettings, *, in_place: bool = False
+) -> tuple[float, str]:
+    """The cost to charge a switch (in place or through a checkpoint), and whether it was measured or
+    predicted."""
+    if in_place:
+        if state.measured_in_place_cost_s is not None:
+            return state.measured_in_place_cost_s, "measured"
+        return settings.predicted_in_place_cost_s, "predicted"
     if state.measured_switch_cost_s is not None:
         return state.measured_switch_cost_s, "measured"
     return settings.predicted_switch_cost_s, "predicted"
@@ -358,6 +385,7 @@ def _fallback_check(
         "measured_tokens_per_s": previous.measured_tokens_per_s,
     }
     target = Candidate(strategy=previous.strategy, predicted_tokens_per_s=previous.measured_tokens_per_s)
+    record["in_place"] = switches_in_place(state.current.strategy, previous.strategy, settings)
     decision = _decision("fallback", target, why, record, dataclasses.replace(state, below_break_even=0))
     return state, decision
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cona.engine.spec import StageResult, StageSpec
+from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, PolicyState, initial_state
@@ -101,7 +101,12 @@ class _Runner:
             seq=run.config.model.seq,
         )
         self.stages: list[dict[str, Any]] = []
-        """Per stage: the strategy, its predicted tokens/s, and why it was chosen (online_stages.json)."""
+        """Per stage: the strategy, its predicted tokens/s, why it was chosen and whether the switch into it
+        kept the state in memory (online_stages.json)."""
+        self.in_place = getattr(launcher, "keeps_workers", False)
+        """Whether a switch that keeps the layout can keep the state in the workers (a session)."""
+        self.handed_over: int | None = None
+        """The stage whose state the session's workers hold in memory for the next stage."""
 
     # --- run state -------------------------------------------------------------------------------------
 
@@ -147,13 +152,14 @@ class _Runner:
         self.out(f"starting online run {run_dir.name} (run directory {run_dir})")
         return state
 
-    def _add_stage(self, candidate: Candidate, *, action: str, reason: str) -> None:
+    def _add_stage(self, candidate: Candidate, *, action: str, reason: str, in_place: bool = False) -> None:
         self.stages.append(
             {
                 "strategy": dataclasses.asdict(candidate.strategy),
                 "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
                 "action": action,
                 "reason": reason,
+                "in_place": in_place,
             }
         )
         path = self.run.run_dir / STAGES_NAME
@@ -205,7 +211,7 @@ class _Runner:
             )
             policy_state = dataclasses.replace(policy_state, earlier=finished)
         settings = PolicySettings.from_training(
-            training, max_gbs=self.run.max_gbs, **self.run.policy_overrides
+            training, max_gbs=self.run.max_gbs, **{"in_place": self.in_place, **self.run.policy_overrides}
         )
         return _Memory(settings=settings, policy_state=policy_state, tracker=tracker)
 
@@ -224,7 +230,7 @@ class _Runner:
         stage = state.stage(number)
         has_next = len(state.stages) > number
         if stage.status == "trained":
-            changes = publish_timed(publish, stage, self.out) if has_next else {}
+            changes = publish_timed(publish, stage, self.out) if has_next and stage.checkpoint else {}
             stage = advance(stage, "published", **changes)
             state = self.save(state, advance(stage, "pruned"))
         stage = state.stage(number)
@@ -241,6 +247,7 @@ class _Runner:
                     new=self.candidate(number + 1),
                     old_measured_tokens_per_s=outcome.measured_tokens_per_s or 0.0,
                     handoff_s=done.timings.get("save_s", 0.0) + done.timings.get("publish_s", 0.0),
+                    in_place=self.continues_in_place(number + 1),
                 )
         elif has_next:
             memory = self.memory(state)
@@ -254,6 +261,8 @@ class _Runner:
             state = self.save(state, current)
         spec = self._spec(current)
         result, outcome, launched = saved_result(current, spec.result_path), None, None
+        if result is None and spec.continue_in_place and self.handed_over != current.step_num - 1:
+            self._replay_in_place(state, current.step_num)  # a kill lost the state kept in memory
         if result is None:
             spec_path = spec.write(spec.stage_dir / "spec.json")
             spec.result_path.unlink(missing_ok=True)
@@ -282,6 +291,7 @@ class _Runner:
             finally:
                 outcome = search.stop()
             result = StageResult.read(spec.result_path)
+        self.handed_over = current.step_num if result.handed_over else None
         self._check_result(current, result)
         stage = trained(state.stage(current.step_num), result, launched)
         line = switch_check_line(stage)
@@ -290,9 +300,9 @@ class _Runner:
         return self.save(state, stage), outcome
 
     def _check_result(self, stage: StageState, result: StageResult) -> None:
-        if result.checkpoint is None:
+        if result.checkpoint is None and not result.handed_over:
             raise LaunchError(f"stage {stage.step_num} saved no checkpoint at its end")
-        if result.reason == "completed" or result.reason == "switch_requested":
+        if result.reason in STOP_REASONS:
             return
         raise LaunchError(f"stage {stage.step_num} stopped for an unknown reason {result.reason!r}")
 
@@ -301,7 +311,7 @@ class _Runner:
         file, which stays until the next stage is recorded, so this survives a kill)."""
         request_path = self.run.run_dir / "switch_request.json"
         result = StageResult.read(self.run.run_dir / "stages" / str(stage.step_num) / "stage_result.json")
-        if result.reason != "switch_requested" or not request_path.is_file():
+        if result.reason not in ("switch_requested", "switch_in_place") or not request_path.is_file():
             request_path.unlink(missing_ok=True)
             return state
         request = json.loads(request_path.read_text())
@@ -310,13 +320,15 @@ class _Runner:
                 strategy=Strategy(**request["strategy"]),
                 predicted_tokens_per_s=request["predicted_tokens_per_s"],
             )
-            self._add_stage(target, action=request["action"], reason=request["reason"])
+            in_place = request.get("in_place") is True and result.handed_over
+            self._add_stage(target, action=request["action"], reason=request["reason"], in_place=in_place)
             state = dataclasses.replace(
                 state, stages=(*state.stages, StageState(step_num=stage.step_num + 1))
             )
             save_state(self.run.run_dir, state)
+            how = " in place" if in_place else ""
             self.out(
-                f"stage {stage.step_num} -> {stage.step_num + 1}: {request['action']} to "
+                f"stage {stage.step_num} -> {stage.step_num + 1}: {request['action']}{how} to "
                 f"{target.strategy.short()} at iteration {stage.last_iteration}"
             )
         request_path.unlink()
@@ -328,6 +340,8 @@ class _Runner:
         previous = state.stage(number - 1) if number > 1 else None
         start = previous.last_iteration if previous is not None else 0
         load_path = (previous.universal or previous.checkpoint) if previous is not None else None
+        if self.continues_in_place(number):
+            load_path = None  # the state stays in the workers' memory
         strategy = self.strategy(number)
         lr = stage_lr(self.run.run_dir, training, strategy.gbs, start)
         plan = {"start_iteration": start, "load_path": load_path, "lr": lr.scaled.lr,
@@ -352,7 +366,10 @@ class _Runner:
         span = dataclasses.replace(stage, target_iteration=stage.target_iteration or sys.maxsize)
         own = own_checkpoint(span, self.layout_dir(stage.step_num))
         load_path = own if own is not None else (Path(stage.load_path) if stage.load_path else None)
+        in_place = own is None and self.continues_in_place(stage.step_num)
         return StageSpec(
+            continue_in_place=in_place,
+            start_iteration=stage.start_iteration if in_place else None,
             run_dir=self.run.run_dir,
             config=self.run.config,
             strategy=self.strategy(stage.step_num),
@@ -366,6 +383,41 @@ class _Runner:
             min_lr_factor=stage.min_lr_factor,
             save_at_end=True,
         )
+
+    def continues_in_place(self, step_num: int) -> bool:
+        """Whether the switch into stage ``step_num`` kept the state in the workers' memory."""
+        return step_num > 1 and bool(self.stages[step_num - 1].get("in_place"))
+
+    def _replay_in_place(self, state: RunState, step_num: int) -> None:
+        """Rebuild in the session's memory the state stage ``step_num`` continues in place, which a kill
+        lost: retrain from the last stage whose start is on disk, each stage to the iteration it handed
+        over at, under its own strategy and LR (the same samples in the same order), handing over again."""
+        first = step_num - 1
+        while self.continues_in_place(first):
+            first -= 1
+        for number in range(first, step_num):
+            stage = state.stage(number)
+            spec = dataclasses.replace(
+                self._spec(dataclasses.replace(stage, attempts=0)),
+                load_path=Path(stage.load_path) if number == first and stage.load_path else None,
+                continue_in_place=number > first,
+                start_iteration=stage.start_iteration if number > first else None,
+                target_iteration=stage.last_iteration,
+                max_tokens=None,
+                save_at_end=False,
+                hand_over_in_place=True,
+            )
+            self.out(
+                f"stage {number}: retraining iterations {stage.start_iteration}..{stage.last_iteration} to "
+                f"rebuild the state an in-place switch kept in memory"
+            )
+            spec_path = spec.write(spec.stage_dir / "replay_spec.json")
+            spec.result_path.unlink(missing_ok=True)
+            launch_stage(self.launcher, self._launch(spec, spec_path, number))
+            result = StageResult.read(spec.result_path)
+            if not result.handed_over or result.last_iteration != stage.last_iteration:
+                raise LaunchError(f"stage {number}: the retraining did not end at {stage.last_iteration}")
+        self.handed_over = step_num - 1
 
     def _launch(self, spec: StageSpec, spec_path: Path, number: int) -> StageLaunch:
         port = stage_master_port(self.run.base_port, number)

@@ -65,6 +65,8 @@ class PendingSwitch:
     old_measured_tokens_per_s: float
     handoff_s: float
     """Save and publish of the previous stage, measured by the runner."""
+    in_place: bool = False
+    """The switch kept the state in the workers' memory (its cost is averaged apart)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +199,7 @@ class StageSearch:
                 new=self.pending.new,
                 old_measured_tokens_per_s=self.pending.old_measured_tokens_per_s,
                 switch_cost_s=self.pending.handoff_s + startup_s,
+                in_place=self.pending.in_place,
             )
             self.pending = None
         elif self.startup_prices_switch and self.policy_state.measured_switch_cost_s is None:
@@ -228,7 +231,12 @@ class StageSearch:
         self._log(decision)
         if decision.action != "stay":
             self.decision = decision
-            _write_atomic(self.switch_request_path, {"action": decision.action, **_target(decision)})
+            request = {
+                "action": decision.action,
+                "in_place": bool(decision.record.get("in_place")),
+                **_target(decision),
+            }
+            _write_atomic(self.switch_request_path, request)
         return decision
 
     def _anchored(self, current: Strategy, measured: float) -> Callable[[int], Candidate | None]:

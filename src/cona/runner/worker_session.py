@@ -90,6 +90,9 @@ class WorkerSession:
     """A launcher (``session(launch)``) that runs consecutive single-node stages of the same topology in
     the same worker processes. ``close()`` (or leaving its ``with`` block) stops them."""
 
+    keeps_workers = True
+    """Consecutive stages run in the same processes, so a stage can hand its state to the next in place."""
+
     def __init__(self, *, worker_module: str = WORKER_MODULE, env: Mapping[str, str] | None = None) -> None:
         self._worker_module, self._env = worker_module, env
         self._running: _Running | None = None

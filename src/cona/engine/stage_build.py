@@ -1,0 +1,265 @@
+"""Building one stage's objects in a worker: from scratch or a checkpoint (:func:`build_stage`), or by
+taking over the state the session's previous stage left in memory (:func:`continue_in_place`).
+
+An in-place switch changes only what does not touch the layout (gbs, mbs and with them the LR factor): the
+model, its sharding, the optimizer state, the data and the compiled graphs stay, so the switch costs no
+checkpoint round trip. The samples continue exactly where the previous stage stopped, as they would after a
+save and a load (the sampler's window depends only on the consumed samples and the new gbs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import IO
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from cona.config import ConaConfig
+from cona.data.gpt_dataset import build_datasets
+from cona.engine.checkpoint import (
+    PROBE_FILE,
+    layout_dir,
+    load_checkpoint,
+    read_checkpoint_info,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
+from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
+from cona.engine.parallel_dims import build_mesh, validate_layout
+from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
+from cona.engine.spec import StageSpec
+from cona.engine.step_trace import step_trace_from_env
+from cona.engine.switch_check import ProbeRecord, Verdict, compare_probe, write_verdict
+from cona.engine.train_model import TrainingModel, build_training_model, resolved_dtype
+from cona.engine.trainer import Progress, StageContext, fixed_eval_batches
+from cona.errors import CheckpointError, LaunchError
+from cona.planner.flops import training_flops_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class InPlaceState:
+    """What a stage that ended on an in-place switch hands to the session's next stage."""
+
+    context: StageContext
+    progress: Progress
+
+
+def continue_in_place(
+    carried: InPlaceState | None, spec: StageSpec, *, console: IO[str] | None, timings: dict[str, float]
+) -> tuple[StageContext, Progress]:
+    """The previous stage's objects under ``spec``'s gbs, mbs and LR factors (same layout and config)."""
+    if carried is None:
+        raise LaunchError(f"stage {spec.stage}: continue_in_place, but no earlier stage's state is in memory")
+    old = carried.context
+    progress = dataclasses.replace(carried.progress)
+    if progress.iteration != spec.start_iteration:
+        raise LaunchError(
+            f"stage {spec.stage}: the state in memory is at iteration {progress.iteration}, the stage starts "
+            f"at {spec.start_iteration}"
+        )
+    if spec.config.to_dict() != old.spec.config.to_dict():
+        raise LaunchError(
+            f"stage {spec.stage}: an in-place switch keeps the config of stage {old.spec.stage}"
+        )
+    model, strategy = old.model, spec.strategy
+    model.rebatch(strategy)  # refuses a layout change
+    schedule = lr_schedule(
+        spec.config.training,
+        planned_tokens=spec.planned_tokens,
+        lr_factor=spec.lr_factor,
+        min_lr_factor=spec.min_lr_factor,
+    )
+    eval_batches = old.eval_batches
+    if strategy.mbs != old.spec.strategy.mbs:
+        eval_batches = _eval_batches(spec, old.valid_data, old.dp_rank, model.device)
+    dtype = resolved_dtype(spec.config.training, model.device)
+    context = dataclasses.replace(
+        old,
+        spec=spec,
+        schedule=schedule,
+        eval_batches=eval_batches,
+        logger=_rank0_logger(spec, console),
+        save=partial(
+            _save,
+            spec,
+            model,
+            old.optimizer,
+            schedule,
+            layout_dir(spec.workdir, spec.config, strategy, dtype),
+            old.probe_batch,
+        ),  # fmt: skip
+        timings=timings,
+        step_trace=step_trace_from_env(
+            spec.stage_dir, rank=dist.get_rank(), dp_rank=old.dp_rank, stage=spec.stage
+        ),
+    )
+    return context, progress
+
+
+def drop_in_place_state(carried: InPlaceState) -> None:
+    """Leave the mesh groups of a handed-over state the next stage does not take (it builds its own); the
+    caller then drops its reference and releases the memory."""
+    destroy_mesh_groups(carried.context.model.mesh)
+
+
+def destroy_mesh_groups(mesh: DeviceMesh) -> None:
+    """Leave the mesh's own process groups (never the default one): each holds connections, and on CUDA
+    NCCL buffers, that a session would otherwise pile up stage after stage."""
+    world = dist.group.WORLD
+    for group in {id(group): group for group in mesh.get_all_groups()}.values():
+        if group is not world:
+            dist.destroy_process_group(group)
+
+
+def _eval_batches(spec: StageSpec, valid_data, dp_rank: int, device: torch.device):
+    return fixed_eval_batches(
+        valid_data,
+        samples=spec.resolved_eval_iters() * spec.config.training.base_gbs,
+        mbs=spec.strategy.mbs,
+        dp=spec.strategy.dp,
+        dp_rank=dp_rank,
+        device=device,
+    )
+
+
+def build_stage(
+    spec: StageSpec,
+    device: torch.device,
+    *,
+    control_group: dist.ProcessGroup | None,
+    console: IO[str] | None,
+    timings: dict[str, float],
+) -> tuple[StageContext, Progress]:
+    """Mesh, model, optimizer, data and LR schedule of this rank, resumed from ``spec.load_path``."""
+    config, strategy = spec.config, spec.strategy
+    validate_layout(config.model, config.training, strategy, world_size=dist.get_world_size())
+    mesh = build_mesh(strategy, device.type)
+    model = build_training_model(config, strategy, mesh, device)
+    optimizer = build_optimizer(model.model_parts, config.training)
+    splits = _build_datasets(config)
+    progress = Progress()
+    if spec.load_path is not None:
+        state = load_checkpoint(
+            spec.load_path, model_parts=model.model_parts, optimizer=optimizer, config=config
+        )
+        progress = Progress.from_trainer_state(state)
+    schedule = lr_schedule(
+        config.training,
+        planned_tokens=spec.planned_tokens,
+        lr_factor=spec.lr_factor,
+        min_lr_factor=spec.min_lr_factor,
+    )
+    dp_rank = mesh["dp"].get_local_rank()
+    dtype = resolved_dtype(config.training, device)
+    probe = probe_batch(splits)
+    context = StageContext(
+        spec=spec,
+        model=model,
+        optimizer=optimizer,
+        schedule=schedule,
+        train_data=splits.train,
+        eval_batches=_eval_batches(spec, splits.valid, dp_rank, device),
+        valid_data=splits.valid,
+        dp_rank=dp_rank,
+        flops_per_token=training_flops_per_token(config.model),
+        peak_flops_per_device=peak_flops(_device_name(device), dtype),
+        logger=_rank0_logger(spec, console),
+        save=partial(
+            _save, spec, model, optimizer, schedule, layout_dir(spec.workdir, config, strategy, dtype), probe
+        ),
+        probe_batch=probe,
+        timings=timings,
+        control_group=control_group,
+        step_trace=step_trace_from_env(
+            spec.stage_dir, rank=dist.get_rank(), dp_rank=dp_rank, stage=spec.stage
+        ),
+    )
+    return context, progress
+
+
+def _save(
+    spec: StageSpec,
+    model: TrainingModel,
+    optimizer: torch.optim.Optimizer,
+    schedule: LRSchedule,
+    checkpoint_root: Path,
+    probe: ProbeBatch,
+    at: Progress,
+    *,
+    milestones: dict[str, float] | None = None,
+) -> Path:
+    """Collective save of the stage's state at ``at`` (trainer_state as the engine contract lists it), with
+    the probe loss of the state saved, which whoever loads it verifies (any later stage may load it under
+    another layout). ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
+    record = measure_probe(model, probe, iteration=at.iteration)
+    if milestones is not None:
+        milestones["probe_done"] = time.time()
+    trainer_state = {
+        **dataclasses.asdict(at),
+        "stage": spec.stage,
+        "seed": spec.config.training.seed,
+        "lr_schedule": dataclasses.asdict(schedule),
+    }
+    return save_checkpoint(
+        checkpoint_root,
+        iteration=at.iteration,
+        model_parts=model.model_parts,
+        optimizer=optimizer,
+        trainer_state=trainer_state,
+        config=spec.config,
+        strategy=spec.strategy,
+        probe=record.to_dict(),
+    )
+
+
+def verify_loaded(context: StageContext, load_path: Path, *, iteration: int) -> Verdict:
+    """Collective: the probe loss of the weights just loaded against the one saved with them. Rank 0 writes
+    the verdict to ``stages/<N>/switch_check.json``; every rank raises :class:`CheckpointError` when the
+    two differ by more than float noise (all ranks hold the same all-reduced loss, so all agree)."""
+    checkpoint = resolve_checkpoint(load_path)
+    saved = read_checkpoint_info(checkpoint).probe
+    try:
+        before = ProbeRecord.from_dict(saved) if saved is not None else None
+    except CheckpointError as err:
+        raise CheckpointError(f"{checkpoint / PROBE_FILE}: {err}") from None
+    after = measure_probe(context.model, context.probe_batch, iteration=iteration)
+    verdict = compare_probe(before, after, checkpoint=str(checkpoint))
+    if dist.get_rank() == 0:
+        write_verdict(context.spec.stage_dir, verdict)
+        print(verdict.message(), flush=True)  # to rank0.log; the runner reports it to the user
+    if not verdict.passed:
+        raise CheckpointError(verdict.message())
+    return verdict
+
+
+def _rank0_logger(spec: StageSpec, console: IO[str] | None) -> MetricsLogger | None:
+    if dist.get_rank() != 0:
+        return None
+    return build_metrics_logger(
+        metrics_path=spec.metrics_path,
+        training=spec.config.training,
+        run_name=spec.run_dir.name,
+        run_config=spec.to_dict(),
+        console=console,
+    )
+
+
+def _build_datasets(config: ConaConfig):
+    """Rank 0 builds (and caches) the sample indices first, so the other ranks only read the cache."""
+    if dist.get_rank() == 0:
+        splits = build_datasets(config)
+        dist.barrier()
+        return splits
+    dist.barrier()
+    return build_datasets(config)
+
+
+def _device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
