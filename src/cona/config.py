@@ -311,7 +311,9 @@ def vocab_size_from_file(vocab_file: Path, where: str, tokenizer_type: str = "GP
 
 
 def check_training_files(config: ConaConfig) -> None:
-    """Refuse a config whose dataset or tokenizer files are missing (what ``cona train`` needs)."""
+    """Refuse a config whose dataset or tokenizer files are missing, or whose data does not fit it (a
+    validation split without a sample, token ids >= model.vocab_size): what ``cona train`` checks before it
+    starts a worker."""
     where = str(config.path) if config.path else "<config>"
     training = config.training
     if training.data_prefix is None:
@@ -323,6 +325,9 @@ def check_training_files(config: ConaConfig) -> None:
         value = getattr(training, key)
         if value is not None and not Path(value).is_file():
             raise ConfigError(f"{where}: training.{key}: {value} does not exist")
+    from cona.data.checks import check_dataset  # the data modules import this one
+
+    check_dataset(config)
 
 
 def split_fractions(split: str) -> tuple[float, float, float]:
