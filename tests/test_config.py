@@ -135,3 +135,32 @@ def test_default_log_root_is_relative_to_the_file(tmp_path, monkeypatch):
     path = write(tmp_path)
     monkeypatch.chdir("/")
     assert load_config(path).training.log_root == str(tmp_path / "logs")
+
+
+@pytest.mark.parametrize(
+    "name", ["../../..", "/tmp/elsewhere", "a/b", "..", ".", "", ".hidden", "a\\b", "-x"]
+)
+def test_model_name_must_be_one_directory_name(tmp_path, name):
+    message = error_of(write(tmp_path, model={**MODEL, "name": name}))
+    assert message.startswith(
+        f"{tmp_path / '.conaconfig'}: model.name: {name!r} is not a plain directory name"
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt3-1.3b", "llama-3.2-1b", "m", "Run_2+x"])
+def test_ordinary_model_names_are_accepted(tmp_path, name):
+    assert load_config(write(tmp_path, model={**MODEL, "name": name})).model.name == name
+
+
+def test_a_duplicate_key_is_refused_naming_it(tmp_path):
+    path = tmp_path / ".conaconfig"
+    text = json.dumps({"model": MODEL, "training": {"base_lr": 1e-4}})
+    path.write_text(text.replace('"base_lr": 0.0001', '"base_lr": 0.0001, "base_lr": 0.1'))
+    assert error_of(path) == f"{path}: key 'base_lr' appears twice; keep one"
+
+
+def test_config_naming_a_directory_says_so(tmp_path):
+    message = error_of(tmp_path)
+    assert "is a directory, not a .conaconfig file" in message and "does not exist" not in message
+    write(tmp_path)
+    assert error_of(tmp_path).endswith(f"did you mean {tmp_path / '.conaconfig'}?")

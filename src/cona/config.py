@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cona.config_fields import expect_section, reject_unknown, typed_values
+from cona.config_fields import expect_section, read_json_file, reject_unknown, typed_values
 from cona.errors import ConfigError
 
 CONFIG_NAME = ".conaconfig"
@@ -38,6 +38,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase")
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+"""``model.name`` is one path component under ``<workdir>/checkpoints/``: no separator, no ``..``."""
 PATH_KEYS = (
     "data_prefix",
     "vocab_file",
@@ -256,12 +258,13 @@ def find_config(start: Path | None = None) -> Path:
 def load_config(path: Path | str | None = None, *, check_data_files: bool = False) -> ConaConfig:
     """Read, resolve and validate a config file (found from the cwd when ``path`` is None)."""
     config_path = Path(path) if path is not None else find_config()
+    if config_path.is_dir():
+        inside = config_path / CONFIG_NAME
+        hint = f"; did you mean {inside}?" if inside.is_file() else f" (with no {CONFIG_NAME} in it)"
+        raise ConfigError(f"config file {config_path} is a directory, not a {CONFIG_NAME} file{hint}")
     if not config_path.is_file():
         raise ConfigError(f"config file {config_path} does not exist")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{config_path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    raw = read_json_file(config_path)
     config = parse_config(raw, source=config_path)
     if check_data_files:
         check_training_files(config)
@@ -311,7 +314,9 @@ def vocab_size_from_file(vocab_file: Path, where: str, tokenizer_type: str = "GP
 
 
 def check_training_files(config: ConaConfig) -> None:
-    """Refuse a config whose dataset or tokenizer files are missing (what ``cona train`` needs)."""
+    """Refuse a config whose dataset or tokenizer files are missing, or whose data does not fit it (a
+    validation split without a sample, token ids >= model.vocab_size): what ``cona train`` checks before it
+    starts a worker."""
     where = str(config.path) if config.path else "<config>"
     training = config.training
     if training.data_prefix is None:
@@ -323,6 +328,9 @@ def check_training_files(config: ConaConfig) -> None:
         value = getattr(training, key)
         if value is not None and not Path(value).is_file():
             raise ConfigError(f"{where}: training.{key}: {value} does not exist")
+    from cona.data.checks import check_dataset  # the data modules import this one
+
+    check_dataset(config)
 
 
 def split_fractions(split: str) -> tuple[float, float, float]:
@@ -344,6 +352,12 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
     def fail(key: str, why: str) -> None:
         raise ConfigError(f"{where}: {key}: {why}")
 
+    if not MODEL_NAME.fullmatch(model.name):
+        fail(
+            "model.name",
+            f"{model.name!r} is not a plain directory name (it names checkpoints/<name>/ under --workdir): "
+            "use letters, digits and . _ + -, starting with a letter or digit",
+        )
     for key in ("layers", "hidden", "heads", "seq", "make_vocab_size_divisible_by"):
         if getattr(model, key) <= 0:
             fail(f"model.{key}", "must be positive")

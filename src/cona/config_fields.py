@@ -14,9 +14,36 @@ import math
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from cona.errors import ConaError, ConfigError
+
+
+def read_json_file(path: Path) -> Any:
+    """The JSON document of ``path``; invalid JSON, a key twice in one object (json.loads would keep the
+    last silently) and non-UTF-8 bytes are refused naming the file."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_refuse_duplicate_keys)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}: key {err.args[0]!r} appears twice; keep one") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _DuplicateKey(key)
+        document[key] = value
+    return document
 
 
 def expect_section(raw: dict, name: str, where: str) -> dict:

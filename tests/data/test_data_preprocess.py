@@ -247,3 +247,17 @@ def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(
     with progress.ByteProgress("small.jsonl", 1000) as bar:
         bar.advance(1000, documents=1)
     assert capsys.readouterr().out == ""
+
+
+def test_an_output_directory_that_cannot_be_made_is_one_line(
+    tmp_path: Path, tokenizer_files, capsys: pytest.CaptureFixture
+) -> None:
+    vocab, merges = tokenizer_files[0]
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "one"}\n')
+    (tmp_path / "a-file").write_text("")
+    prefix = tmp_path / "a-file" / "sub" / "o"
+    argv = ["preprocess", "--input", str(source), "--output-prefix", str(prefix)]
+    assert main([*argv, "--vocab-file", str(vocab), "--merge-file", str(merges)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"--output-prefix: cannot create {prefix.parent}" in error

@@ -95,3 +95,22 @@ def test_export_refuses_incomplete_checkpoint_and_bad_out(checkpoint, tmp_path: 
     assert main(["ckpt", "export", str(path), str(tmp_path / "x.safetensors")]) == 2
     assert "incomplete checkpoint: no DCP .metadata file" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_inspect_of_a_binary_file_is_one_line_error(tmp_path: Path, capsys) -> None:
+    random_file = tmp_path / "random.bin"
+    random_file.write_bytes(bytes(range(256)) * 4)
+    assert main(["ckpt", "inspect", str(random_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cona: error: ") and "not a checkpoint" in err and str(random_file) in err
+    assert err.count("\n") == 1
+
+
+def test_export_to_an_unwritable_path_is_one_line_error(checkpoint, tmp_path: Path, capsys) -> None:
+    path, _ = checkpoint
+    taken = tmp_path / "taken.safetensors"
+    taken.mkdir()  # a directory where the file should go: safetensors cannot write it (even as root)
+    assert main(["ckpt", "export", str(path), str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cona: error: OUT: cannot write ") and str(taken) in err
+    assert err.count("\n") == 1

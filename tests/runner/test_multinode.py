@@ -56,6 +56,7 @@ def test_hostfile_with_comments_and_blank_lines(tmp_path):
         ("a slots=2\nb\n", r"hostfile:2: expected '<host> slots=<n>', got 'b'"),
         ("a slots=2 extra\n", r"hostfile:1: expected '<host> slots=<n>'"),
         ("a slots=0\n", r"hostfile:1: slots must be positive, got 0"),
+        ("a slots=2\n-oProxyCommand=x slots=2\n", r"hostfile:2: host '-oProxyCommand=x' starts with '-'"),
         ("# nobody\n\n", r"hostfile: lists no hosts"),
     ],
 )
@@ -335,11 +336,17 @@ def test_ssh_command_keeps_cwd_environment_and_gives_the_rank(tmp_path):
         TWO_NODES, ["python", "-m", "cona", "train", "--chain", "c d.json"], cwd=tmp_path, env=env, out=print
     )
     command = runners.ssh_command(1)
-    assert command[:5] == ["ssh", "-o", "BatchMode=yes", "-p", "2222"] and command[5] == "h1"
-    script = command[6]
+    assert command[:7] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "--", "h1"]
+    script = command[7]
     assert script.startswith(f"cd {tmp_path} && exec env ")
     assert "NCCL_DEBUG=INFO" in script and "PATH=/bin" in script and "SECRET" not in script
     assert script.endswith("--chain 'c d.json' --no-ssh --node-rank 1")
+
+
+def test_ssh_never_reads_a_host_as_an_option(tmp_path):
+    placement = dataclasses.replace(TWO_NODES, hosts=("h0", "-oProxyCommand=touch /tmp/pwned"))
+    command = RemoteRunners(placement, ["cona"], cwd=tmp_path, env={}, out=print).ssh_command(1)
+    assert command.index("--") == command.index("-oProxyCommand=touch /tmp/pwned") - 1
 
 
 def test_runner_command_repeats_this_run_for_the_other_nodes(tmp_path):

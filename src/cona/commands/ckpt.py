@@ -1,5 +1,5 @@
-"""``cona ckpt inspect PATH`` and ``cona ckpt export PATH OUT.safetensors``: read checkpoints without
-starting any distributed process."""
+"""``cona ckpt inspect PATH`` and ``cona ckpt export PATH OUT.safetensors`` (or ``--format hf OUT_DIR``):
+read checkpoints without starting any distributed process."""
 
 from __future__ import annotations
 
@@ -29,12 +29,20 @@ def register(subparsers) -> None:
     inspect.set_defaults(func=run_inspect)
     export = actions.add_parser(
         "export",
-        help="Write the consolidated model weights to one safetensors file",
+        help="Write the consolidated model weights to one safetensors file, or a Hugging Face model",
         description="Gather the model tensors of a (possibly sharded) checkpoint into one safetensors file "
-        "that loads without torch.distributed. Tied weights are written once.",
+        "that loads without torch.distributed (tied weights are written once), or with --format hf into a "
+        "transformers model directory OUT_DIR (config.json, model.safetensors and the tokenizer files; gpt: "
+        "GPT2LMHeadModel, llama: LlamaForCausalLM).",
     )
     export.add_argument("path", type=Path, metavar="PATH")
-    export.add_argument("out", type=Path, metavar="OUT.safetensors")
+    export.add_argument("out", type=Path, metavar="OUT", help="OUT.safetensors, or OUT_DIR with --format hf")
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="safetensors (default): CONA's tensor names in one file; hf: a from_pretrained directory",
+    )
     export.set_defaults(func=run_export)
 
 
@@ -101,6 +109,9 @@ def _human_size(size: int) -> str:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        return _run_export_hf(args)
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from cona.engine.checkpoint import load_model_tensors, read_checkpoint_info, resolve_checkpoint
@@ -125,9 +136,24 @@ def run_export(args: argparse.Namespace) -> int:
         "iteration": str(info.trainer_state.get("iteration")),
         "tied_parameters": json.dumps(tied),
     }
-    save_file(
-        {name: tensor.contiguous() for name, tensor in tensors.items()}, str(args.out), metadata=metadata
-    )
+    try:
+        save_file(
+            {name: tensor.contiguous() for name, tensor in tensors.items()}, str(args.out), metadata=metadata
+        )
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"OUT: cannot write {args.out}: {err}") from None
     total = sum(t.numel() for t in tensors.values())
     print(f"wrote {args.out}: {len(tensors)} tensors, {total} parameters, from {checkpoint}")
+    return 0
+
+
+def _run_export_hf(args: argparse.Namespace) -> int:
+    from cona.engine.hf_export import export_hf
+
+    result = export_hf(args.path, args.out)
+    tokenizer = "with the tokenizer" if result.tokenizer else "no tokenizer (training.vocab_file is unset)"
+    print(
+        f"wrote {result.out_dir}: {result.architecture}, {result.tensors} tensors, {result.parameters} "
+        f"parameters, {tokenizer}"
+    )
     return 0

@@ -19,7 +19,7 @@ from cona.config import ConaConfig, load_config
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ConaError, LaunchError
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology, run_stage, stage_master_port
-from cona.runner.run_dir import create_run_dir, default_run_name, resolve_log_root, stage_dir
+from cona.runner.run_dir import check_workdir, create_run_dir, default_run_name, resolve_log_root, stage_dir
 from cona.strategy import Strategy
 
 FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters", "workdir")
@@ -210,6 +210,7 @@ def _train(args: argparse.Namespace) -> int:
         )
     if args.iters <= 0:
         raise ConaError(f"cona train: --iters must be positive, got {args.iters}")
+    args.workdir = check_workdir(args.workdir)
     config = load_config(args.config, check_data_files=True)
     if args.device is not None:
         config = dataclasses.replace(

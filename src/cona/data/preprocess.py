@@ -201,7 +201,11 @@ def preprocess(options: PreprocessOptions, *, show_progress: bool = True) -> Pre
         dtype=token_dtype(tokenizer.vocab_size).str,
     )
     outputs = {key: output_prefix_for(options.output_prefix, key) for key in options.json_keys}
-    Path(options.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(options.output_prefix).parent
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"--output-prefix: cannot create {out_dir}: {err.strerror or err}") from None
     input_bytes = options.input.stat().st_size
     started = time.perf_counter()
     skipped = 0

@@ -243,7 +243,12 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def _follow_marker(marker: Path) -> Path:
-    name = marker.read_text().strip()
+    try:
+        name = marker.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{marker}: not a checkpoint: expected a checkpoint directory or a marker file naming one"
+        ) from None
     if not name or "/" in name or name.startswith("."):
         raise CheckpointError(
             f"{marker}: not a checkpoint marker (expected a global_step<N> directory name, got {name!r})"

@@ -149,6 +149,12 @@ def load_chain(
         raw = json.loads(chain_path.read_text())
     except FileNotFoundError:
         raise ChainError(f"chain file {chain_path} does not exist") from None
+    except IsADirectoryError:
+        raise ChainError(f"--chain {chain_path} is a directory; give the chain's JSON file") from None
+    except UnicodeDecodeError:
+        raise ChainError(f"{chain_path}: not a UTF-8 JSON chain file") from None
+    except OSError as err:
+        raise ChainError(f"cannot read chain file {chain_path}: {err.strerror}") from None
     except json.JSONDecodeError as err:
         raise ChainError(f"{chain_path}: not valid JSON: {err.msg} at line {err.lineno}") from None
     return parse_chain(

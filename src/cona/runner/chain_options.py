@@ -13,7 +13,7 @@ from cona.errors import ChainError
 from cona.runner.across_nodes import node_topology
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology
 from cona.runner.multinode import NodePlacement, resolve_placement
-from cona.runner.run_dir import check_run_name, resolve_log_root
+from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +55,7 @@ def chain_run_from_args(args: argparse.Namespace) -> ChainRun:
     return ChainRun(
         chain_path=chain_path,
         config=config,
-        workdir=Path(getattr(args, "workdir", None) or Path.cwd()).resolve(),
+        workdir=check_workdir(Path(getattr(args, "workdir", None) or Path.cwd())),
         run_dir=Path(config.training.log_root) / run_name,
         world_size=nodes.num_nodes * nodes.gpus_per_node
         if nodes.num_nodes > 1

@@ -75,6 +75,10 @@ def parse_hostfile(path: Path) -> tuple[tuple[str, int], ...]:
         if match is None:
             raise LaunchError(f"{path}:{number}: expected '<host> slots=<n>', got {raw.strip()!r}")
         host, slots = match["host"], int(match["slots"])
+        if host.startswith("-"):
+            raise LaunchError(
+                f"{path}:{number}: host {host!r} starts with '-', which ssh would read as an option"
+            )
         if slots <= 0:
             raise LaunchError(f"{path}:{number}: slots must be positive, got {slots}")
         if host in hosts:
@@ -298,7 +302,8 @@ class RemoteRunners:
         assignments = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(forwarded.items()))
         script = f"cd {shlex.quote(str(self.cwd))} && exec env {assignments} {shlex.join(remote)}"
         options = shlex.split(self.env.get(SSH_OPTIONS_ENV, ""))
-        return ["ssh", "-o", "BatchMode=yes", *options, self.placement.hosts[rank], script]
+        # "--" ends ssh's options: a host name can never be read as one (the hostfile refuses "-" too).
+        return ["ssh", "-o", "BatchMode=yes", *options, "--", self.placement.hosts[rank], script]
 
     def start(self) -> None:
         for rank in range(1, self.placement.num_nodes):

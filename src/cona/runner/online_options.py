@@ -15,7 +15,7 @@ from cona.runner.chain import content_digest
 from cona.runner.chain_options import PLACEMENT_FLAGS
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 from cona.runner.multinode import NodePlacement, resolve_placement
-from cona.runner.run_dir import check_run_name, resolve_log_root
+from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +100,12 @@ def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
     budget = (args.total_iters, args.total_tokens, args.target_ppl)
     if all(value is None for value in budget):
         raise ConaError("cona train (online mode): give --total-iters, --total-tokens or --target-ppl")
-    if args.total_iters is None and args.total_tokens is None and config.training.lr_decay_tokens is None:
+    total_iters = _positive(args.total_iters, "--total-iters", int)
+    total_tokens = _positive(args.total_tokens, "--total-tokens", int)
+    target_ppl = _positive(args.target_ppl, "--target-ppl", float)
+    if target_ppl is not None and target_ppl <= 1.0:
+        raise ConaError(f"cona train --target-ppl: a perplexity is above 1, got {args.target_ppl}")
+    if total_iters is None and total_tokens is None and config.training.lr_decay_tokens is None:
         raise ConaError(
             "cona train --target-ppl without --total-iters/--total-tokens trains at most to the LR horizon: "
             "set training.lr_decay_tokens in the config"
@@ -115,16 +120,16 @@ def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
     run_name = check_run_name(getattr(args, "run_name", None) or "online")
     return OnlineRun(
         config=config,
-        workdir=Path(getattr(args, "workdir", None) or Path.cwd()).resolve(),
+        workdir=check_workdir(Path(getattr(args, "workdir", None) or Path.cwd())),
         run_dir=Path(config.training.log_root) / run_name,
         world_size=int(gpus),
         device_type=device_type,
         system=args.system,
         initial_gbs=int(args.initial_gbs),
         max_gbs=max_gbs,
-        total_iters=_positive(args.total_iters, "--total-iters", int),
-        total_tokens=_positive(args.total_tokens, "--total-tokens", int),
-        target_ppl=_positive(args.target_ppl, "--target-ppl", float),
+        total_iters=total_iters,
+        total_tokens=total_tokens,
+        target_ppl=target_ppl,
         botorch=not getattr(args, "no_botorch", False),
         base_port=getattr(args, "master_port_base", None) or DEFAULT_MASTER_PORT_BASE,
         fresh=bool(getattr(args, "fresh", False)),

@@ -67,8 +67,24 @@ def create_run_dir(log_root: Path, run_name: str) -> Path:
 def stage_dir(run_dir: Path, stage: int) -> Path:
     """``<run_dir>/stages/<stage>/``, created if missing."""
     path = Path(run_dir) / "stages" / str(stage)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LaunchError(f"cannot create {path}: {err.strerror or err}") from None
     return path
+
+
+def check_workdir(workdir: Path, flag: str = "--workdir") -> Path:
+    """``workdir`` made absolute, refused (before anything trains) when it or a parent is not a directory:
+    checkpoints are written under it, and a file there would surface only at the first save."""
+    workdir = Path(workdir).expanduser().resolve()
+    for path in (workdir, *workdir.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "is a file" if path == workdir else f"is inside {path}, which is a file"
+                raise LaunchError(f"{flag} {workdir} {what}; checkpoints need a directory")
+            break
+    return workdir
 
 
 def point_latest(run_dir: Path) -> Path:
@@ -76,15 +92,20 @@ def point_latest(run_dir: Path) -> Path:
     symlinks cannot be made, a text file holding the run directory's name."""
     latest = run_dir.parent / LATEST_NAME
     tmp = run_dir.parent / f".{LATEST_NAME}.{os.getpid()}"
-    tmp.unlink(missing_ok=True)
     try:
-        tmp.symlink_to(run_dir.name, target_is_directory=True)
-    except OSError:
-        tmp.write_text(run_dir.name + "\n")
-    if latest.is_dir() and not latest.is_symlink():
-        tmp.unlink()
-        raise LaunchError(f"{latest} is a real directory; it is reserved for the pointer to the newest run")
-    tmp.replace(latest)
+        tmp.unlink(missing_ok=True)
+        try:
+            tmp.symlink_to(run_dir.name, target_is_directory=True)
+        except OSError:
+            tmp.write_text(run_dir.name + "\n")
+        if latest.is_dir() and not latest.is_symlink():
+            tmp.unlink()
+            raise LaunchError(
+                f"{latest} is a real directory; it is reserved for the pointer to the newest run"
+            )
+        tmp.replace(latest)
+    except OSError as err:  # a full disk or a read-only log_root: one line, not the chain of both attempts
+        raise LaunchError(f"cannot write {latest}: {err.strerror or err}") from None
     return latest
 
 
