@@ -25,6 +25,7 @@ import hashlib
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -295,6 +296,10 @@ def build(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     prefix = out / "bench"
     tokenize(jsonl, prefix, Path(args.tokenizer_dir), args.workers)
     counts = count_by_source(prefix, names_file)
+    # The tokenizer files travel with the dataset: a GPU machine then needs only --out carried.
+    for name in ("gpt2-vocab.json", "gpt2-merges.txt"):
+        if not (out / name).is_file():
+            shutil.copyfile(Path(args.tokenizer_dir) / name, out / name)
     total = sum(entry["tokens"] for entry in counts.values())
     summary = {"total_tokens": total, "recipe": key, "sources": counts}
     (out / "sources.json").write_text(json.dumps(summary, indent=1) + "\n")
