@@ -46,7 +46,7 @@ from ttt_supervise import RunPlan, supervise
 
 END_MARGIN_S = 10.0
 """Budget kept aside per run for the save and exit after its stop."""
-LADDER_FIELDS = ("model", "corpus", "data_prefix", "seq", "fixed_gbs", "ramp_tokens", "levels", "patience")
+COMPARED_FIELDS = ("model", "corpus", "data_prefix", "fixed_gbs", "ramp_tokens", "levels", "patience", "runs")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Preset | None]:
@@ -142,7 +142,7 @@ def _int_list(flag: str, text: str | None) -> list[int]:
 def settings(args: argparse.Namespace, preset: Preset, plans: list[RunPlan]) -> dict[str, Any]:
     keys = (*PRESET_OVERRIDES, "data_dir", "tokenizer_dir", "compile", "botorch", "min_training_s")
     return {
-        **{key: getattr(args, key) for key in (*keys, *LADDER_FIELDS)},
+        **{key: getattr(args, key) for key in (*keys, *COMPARED_FIELDS)},
         "seq": preset.model["seq"],
         "preset": dataclasses.asdict(preset),
         "commands": {plan.name: plan.command[1:] for plan in plans},

@@ -161,19 +161,19 @@ def summary(
     fixed = [r for r in rows if r["kind"] == "fixed"]
     online = next((r for r in rows if r["kind"] == "online"), None)
     result: dict[str, Any] = {"fixed_tried": [r["run"] for r in fixed]}
-    if not fixed:
-        return result
-    ordered = sorted(fixed, key=lambda r: r["time_to_target_s"] if r["reached"] else math.inf)
-    result.update(best_fixed=ordered[0]["run"], worst_fixed=ordered[-1]["run"])
-    if online is not None and online["reached"]:
-        for label, row in (("best", ordered[0]), ("worst", ordered[-1])):
-            if row["reached"]:
-                result[f"online_over_{label}_fixed"] = round(
-                    online["time_to_target_s"] / row["time_to_target_s"], 3
-                )
+    if not rows:
+        return {**result, "ladder": {}, "main_level": None}
     levels = levels if levels is not None else list(rows[0]["time_to_level_from_first_step_s"])
     result["ladder"] = ladder_summary(rows, levels)
     result["main_level"] = main_level(result["ladder"], min_training_s)
+    if fixed:
+        ordered = sorted(fixed, key=lambda r: r["time_to_target_s"] if r["reached"] else math.inf)
+        result.update(best_fixed=ordered[0]["run"], worst_fixed=ordered[-1]["run"])
+        for label, row in (("best", ordered[0]), ("worst", ordered[-1])):
+            if online is not None and online["reached"] and row["reached"]:
+                result[f"online_over_{label}_fixed"] = round(
+                    online["time_to_target_s"] / row["time_to_target_s"], 3
+                )
     result["main_level_rule"] = f"hardest level a fixed run reached, if it took >= {min_training_s:g} s"
     return result
 

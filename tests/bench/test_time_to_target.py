@@ -88,6 +88,8 @@ def test_an_empty_run_directory_gives_an_empty_row(ttt, tmp_path):
     row = summarize(ttt, write_run(tmp_path / "online", []))
     assert not row["reached"] and row["startup_s"] is None and row["stages"] == []
     assert ttt.format_table([row], 50.0).splitlines()[-1].startswith("online")
+    alone = ttt.summary([row], ["50", "100"])  # an online run without fixed ones (a call of --runs online)
+    assert alone["ladder"]["50"]["best_fixed"] is None and alone["main_level"] is None
 
 
 def test_evaluations_fall_every_so_many_tokens_on_a_set_every_micro_batch_divides(ttt):
