@@ -67,8 +67,17 @@ class StopRule:
     since_best: int = 0
     reason: str | None = None
     requested_at: float | None = None
+    requested_in_stage: Any = None
+    """The stage that was training when this script asked for the stop (None: not asked)."""
+    stage: Any = None
 
     def see(self, record: dict[str, Any]) -> None:
+        self.stage = record.get("stage", self.stage)
+        if self.requested_in_stage is not None and self.stage != self.requested_in_stage:
+            # The chain runner clears the request file when it launches a stage, so a stop asked for at
+            # a stage boundary (the ramp's) is lost: ask the new stage again.
+            self.requested_in_stage = self.stage
+            request_stop(self.plan.run_dir, self.reason or "stop")
         if not self.trained and "step_time_s" in record:
             self.trained = True
             print(
@@ -100,6 +109,7 @@ class StopRule:
     def _stop(self, reason: str, *, request: bool = True) -> None:
         self.reason, self.requested_at = reason, time.time()
         if request:
+            self.requested_in_stage = self.stage if self.stage is not None else "unknown"
             request_stop(self.plan.run_dir, reason)
 
 

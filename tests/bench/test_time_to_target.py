@@ -197,3 +197,15 @@ def test_the_flags_give_doubling_fixed_runs_a_run_selection_and_one_line_errors(
         ttt.parse_args(["--data-dir", str(tmp_path / "none"), "--out", "x.json"])
     args, _ = ttt.parse_args(["--smoke", *fake_corpus(tmp_path)])
     assert args.runs == ["online", "fixed-gbs2", "ramp"] and not args.compile
+
+
+def test_a_stop_asked_for_at_a_stage_boundary_is_asked_again_of_the_next_stage(ttt, tmp_path):
+    ramp = stop_rule(ttt, tmp_path / "r", "ramp")
+    ramp.see(record(stage=1, iteration=2, at=1002.0, gbs=4, ppl=49.0))
+    request = ramp.plan.run_dir / "switch_request.json"
+    assert ramp.reason == "target" and request.exists()
+    request.unlink()  # what the chain runner does when it launches stage 2
+    ramp.see(record(stage=1, iteration=2, at=1002.5, gbs=4))
+    assert not request.exists()
+    ramp.see(record(stage=2, iteration=3, at=1010.0, gbs=8))
+    assert json.loads(request.read_text())["action"] == "stop"
