@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "time_to_target.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 SEQ = 8
 LAUNCHED = 1000.0
+MODULES = ("ttt_supervise", "ttt_report", "ttt_plan", "time_to_target")
 
 
 @pytest.fixture(scope="module")
 def ttt():
-    spec = importlib.util.spec_from_file_location("time_to_target", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    """The benchmark's modules as one namespace (the script imports its siblings from bench/)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        modules = [importlib.import_module(name) for name in MODULES]
+        yield types.SimpleNamespace(**{k: v for m in modules for k, v in vars(m).items()})
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 def record(*, stage: int, iteration: int, at: float, gbs: int, ppl: float | None = None) -> dict:
@@ -62,6 +65,8 @@ def test_an_online_run_reads_back_time_tokens_startup_and_its_switch_gap(ttt, tm
     assert row["training_s"] == 2.5 and row["mean_tokens_per_s"] == round((2 * 4 + 3 * 8) * SEQ / 2.5)
     assert row["eval_spacing_s"] == 0.5 and row["final_ppl"] == 40.0 and row["best_ppl"] == 40.0
     assert row["time_to_level_s"] == {"50": 21.5, "100": 21.0}
+    assert row["time_to_target_from_first_step_s"] == 11.5
+    assert row["time_to_level_from_first_step_s"] == {"50": 11.5, "100": 11.0}
 
 
 def test_a_run_that_misses_the_target_has_no_time_and_counts_as_the_worst_fixed(ttt, tmp_path):
@@ -83,11 +88,13 @@ def test_an_empty_run_directory_gives_an_empty_row(ttt, tmp_path):
     row = summarize(ttt, write_run(tmp_path / "online", []))
     assert not row["reached"] and row["startup_s"] is None and row["stages"] == []
     assert ttt.format_table([row], 50.0).splitlines()[-1].startswith("online")
+    alone = ttt.summary([row], ["50", "100"])  # an online run without fixed ones (a call of --runs online)
+    assert alone["ladder"]["50"]["best_fixed"] is None and alone["main_level"] is None
 
 
 def test_evaluations_fall_every_so_many_tokens_on_a_set_every_micro_batch_divides(ttt):
     assert [ttt.eval_interval(131_072, gbs, 512) for gbs in (8, 32, 64, 1024)] == [32, 8, 4, 1]
-    preset = ttt.PRESETS["125m"]
+    preset = ttt.PRESETS["125m", "demo"]
     assert ttt.eval_samples(preset, 64) == 64 and ttt.eval_samples(preset, 48) == 96
     (step,) = ttt.one_step_chain(16, 4, 100)["steps"]
     assert step["is_initial"] and step["train_iters"] == 100 and (step["gbs"], step["mbs"]) == (16, 4)
@@ -119,3 +126,86 @@ def test_the_stop_rule_stops_a_run_without_progress_or_past_its_cap(ttt, tmp_pat
     slow.overdue(LAUNCHED + 31)
     assert slow.reason == "cap 30 s" and (slow.plan.run_dir / "switch_request.json").exists()
     assert slow.overdue(slow.requested_at + ttt.STOP_GRACE_S + 1)
+
+
+def row(name: str, kind: str, *, startup: float, levels: dict) -> dict:
+    return {"run": name, "kind": kind, "startup_s": startup, "time_to_level_from_first_step_s": levels}
+
+
+def test_the_ladder_charges_online_for_its_extra_start_up_and_picks_the_main_level(ttt):
+    rows = [
+        row("fixed-gbs8", "fixed", startup=20.0, levels={"40": None, "50": 60.0, "80": 10.0}),
+        row("fixed-gbs16", "fixed", startup=22.0, levels={"40": None, "50": 45.0, "80": 12.0}),
+        row("online", "online", startup=30.0, levels={"40": 50.0, "50": 30.0, "80": 9.0}),
+    ]
+    ladder = ttt.ladder_summary(rows, ["40", "50", "80"])
+    assert ladder["40"]["best_fixed"] is None  # online alone reached it: no ratio to give
+    assert ladder["50"]["best_fixed"] == "fixed-gbs16" and ladder["50"]["best_fixed_s"] == 45.0
+    # online: 30 s from its first step + 10 s more start-up than the quickest fixed run (20 s)
+    assert ladder["50"]["times_from_first_step_s"]["online"] == 40.0
+    assert ladder["50"]["over_best_fixed"] == {"online": round(40.0 / 45.0, 3)}
+    assert ladder["80"]["over_best_fixed"] == {"online": 1.9} and ladder["80"]["best_fixed"] == "fixed-gbs8"
+    assert ttt.main_level(ladder, 40.0) == "50" and ttt.main_level(ladder, 50.0) is None
+    assert "online 0.89x" in ttt.format_ladder(ladder) and "no fixed run" in ttt.format_ladder(ladder)
+
+
+def test_the_ramp_chain_switches_at_the_token_points_with_absolute_iterations(ttt):
+    chain = ttt.ramp_chain([(8, 8), (16, 8), (32, 16)], [8 * 512 * 10, 8 * 512 * 30], 8 * 512 * 100, 512)
+    steps = chain["steps"]
+    assert [(s["gbs"], s["mbs"], s["train_iters"]) for s in steps] == [(8, 8, 10), (16, 8, 20), (32, 16, 38)]
+    assert steps[0]["is_initial"] and steps[1]["load_dp"] == 1 and [s["convert"] for s in steps] == [1, 1, 0]
+    with pytest.raises(SystemExit, match="--ramp-tokens"):
+        ttt.ramp_chain([(8, 8), (16, 8), (32, 16)], [5000, 4000], 100_000, 512)
+
+
+def report(**settings) -> dict:
+    base = {key: 1 for key in ttt_must_match()} | settings
+    return {"settings": base, "runs": []}
+
+
+def ttt_must_match() -> tuple[str, ...]:
+    return ("model", "corpus", "data_prefix", "target_ppl", "total_tokens", "warmup_tokens",
+            "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq")  # fmt: skip
+
+
+def test_merging_keeps_every_run_once_and_refuses_other_settings(ttt):
+    first, second = report(), report()
+    first["runs"] = [{"run": "online", "x": 1}, {"run": "fixed-gbs8", "x": 1}]
+    second["runs"] = [{"run": "fixed-gbs8", "x": 2}, {"run": "ramp", "x": 2}]
+    merged = ttt.merge_reports([("a.json", first), ("b.json", second)])
+    assert [(r["run"], r["x"]) for r in merged["runs"]] == [("online", 1), ("fixed-gbs8", 2), ("ramp", 2)]
+    assert merged["settings"]["merged_from"] == ["a.json", "b.json"]
+    with pytest.raises(ValueError, match="b.json has target_ppl=30"):
+        ttt.merge_reports([("a.json", first), ("b.json", report(target_ppl=30))])
+
+
+def fake_corpus(tmp_path: Path) -> list[str]:
+    (tmp_path / "c.bin").write_bytes(b"")
+    (tmp_path / "gpt2-vocab.json").write_text("{}")
+    return ["--data-dir", str(tmp_path), "--data-prefix", "c", "--out", str(tmp_path / "o.json")]
+
+
+def test_the_flags_give_doubling_fixed_runs_a_run_selection_and_one_line_errors(ttt, tmp_path):
+    args, preset = ttt.parse_args(["--model", "125m", *fake_corpus(tmp_path)])
+    assert args.fixed_gbs == [8, 16, 32, 64] and args.compile and preset.model["seq"] == 512
+    assert args.runs == ["online", "fixed-gbs8", "fixed-gbs64", "fixed-gbs16", "fixed-gbs32", "ramp"]
+    args, _ = ttt.parse_args(["--runs", "ramp,fixed-gbs16", "--no-compile", *fake_corpus(tmp_path)])
+    assert args.runs == ["ramp", "fixed-gbs16"] and not args.compile
+    with pytest.raises(SystemExit, match="--runs: unknown fixed-gbs12"):
+        ttt.parse_args(["--runs", "fixed-gbs12", *fake_corpus(tmp_path)])
+    with pytest.raises(SystemExit, match="--data-dir/--data-prefix"):
+        ttt.parse_args(["--data-dir", str(tmp_path / "none"), "--out", "x.json"])
+    args, _ = ttt.parse_args(["--smoke", *fake_corpus(tmp_path)])
+    assert args.runs == ["online", "fixed-gbs2", "ramp"] and not args.compile
+
+
+def test_a_stop_asked_for_at_a_stage_boundary_is_asked_again_of_the_next_stage(ttt, tmp_path):
+    ramp = stop_rule(ttt, tmp_path / "r", "ramp")
+    ramp.see(record(stage=1, iteration=2, at=1002.0, gbs=4, ppl=49.0))
+    request = ramp.plan.run_dir / "switch_request.json"
+    assert ramp.reason == "target" and request.exists()
+    request.unlink()  # what the chain runner does when it launches stage 2
+    ramp.see(record(stage=1, iteration=2, at=1002.5, gbs=4))
+    assert not request.exists()
+    ramp.see(record(stage=2, iteration=3, at=1010.0, gbs=8))
+    assert json.loads(request.read_text())["action"] == "stop"

@@ -1,0 +1,235 @@
+"""The time-to-target benchmark's presets and the runs it plans: each run's .conaconfig, chain and command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ttt_supervise import RunPlan
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """A model on a corpus and the knobs that go with it (every one can be overridden by a flag)."""
+
+    model: dict[str, Any]
+    base_gbs: int
+    base_lr: float
+    base_min_lr: float
+    device: str
+    system: str
+    initial_gbs: int
+    max_gbs: int
+    target_ppl: float
+    total_tokens: int
+    warmup_tokens: int
+    eval_every_tokens: int
+    eval_samples: int
+    budget_s: float
+    online_cap_s: float
+    fixed_cap_s: float
+    ramp_cap_s: float
+    ramp_tokens: tuple[int, int]
+    """Where the ramp switches G0 -> 2G0 and 2G0 -> 4G0, in consumed tokens."""
+
+
+PRESET_OVERRIDES = ("system", "initial_gbs", "max_gbs", "target_ppl", "total_tokens", "warmup_tokens",
+                    "eval_every_tokens", "budget_s", "online_cap_s", "fixed_cap_s", "ramp_cap_s")  # fmt: skip
+"""Preset fields that a flag of the same name (``--initial-gbs``) overrides."""
+
+CORPORA = {"demo": ("data/demo", "wiki_text_document"), "bench": ("data/bench", "bench_text_document")}
+"""``--corpus``: the default data folder (under the project root) and dataset name in it."""
+
+_GPT_125M = {"name": "gpt-125m", "layers": 12, "hidden": 768, "heads": 12, "seq": 512}
+_H200 = {"device": "cuda", "system": "h200_141g"}
+# Demo corpus (1.04M tokens): seq 512 gives ~1,900 train sequences, so a gbs-64 step is 1/30 of an epoch.
+_DEMO_125M = Preset(
+    model=_GPT_125M, base_gbs=8, base_lr=4e-4, base_min_lr=4e-5, **_H200, initial_gbs=8, max_gbs=64,
+    target_ppl=300.0, total_tokens=8_000_000, warmup_tokens=160_000, eval_every_tokens=131_072,
+    eval_samples=64, budget_s=540.0, online_cap_s=200.0, fixed_cap_s=120.0, ramp_cap_s=150.0,
+    ramp_tokens=(1_000_000, 3_000_000),
+)  # fmt: skip
+# Bench corpus (22.2M tokens). The target is an estimate (no GPU run on this corpus yet): the best fixed
+# run at ~400-600k tokens/s compiled should need ~20M tokens (about an epoch, >= 40 s) to reach it. If no
+# run reaches it within its cap, the ladder's easier levels still compare them (summary "main_level").
+# The caps fit the 125M comparison in two calls of <= 9.5 minutes: online + fixed 8 + fixed 64 (240 + 2 x
+# 160 s), then fixed 16 + fixed 32 + ramp (2 x 160 + 200 s); the LR horizon (32M tokens) is past any target.
+_BENCH_125M = dataclasses.replace(
+    _DEMO_125M, target_ppl=40.0, total_tokens=32_000_000, warmup_tokens=327_680, eval_every_tokens=262_144,
+    budget_s=520.0, online_cap_s=240.0, fixed_cap_s=160.0, ramp_cap_s=200.0,
+    ramp_tokens=(2_000_000, 8_000_000),
+)  # fmt: skip
+_BENCH_350M = dataclasses.replace(
+    _BENCH_125M, model={"name": "gpt-350m", "layers": 24, "hidden": 1024, "heads": 16, "seq": 512},
+    base_lr=3e-4, base_min_lr=3e-5, target_ppl=35.0, total_tokens=24_000_000, fixed_cap_s=150.0,
+    ramp_tokens=(1_500_000, 6_000_000),
+)  # fmt: skip
+_SMOKE = Preset(
+    model={"name": "gpt-tiny", "layers": 4, "hidden": 64, "heads": 4, "seq": 128,
+           "attention_dropout": 0.0, "hidden_dropout": 0.0},
+    base_gbs=2, base_lr=2e-3, base_min_lr=2e-4, device="cpu", system="cpu_gloo",
+    initial_gbs=2, max_gbs=8, target_ppl=48_000.0, total_tokens=8_192, warmup_tokens=256,
+    eval_every_tokens=512, eval_samples=8, budget_s=420.0, online_cap_s=130.0, fixed_cap_s=110.0,
+    ramp_cap_s=130.0, ramp_tokens=(256, 768),
+)  # fmt: skip
+PRESETS = {
+    ("125m", "demo"): _DEMO_125M,
+    ("125m", "bench"): _BENCH_125M,
+    ("350m", "bench"): _BENCH_350M,
+    ("350m", "demo"): dataclasses.replace(_BENCH_350M, **{f: getattr(_DEMO_125M, f) for f in (
+        "target_ppl", "total_tokens", "warmup_tokens", "eval_every_tokens", "ramp_tokens")}),
+    ("tiny", "demo"): _SMOKE,
+}  # fmt: skip
+
+
+def eval_interval(eval_every_tokens: int, gbs: int, seq: int) -> int:
+    """Iterations between evaluations so that one falls every ``eval_every_tokens`` tokens at ``gbs``."""
+    return max(1, round(eval_every_tokens / (gbs * seq)))
+
+
+def eval_samples(preset: Preset, max_gbs: int) -> int:
+    """The evaluation set's size: ``preset.eval_samples`` rounded up to a multiple of base_gbs and max_gbs.
+    The worker rounds it to whole micro-batches, so every run evaluates the same samples only when each
+    micro-batch size divides it (true when the gbs values divide max_gbs, as doubling from G0 gives)."""
+    unit = math.lcm(preset.base_gbs, max_gbs)
+    return unit * math.ceil(preset.eval_samples / unit)
+
+
+def conaconfig(preset: Preset, args: argparse.Namespace, *, eval_gbs: int, root: Path) -> dict[str, Any]:
+    """The run's .conaconfig: the corpus, a per-run index cache (no run inherits another's), logs here."""
+    tokenizer = Path(args.tokenizer_dir).resolve()
+    interval = eval_interval(args.eval_every_tokens, eval_gbs, preset.model["seq"])
+    training = {
+        "seed": 1234, "device": preset.device, "dtype": "bf16" if preset.device == "cuda" else "fp32",
+        "zero_stage": 1, "compile": bool(args.compile), "base_gbs": preset.base_gbs,
+        "base_lr": preset.base_lr, "base_min_lr": preset.base_min_lr, "lr_scale_strategy": "sqrt",
+        "lr_warmup_tokens": args.warmup_tokens, "lr_decay_tokens": args.total_tokens, "weight_decay": 0.1,
+        "split": "949,50,1", "data_prefix": str(Path(args.data_dir).resolve() / args.data_prefix),
+        "vocab_file": str(tokenizer / "gpt2-vocab.json"), "merge_file": str(tokenizer / "gpt2-merges.txt"),
+        "tokenizer_type": "GPT2BPETokenizer", "data_cache_path": str(root / "index-cache"),
+        "log_interval": max(1, interval // 4), "eval_interval": interval,
+        "eval_iters": eval_samples(preset, args.max_gbs) // preset.base_gbs, "log_root": str(root / "logs"),
+        "wandb_mode": "disabled",
+    }  # fmt: skip
+    return {"model": dict(preset.model), "training": training}
+
+
+def best_mbs(config_path: Path, system: str, gbs: int) -> int:
+    """The micro-batch of the planner's best one-device strategy at ``gbs`` (what online mode would run)."""
+    from cona.config import load_config
+    from cona.planner.systems import load_system
+    from cona.runner.online_search import FrontierSearch
+    from cona.runner.stage_run import checkpoint_dtype
+
+    config = load_config(config_path, check_data_files=True)
+    loaded = load_system(system)
+    dtype = loaded.resolve_dtype(checkpoint_dtype(config.training, config.training.device))
+    found = FrontierSearch(config=config, system=loaded, n_gpus=1, dtype=dtype, botorch=False)(gbs)
+    if found is None:
+        raise SystemExit(f"time_to_target: no one-device strategy fits gbs {gbs} on {system}")
+    return found.strategy.mbs
+
+
+def one_step_chain(gbs: int, mbs: int, iters: int) -> dict[str, Any]:
+    step = {"step_num": 1, "dp": 1, "tp": 1, "pp": 1, "gbs": gbs, "mbs": mbs, "train_iters": iters}
+    return {"steps": [{**step, "is_initial": True, "convert": False}]}
+
+
+def ramp_chain(stages: list[tuple[int, int]], switch_tokens: list[int], total_tokens: int, seq: int) -> dict:
+    """A one-device chain of ``(gbs, mbs)`` stages; stage k ends at the first iteration whose consumed tokens
+    reach ``switch_tokens[k]`` (the last at ``total_tokens``). ``train_iters`` are absolute iterations."""
+    ends = [*switch_tokens, total_tokens]
+    if len(ends) != len(stages) or any(b <= a for a, b in zip(ends, ends[1:], strict=False)) or ends[0] <= 0:
+        raise SystemExit(
+            f"--ramp-tokens: {switch_tokens} must rise, stay below --total-tokens {total_tokens}"
+        )
+    steps, iteration, tokens = [], 0, 0
+    for index, ((gbs, mbs), end) in enumerate(zip(stages, ends, strict=True)):
+        more = max(1, math.ceil((end - tokens) / (gbs * seq)))
+        iteration, tokens = iteration + more, tokens + more * gbs * seq
+        step = {
+            "step_num": index + 1,
+            "dp": 1,
+            "tp": 1,
+            "pp": 1,
+            "gbs": gbs,
+            "mbs": mbs,
+            "train_iters": iteration,
+        }
+        step |= {"is_initial": True} if index == 0 else {"load_dp": 1, "load_tp": 1, "load_pp": 1}
+        steps.append({**step, "convert": index < len(stages) - 1})
+    return {"steps": steps}
+
+
+def free_port_base() -> int:
+    """A base port whose stage-1 port (base + 1) is free now; the runs get distinct bases."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1] - 1
+
+
+def run_names(args: argparse.Namespace) -> list[str]:
+    """Every run this set-up can make, in the default order: online, then the smallest and largest fixed gbs
+    (they bound the result if the budget runs out before the middle ones), the middle ones, the ramp."""
+    fixed = sorted(args.fixed_gbs)
+    order = [fixed[0], fixed[-1], *fixed[1:-1]] if len(fixed) > 1 else fixed
+    return ["online", *(f"fixed-gbs{gbs}" for gbs in order), "ramp"]
+
+
+def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan:
+    """The run called ``name`` (see :func:`run_names`): its folder, .conaconfig, chain and command."""
+    root = work / name
+    root.mkdir(parents=True)
+    seq, config = preset.model["seq"], root / ".conaconfig"
+    eval_gbs = int(name.removeprefix("fixed-gbs")) if name.startswith("fixed-gbs") else args.initial_gbs
+    config.write_text(json.dumps(conaconfig(preset, args, eval_gbs=eval_gbs, root=root)))
+    common = ["--gpus", "1", "--quiet"]
+    if name == "online":
+        extra = [
+            "--system",
+            args.system,
+            "--initial-gbs",
+            str(args.initial_gbs),
+            "--max-gbs",
+            str(args.max_gbs),
+        ]
+        extra += ["--target-ppl", f"{args.target_ppl:g}", "--total-tokens", str(args.total_tokens)]
+        extra += [] if args.botorch else ["--no-botorch"]
+        return _plan(name, "online", root, config, [*common, *extra], args.online_cap_s)
+    if name == "ramp":
+        gbs_steps = [args.initial_gbs * 2**k for k in range(len(args.ramp_tokens) + 1)]
+        stages = [(gbs, _checked_mbs(config, args, preset, gbs)) for gbs in gbs_steps]
+        chain = ramp_chain(stages, list(args.ramp_tokens), args.total_tokens, seq)
+        kind, cap = "ramp", args.ramp_cap_s
+    else:
+        gbs = eval_gbs
+        chain = one_step_chain(
+            gbs, _checked_mbs(config, args, preset, gbs), math.ceil(args.total_tokens / (gbs * seq))
+        )
+        kind, cap = "fixed", args.fixed_cap_s
+    (root / "chain.json").write_text(json.dumps(chain))
+    return _plan(name, kind, root, config, ["--chain", str(root / "chain.json"), *common], cap)
+
+
+def _checked_mbs(config: Path, args: argparse.Namespace, preset: Preset, gbs: int) -> int:
+    mbs = best_mbs(config, args.system, gbs)
+    if eval_samples(preset, args.max_gbs) % mbs:
+        raise SystemExit(f"time_to_target: mbs {mbs} at gbs {gbs} would change the evaluation set")
+    return mbs
+
+
+def _plan(name: str, kind: str, root: Path, config: Path, extra: list[str], cap_s: float) -> RunPlan:
+    command = [sys.executable, "-m", "cona", "train", "--config", str(config), "--workdir", str(root)]
+    command += ["--run-name", name, "--master-port-base", str(free_port_base()), *extra]
+    return RunPlan(
+        name=name, kind=kind, command=command, root=root, run_dir=root / "logs" / name, cap_s=cap_s
+    )

@@ -1,0 +1,240 @@
+"""Reading the time-to-target benchmark's runs back: one row per run from its run directory, the summary
+over the rows (best fixed, the ladder of levels, the online and ramp runs' ratios), the tables, and the
+merge of the JSON that several calls wrote."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ttt_supervise import Supervised
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the torn last line of a killed writer
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def first_at_or_below(records: list[dict[str, Any]], level: float) -> dict[str, Any] | None:
+    return next((r for r in records if r.get("eval_ppl") is not None and r["eval_ppl"] <= level), None)
+
+
+def step_start(record: dict[str, Any]) -> float:
+    """When the steps of a record's log interval began."""
+    return float(record["time"]) - float(record["step_time_s"]) * int(record.get("steps_in_interval", 1))
+
+
+def switch_gaps(records: list[dict[str, Any]]) -> list[float]:
+    """Per stage change: the last record of one stage until the first step of the next (save, publish,
+    restart, load, first-step warm-up)."""
+    gaps = []
+    for before, after in zip(records, records[1:], strict=False):
+        if after.get("stage") != before.get("stage"):
+            gaps.append(step_start(after) - float(before["time"]))
+    return gaps
+
+
+def stage_strategies(records: list[dict[str, Any]]) -> list[str]:
+    labels: list[str] = []
+    stage = None
+    for record in records:
+        if record.get("stage") != stage:
+            stage = record.get("stage")
+            labels.append(f"gbs{record['gbs']}/mbs{record['mbs']}")
+    return labels
+
+
+def _elapsed(record: dict[str, Any] | None, since: float | None) -> float | None:
+    return None if record is None or since is None else round(float(record["time"]) - since, 2)
+
+
+def summarize_run(
+    *,
+    name: str,
+    kind: str,
+    run_dir: Path,
+    supervised: Supervised,
+    target_ppl: float,
+    levels: list[float],
+    seq: int,
+) -> dict[str, Any]:
+    """One table row from the run directory (metrics.jsonl, decisions.jsonl, realized_chain.json).
+    Times to target and to each level are given from the launch and from the first training step's start
+    (so that start-up, the same cost for any run length, can be told apart from training)."""
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time" in r and "step_time_s" in r]
+    decisions = read_jsonl(run_dir / "decisions.jsonl")
+    realized = run_dir / "realized_chain.json"
+    hit = first_at_or_below(records, target_ppl)
+    upto = records[: records.index(hit) + 1] if hit is not None else records
+    evals = [r for r in upto if r.get("eval_ppl") is not None]
+    steps_s = sum(float(r["step_time_s"]) * int(r.get("steps_in_interval", 1)) for r in upto)
+    tokens = sum(int(r["gbs"]) * seq * int(r.get("steps_in_interval", 1)) for r in upto)
+    all_evals = [r["eval_ppl"] for r in records if r.get("eval_ppl") is not None]
+    launched = supervised.launched_at
+    first_step = step_start(records[0]) if records else None
+    reached = {f"{level:g}": first_at_or_below(records, level) for level in levels}
+    return {
+        "run": name,
+        "kind": kind,
+        "reached": hit is not None,
+        "time_to_target_s": _elapsed(hit, launched),
+        "time_to_target_from_first_step_s": _elapsed(hit, first_step),
+        "tokens_to_target": None if hit is None else int(hit["consumed_tokens"]),
+        "eval_spacing_s": round(evals[-1]["time"] - evals[-2]["time"], 2) if len(evals) > 1 else None,
+        "startup_s": None if first_step is None else round(first_step - launched, 2),
+        "switch_gaps_s": [round(gap, 2) for gap in switch_gaps(upto)],
+        "training_s": round(steps_s, 2),
+        "mean_tokens_per_s": round(tokens / steps_s) if steps_s > 0 else None,
+        "stages": stage_strategies(upto),
+        "switches": sum(1 for d in decisions if d.get("decision") in ("switch", "fallback")),
+        "final_ppl": all_evals[-1] if all_evals else None,
+        "best_ppl": min(all_evals) if all_evals else None,
+        "realized_chain": json.loads(realized.read_text()) if realized.is_file() else None,
+        "wall_s": round(supervised.ended_at - launched, 2),
+        "stop": supervised.stop,
+        "exit_code": supervised.exit_code,
+        "time_to_level_s": {level: _elapsed(r, launched) for level, r in reached.items()},
+        "time_to_level_from_first_step_s": {level: _elapsed(r, first_step) for level, r in reached.items()},
+    }
+
+
+def charged_time(row: dict[str, Any], level: str, fixed_startup_s: float | None) -> float | None:
+    """A run's time to ``level`` from its first step, plus whatever start-up it took beyond the quickest
+    fixed run's (online mode's initial search and planning count against it, not as start-up)."""
+    own = row["time_to_level_from_first_step_s"].get(level)
+    if own is None:
+        return None
+    extra = 0.0
+    if fixed_startup_s is not None and row["startup_s"] is not None and row["kind"] != "fixed":
+        extra = max(0.0, row["startup_s"] - fixed_startup_s)
+    return round(own + extra, 2)
+
+
+def ladder_summary(rows: list[dict[str, Any]], levels: list[str]) -> dict[str, dict[str, Any]]:
+    """Per level: the best fixed run there (by time from its first step) and the other runs' time over it."""
+    fixed = [r for r in rows if r["kind"] == "fixed"]
+    startups = [r["startup_s"] for r in fixed if r["startup_s"] is not None]
+    fixed_startup = min(startups) if startups else None
+    result = {}
+    for level in levels:
+        times = {r["run"]: charged_time(r, level, fixed_startup) for r in rows}
+        reached = [r for r in fixed if times[r["run"]] is not None]
+        entry: dict[str, Any] = {"times_from_first_step_s": times, "best_fixed": None}
+        if reached:
+            best = min(reached, key=lambda r: times[r["run"]])
+            entry["best_fixed"], best_s = best["run"], times[best["run"]]
+            entry["best_fixed_s"] = best_s
+            entry["over_best_fixed"] = {
+                r["run"]: round(times[r["run"]] / best_s, 3)
+                for r in rows
+                if r["kind"] != "fixed" and times[r["run"]] is not None and best_s > 0
+            }
+        result[level] = entry
+    return result
+
+
+def main_level(ladder: dict[str, dict[str, Any]], min_training_s: float) -> str | None:
+    """The hardest level reached by a fixed run, unless that needs less than ``min_training_s`` (then none):
+    levels are listed hardest first; the comparison is meant where training, not start-up, dominates."""
+    for level, entry in ladder.items():
+        if entry.get("best_fixed") is not None:
+            return level if entry["best_fixed_s"] >= min_training_s else None
+    return None
+
+
+def summary(
+    rows: list[dict[str, Any]], levels: list[str] | None = None, min_training_s: float = 40.0
+) -> dict[str, Any]:
+    """Best and worst fixed run by time to target from launch (a run that did not reach it is slower than
+    any that did), the online run's time over each, and the same from the first step at every level."""
+    fixed = [r for r in rows if r["kind"] == "fixed"]
+    online = next((r for r in rows if r["kind"] == "online"), None)
+    result: dict[str, Any] = {"fixed_tried": [r["run"] for r in fixed]}
+    if not rows:
+        return {**result, "ladder": {}, "main_level": None}
+    levels = levels if levels is not None else list(rows[0]["time_to_level_from_first_step_s"])
+    result["ladder"] = ladder_summary(rows, levels)
+    result["main_level"] = main_level(result["ladder"], min_training_s)
+    if fixed:
+        ordered = sorted(fixed, key=lambda r: r["time_to_target_s"] if r["reached"] else math.inf)
+        result.update(best_fixed=ordered[0]["run"], worst_fixed=ordered[-1]["run"])
+        for label, row in (("best", ordered[0]), ("worst", ordered[-1])):
+            if online is not None and online["reached"] and row["reached"]:
+                result[f"online_over_{label}_fixed"] = round(
+                    online["time_to_target_s"] / row["time_to_target_s"], 3
+                )
+    result["main_level_rule"] = f"hardest level a fixed run reached, if it took >= {min_training_s:g} s"
+    return result
+
+
+def format_table(rows: list[dict[str, Any]], target_ppl: float) -> str:
+    def number(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    header = (
+        f"{'run':<14} {'to P=' + format(target_ppl, 'g') + ' s':>11} {'1st step':>9} {'tokens':>11} "
+        f"{'startup s':>9} {'switch gaps s':>14} {'eval every s':>12} {'final ppl':>9} {'tok/s':>9}  "
+        "stages (switches)"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        ttt = number(row["time_to_target_s"], ".1f") if row["reached"] else f">{row['wall_s']:.0f}"
+        gaps = "+".join(f"{gap:.0f}" for gap in row["switch_gaps_s"]) or "-"
+        lines.append(
+            f"{row['run']:<14} {ttt:>11} {number(row['time_to_target_from_first_step_s'], '.1f'):>9} "
+            f"{number(row['tokens_to_target'], ','):>11} {number(row['startup_s'], '.1f'):>9} {gaps:>14} "
+            f"{number(row['eval_spacing_s'], '.1f'):>12} {number(row['final_ppl'], '.1f'):>9} "
+            f"{number(row['mean_tokens_per_s'], ','):>9}  "
+            f"{' -> '.join(row['stages']) or '-'} ({row['switches']}); stop: {row['stop']}"
+        )
+    return "\n".join(lines)
+
+
+def format_ladder(ladder: dict[str, dict[str, Any]]) -> str:
+    """One line per level: the best fixed run's time from its first step, and the others' ratios to it."""
+    lines = []
+    for level, entry in ladder.items():
+        if entry.get("best_fixed") is None:
+            lines.append(f"  ppl {level:>8}: no fixed run reached it")
+            continue
+        ratios = ", ".join(f"{run} {ratio:.2f}x" for run, ratio in entry["over_best_fixed"].items()) or "-"
+        lines.append(
+            f"  ppl {level:>8}: best fixed {entry['best_fixed']} {entry['best_fixed_s']:.1f} s; {ratios}"
+        )
+    return "\n".join(lines)
+
+
+# --- merging the JSON of several calls ----------------------------------------------------------------------
+
+MUST_MATCH = ("model", "corpus", "data_prefix", "target_ppl", "total_tokens", "warmup_tokens",
+              "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq")  # fmt: skip
+"""Settings under which rows of different calls are comparable; a merge refuses others."""
+
+
+def merge_reports(reports: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One report of the rows of several (a later call's row replaces an earlier one of the same run)."""
+    if not reports:
+        raise ValueError("--merge: no report given")
+    first_name, first = reports[0]
+    rows: dict[str, dict[str, Any]] = {}
+    for name, report in reports:
+        for key in MUST_MATCH:
+            if report["settings"].get(key) != first["settings"].get(key):
+                raise ValueError(
+                    f"--merge: {name} has {key}={report['settings'].get(key)!r}, "
+                    f"{first_name} has {first['settings'].get(key)!r}"
+                )
+        rows.update((row["run"], row) for row in report["runs"])
+    settings = {**first["settings"], "merged_from": [name for name, _ in reports]}
+    return {"settings": settings, "runs": list(rows.values())}

