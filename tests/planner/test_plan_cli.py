@@ -79,7 +79,7 @@ def test_plan_writes_a_chain_that_the_runner_accepts(project, capsys):
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    for label in ("static gbs 4", "static gbs 32", "hindsight optimum", "CONA online", "calibrated on 1"):
+    for label in ("static gbs 4", "static gbs 32", "hindsight optimum", "CONA online", "1 strategy at the"):
         assert label in out
     chain = load_chain(project / "c.json", config=load_config(), world_size=4, dtype="fp32", workdir=project)
     assert chain.steps[0].gbs == 4
@@ -134,3 +134,15 @@ def test_a_missing_trace_names_the_flag(project, capsys):
         == 2
     )
     assert "--trace" in capsys.readouterr().err
+
+
+def test_the_strategies_the_trace_trained_are_planned_at_their_measured_throughput(project, capsys):
+    """The estimator online mode uses: measured where the trace has it (here off the model by 10-90%)."""
+    run = write_run(project, metrics_rows(stages=2))
+    assert main([*BASE_ARGS, "--trace", str(run), "--out", "c.json"]) == 0
+    out = capsys.readouterr().out
+    for layout in STAGES:
+        rate = layout["gbs"] * CONFIG["model"]["seq"] / (0.02 * layout["mbs"] + 0.01)
+        line = next(line for line in out.splitlines() if f"mbs{layout['mbs']} gbs{layout['gbs']} " in line)
+        assert line.endswith(f"{rate:,.0f} tokens/s (measured)"), line
+    assert "2 strategies at the measured throughput" in out

@@ -142,7 +142,9 @@ def test_falling_noise_scale_falls_back_after_patience_not_before():
         state = decision.state
         actions.append(decision.action)
     assert actions == ["stay"] * 6 + ["fallback"]
-    assert decision.target == Candidate(strategy=SMALL, predicted_tokens_per_s=1000.0)
+    assert decision.target == Candidate(
+        strategy=SMALL, predicted_tokens_per_s=1000.0, throughput_source="measured"
+    )
     assert decision.record["below_break_even"] == 3
     back = after_switch(
         state,

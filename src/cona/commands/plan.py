@@ -13,7 +13,6 @@ from pathlib import Path
 
 from cona.config import ConaConfig, load_config
 from cona.errors import PlanError
-from cona.planner.calibration import Calibration, fit_calibration
 from cona.planner.plan import (
     DEFAULT_SEGMENTS,
     ChainPlan,
@@ -26,6 +25,7 @@ from cona.planner.plan import (
 )
 from cona.planner.policy import DEFAULT_HYSTERESIS, PolicySettings
 from cona.planner.systems import System, load_system
+from cona.planner.throughput import ThroughputEstimator, estimator_from_step_times
 from cona.planner.trace import Trace, read_trace
 
 
@@ -88,13 +88,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_gbs < initial_gbs:
         raise PlanError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
     dtype = args.dtype or config.training.dtype
-    calibration, calibration_note = _calibration(config, trace, system, gpus, dtype)
+    estimator, calibration_note = _estimator(config, trace, system, gpus, dtype)
     search = SearchSettings(
         system=system,
         n_gpus=gpus,
         dtype=dtype,
         options=space_options(config.training),
-        calibration=calibration,
+        estimator=estimator,
         botorch=not args.no_botorch,
     )
     policy = PolicySettings.from_training(config.training, max_gbs=args.max_gbs, hysteresis=args.hysteresis)
@@ -155,18 +155,29 @@ def _switch_cost(args: argparse.Namespace, trace: Trace) -> float:
     return sum(trace.switch_costs_s) / len(trace.switch_costs_s)
 
 
-def _calibration(
+def _estimator(
     config: ConaConfig, trace: Trace, system: System, gpus: int, dtype: str
-) -> tuple[Calibration | None, str]:
-    """Fit the model to the trace's step times when they were measured on the GPU count planned for."""
+) -> tuple[ThroughputEstimator, str]:
+    """Online mode's throughput estimator on the trace's step times, when they were measured on the GPU
+    count planned for: the strategies the trace trained are taken at their measured rates, the others
+    predicted by the model fitted in shape on them."""
+    empty = ThroughputEstimator(seq=config.model.seq)
     if not trace.timed:
-        return None, "uncalibrated (the trace has no step_time_s)"
+        return empty, "uncalibrated (the trace has no step_time_s)"
     if trace.world_size != gpus:
-        return None, f"uncalibrated (the trace ran on {trace.world_size} processes, the plan is for {gpus})"
-    calibration = fit_calibration(config.model, list(trace.timed), system, dtype)
-    return calibration, (
-        f"calibrated on {calibration.measurements} measured strategies (mean error "
-        f"{calibration.error_before:.1%} -> {calibration.error_after:.1%})"
+        return empty, f"uncalibrated (the trace ran on {trace.world_size} processes, the plan is for {gpus})"
+    estimator = estimator_from_step_times(
+        list(trace.timed), config.model, system, seq=config.model.seq, dtype=dtype
+    )
+    shape = estimator.shape
+    fit = (
+        f"{shape.form}: efficiency {shape.efficiency:.3g}, host {shape.host_step_s * 1e3:.3g} ms per step + "
+        f"{shape.host_micro_batch_s * 1e3:.3g} ms per micro-batch; mean error {shape.error:.1%}"
+    )
+    return estimator, (
+        f"{len(trace.timed)} {'strategy' if len(trace.timed) == 1 else 'strategies'} at the measured "
+        "throughput, the others predicted by the model "
+        f"fitted on them ({fit})"
     )
 
 
@@ -177,9 +188,10 @@ def _check_chain(raw: dict, out: Path, config: ConaConfig, gpus: int, dtype: str
 
 
 def _print_report(result: PlanResult) -> None:
-    print("\nbest strategy per gbs (predicted):")
+    print("\nbest strategy per gbs:")
     for candidate in result.candidates:
-        print(f"  {candidate.strategy.short():36s} {candidate.predicted_tokens_per_s:14,.0f} tokens/s")
+        rate = f"{candidate.predicted_tokens_per_s:14,.0f} tokens/s"
+        print(f"  {candidate.strategy.short():36s} {rate} ({candidate.throughput_source})")
     optimum = result.optimum.time_s
     print(f"\n{'plan':24s} {'time to target':>16s} {'vs optimum':>11s} {'switches':>9s}  chain")
     rows = [*result.static, result.optimum, result.online]

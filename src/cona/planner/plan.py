@@ -12,7 +12,8 @@ Compared over the same candidates (the best strategy of each gbs of the frontier
 time): every static strategy (the paper's baselines), the hindsight optimum (dynamic programming over
 (segment, candidate) with the switch cost on every change, starting from any candidate), and CONA's online
 chain (:func:`policy.decide` at every segment boundary, seeing only the past, from the initial gbs).
-Throughputs are the calibrated model's, for all of them.
+Throughputs are the trace's measured ones where it trained a candidate, else the model's corrected in shape on
+those measurements (:mod:`cona.planner.throughput`, as online mode does), for all of them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from cona.planner.policy import (
 from cona.planner.search import bayesian_search, exhaustive_search
 from cona.planner.space import SpaceOptions
 from cona.planner.systems import System
+from cona.planner.throughput import ThroughputEstimator
 from cona.planner.trace import Trace
 from cona.strategy import Strategy
 
@@ -188,10 +190,17 @@ class SearchSettings:
     options: SpaceOptions | None = None
     calibration: Calibration | None = None
     botorch: bool = True
+    estimator: ThroughputEstimator | None = None
+    """The trace's measured throughputs and the shape fitted on them (as online mode uses them): the
+    model's top strategies are re-ranked by it, and a measured one is taken at its measured rate."""
+
+
+RERANKED = 16
+"""Strategies of the model's ranking that an estimator re-ranks (as online mode's FrontierSearch does)."""
 
 
 def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Candidate:
-    """The fastest strategy at ``gbs`` that fits, with its predicted throughput (PlanError when none fits)."""
+    """The fastest strategy at ``gbs`` that fits, with its expected throughput (PlanError when none fits)."""
     run = bayesian_search if search.botorch else exhaustive_search
     result = run(
         config.model,
@@ -200,10 +209,18 @@ def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Cand
         gbs,
         options=search.options,
         dtype=search.dtype,
-        calibration=search.calibration,
-        top_k=1,
+        calibration=None if search.estimator is not None else search.calibration,
+        top_k=1 if search.estimator is None else RERANKED,
     )
-    return Candidate(strategy=result.best, predicted_tokens_per_s=float(result.prediction.tokens_per_s[0]))
+    if search.estimator is None:
+        return Candidate(
+            strategy=result.best, predicted_tokens_per_s=float(result.prediction.tokens_per_s[0])
+        )
+    strategies = [result.candidates[row] for row in range(len(result.candidates))]
+    best = search.estimator.ranked(strategies, result.prediction.iteration_time_s.tolist())[0]
+    return Candidate(
+        strategy=best.strategy, predicted_tokens_per_s=best.tokens_per_s, throughput_source=best.source
+    )
 
 
 def best_candidates(config: ConaConfig, sizes: list[int], search: SearchSettings) -> tuple[Candidate, ...]:

@@ -114,6 +114,8 @@ class Candidate:
 
     strategy: Strategy
     predicted_tokens_per_s: float
+    throughput_source: str = "predicted"
+    """``measured`` when the run already trained this strategy and the number is what it measured."""
 
 
 def next_frontier(
@@ -299,6 +301,7 @@ def _compare(
     record["candidate"] = {
         "strategy": strategy_dict(candidate.strategy),
         "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
+        "throughput_source": candidate.throughput_source,
         "efficiency": _efficiency(gbs, noise, settings),
         "progress_per_s": candidate_progress,
     }
@@ -384,7 +387,11 @@ def _fallback_check(
         "strategy": strategy_dict(previous.strategy),
         "measured_tokens_per_s": previous.measured_tokens_per_s,
     }
-    target = Candidate(strategy=previous.strategy, predicted_tokens_per_s=previous.measured_tokens_per_s)
+    target = Candidate(
+        strategy=previous.strategy,
+        predicted_tokens_per_s=previous.measured_tokens_per_s,
+        throughput_source="measured",
+    )
     record["in_place"] = switches_in_place(state.current.strategy, previous.strategy, settings)
     decision = _decision("fallback", target, why, record, dataclasses.replace(state, below_break_even=0))
     return state, decision

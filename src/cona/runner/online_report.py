@@ -54,7 +54,8 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per trained stage: strategy, iterations, tokens, wall seconds, mean tokens/s (the log intervals after
-    the first, which holds the start-up), and the last eval perplexity."""
+    the first, which holds the start-up), the tokens/s predicted when it was chosen, and the last eval
+    perplexity."""
     records = _records(run_dir)
     rows = []
     previous_iteration, previous_tokens = 0, 0
@@ -79,6 +80,7 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
                 "tokens": (stage.consumed_tokens or 0) - previous_tokens,
                 "wall_s": wall,
                 "tokens_per_s": statistics.fmean(rates) if rates else None,
+                "predicted_tokens_per_s": stages[stage.step_num - 1].get("predicted_tokens_per_s"),
                 "eval_ppl": evals[-1] if evals else None,
                 "action": stages[stage.step_num - 1]["action"],
             }
@@ -116,9 +118,12 @@ def print_summary(
     from rich.table import Table
 
     table = Table(title=f"online run {run_dir.name}")
-    for column in ("stage", "why", "strategy", "iterations", "tokens", "wall s", "tokens/s", "eval ppl"):
+    columns = ("stage", "why", "strategy", "iterations", "tokens", "wall s", "tokens/s", "predicted",
+               "pred/meas", "eval ppl")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="left" if column in ("why", "strategy") else "right")
     for row in stage_rows(run_dir, state, stages):
+        measured, predicted = row["tokens_per_s"], row["predicted_tokens_per_s"]
         table.add_row(
             str(row["stage"]),
             row["action"],
@@ -126,11 +131,13 @@ def print_summary(
             str(row["iterations"]),
             f"{row['tokens']:,}",
             "-" if row["wall_s"] is None else f"{row['wall_s']:.1f}",
-            "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
+            "-" if measured is None else f"{measured:,.0f}",
+            "-" if predicted is None else f"{predicted:,.0f}",
+            "-" if measured is None or predicted is None else f"{predicted / measured:.2f}",
             "-" if row["eval_ppl"] is None else f"{row['eval_ppl']:.1f}",
         )
     buffer = StringIO()
-    Console(file=buffer, width=110, force_terminal=False).print(table)
+    Console(file=buffer, width=130, force_terminal=False).print(table)
     out(buffer.getvalue().rstrip())
     if target_ppl is not None:
         reached = time_to_target(run_dir, target_ppl)

@@ -3,7 +3,8 @@
 At every new batch of metrics lines it folds the gradient-noise measurements into the noise-scale tracker,
 measures the running strategy's throughput (median over the stage's log intervals, the first one left out:
 it holds the start-up), asks the planner for the frontier candidate (:func:`cona.planner.policy.next_frontier`
-over the calibrated model's best strategy of each larger gbs) and lets :func:`cona.planner.policy.decide`
+over the best strategy of each larger gbs by the run's throughput estimator,
+:mod:`cona.planner.throughput`) and lets :func:`cona.planner.policy.decide`
 choose. Every evaluation is appended to ``decisions.jsonl``. A switch or fall-back writes
 ``switch_request.json`` (atomically); the workers see it at the next step boundary, save and exit, and the
 runner carries the switch out. A stop at ``--target-ppl`` travels the same way.
@@ -25,12 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cona.config import ConaConfig
-from cona.errors import ConaError, PlanError
-from cona.planner.calibration import Calibration, fit_calibration
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
-from cona.planner.perf_model import predict
-from cona.planner.plan import space_options
 from cona.planner.policy import (
     Candidate,
     Decision,
@@ -42,18 +38,16 @@ from cona.planner.policy import (
     next_frontier,
     strategy_dict,
 )
-from cona.planner.search import bayesian_search, exhaustive_search
-from cona.planner.systems import System
-from cona.runner.chain import validate_layout
+from cona.runner.frontier import FrontierSearch
 from cona.runner.jsonl_tail import JsonlTail
-from cona.strategy import Strategy, StrategyArray
+from cona.strategy import Strategy
 
 DECISIONS_NAME = "decisions.jsonl"
 POLL_INTERVAL_S = 0.5
 PRINT_EVERY_STAY = 5
 """Print one "stay" decision in this many (the first of each stage included)."""
-RECALIBRATE_CHANGE = 0.1
-"""Relative change of the measured throughput that triggers a refit of the performance model."""
+REMEASURE_CHANGE = 0.02
+"""Relative change of the running strategy's measured rate that updates its point in the estimator."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,9 +126,8 @@ class StageSearch:
         self.print_stays = print_stays
         self.settings, self.policy_state, self.tracker = settings, policy_state, tracker
         self.frontier, self.budget, self.pending, self.out = frontier, budget, pending, out
-        self._calibrated_rate: float | None = None
-        self._anchor: float | None = None
-        """Measured / calibrated-model tokens/s of the running strategy at the last evaluation."""
+        self._measured_rate: float | None = None
+        """The running strategy's rate the frontier's estimator last got."""
         self._evaluations = 0
         self.noise_scale_floor = noise_scale_floor
         self.startup_prices_switch = startup_prices_switch
@@ -222,10 +215,10 @@ class StageSearch:
                 int(last["iteration"]), int(last["consumed_tokens"]), current.gbs
             ),
         )
-        self._recalibrate(current, measured)
+        self._measure(current, measured)
         candidate = None
         if measured is not None and measurement.noise is not None:
-            candidate = next_frontier(current.gbs, measured, self.settings, self._anchored(current, measured))
+            candidate = next_frontier(current.gbs, measured, self.settings, self.frontier)
         decision = decide(self.policy_state, measurement, candidate, self.settings)
         self.policy_state = decision.state
         self._log(decision)
@@ -239,25 +232,6 @@ class StageSearch:
             _write_atomic(self.switch_request_path, request)
         return decision
 
-    def _anchored(self, current: Strategy, measured: float) -> Callable[[int], Candidate | None]:
-        """The frontier with its predictions scaled by measured / predicted of the running strategy: the
-        calibration is a compromise over every strategy measured, and comparing its prediction for the
-        candidate with the measured rate of the current one would count its miss on the current one as a
-        difference between the two."""
-        if not isinstance(self.frontier, FrontierSearch):
-            return self.frontier
-        anchor = measured / self.frontier.predicted_tokens_per_s(current)
-        self._anchor = anchor
-        frontier = self.frontier
-
-        def best_at(gbs: int) -> Candidate | None:
-            found = frontier(gbs)
-            if found is None:
-                return None
-            return dataclasses.replace(found, predicted_tokens_per_s=found.predicted_tokens_per_s * anchor)
-
-        return best_at
-
     def _noise_estimate(self) -> NoiseScaleEstimate | None:
         """The tracker's estimate, raised to ``noise_scale_floor`` when one is set (the demo's stand-in for
         the larger noise scale of a longer run). An unknown noise scale stays unknown."""
@@ -267,22 +241,26 @@ class StageSearch:
             return estimate
         return dataclasses.replace(estimate, trace_sigma=floor * estimate.grad_sqr)
 
-    def _recalibrate(self, current: Strategy, measured: float | None) -> None:
-        """Refit the model on the running strategy when its measured rate moved by more than
-        :data:`RECALIBRATE_CHANGE` since the last fit (the first intervals are still warming up, and on a
-        shared machine the rate drifts); each refit clears the frontier's cached searches."""
+    def _measure(self, current: Strategy, measured: float | None) -> None:
+        """The running strategy's measured rate joins the frontier's estimator (replacing this stage's
+        previous one; earlier stages' points stay), which refits its shape on every point, when the rate
+        moved by more than :data:`REMEASURE_CHANGE` since it last did (a refit is ~0.1 s of CPU)."""
         if measured is None or not isinstance(self.frontier, FrontierSearch):
             return
-        fitted = self._calibrated_rate
-        if fitted is None or abs(measured / fitted - 1.0) > RECALIBRATE_CHANGE:
-            self.frontier.add_measurement(current, current.gbs * self.budget.seq / measured)
-            self._calibrated_rate = measured
+        last = self._measured_rate
+        if last is not None and abs(measured / last - 1.0) <= REMEASURE_CHANGE:
+            return
+        intervals = len(self.step_rates) - 1
+        self.frontier.add_measurement(current, measured, intervals=intervals, source=f"stage {self.stage}")
+        self._measured_rate = measured
 
     def _log(self, decision: Decision) -> None:
         record = {
             "stage": self.stage,
             **decision.record,
-            "model_anchor": self._anchor,
+            "throughput_fit": self.frontier.estimator.record()
+            if isinstance(self.frontier, FrontierSearch)
+            else None,
             "hysteresis": self.settings.hysteresis,
         }
         if self.noise_scale_floor is not None:
@@ -351,71 +329,3 @@ def _write_atomic(path: Path, body: dict[str, Any]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-
-
-class FrontierSearch:
-    """The best engine-valid strategy of a gbs and its predicted throughput, with the performance model
-    calibrated on every strategy measured so far (refitted, and the cache cleared, on each new one)."""
-
-    def __init__(
-        self,
-        *,
-        config: ConaConfig,
-        system: System,
-        n_gpus: int,
-        dtype: str,
-        botorch: bool,
-        top_k: int = 10,
-    ) -> None:
-        self.config, self.system, self.n_gpus, self.dtype = config, system, n_gpus, dtype
-        self.botorch, self.top_k = botorch, top_k
-        self.options = space_options(config.training)
-        self.measured: dict[Strategy, float] = {}
-        self.calibration: Calibration | None = None
-        self._cache: dict[int, Candidate | None] = {}
-
-    def add_measurement(self, strategy: Strategy, step_time_s: float) -> None:
-        self.measured[strategy] = step_time_s
-        self.calibration = fit_calibration(
-            self.config.model, list(self.measured.items()), self.system, self.dtype
-        )
-        self._cache.clear()
-
-    def predicted_tokens_per_s(self, strategy: Strategy) -> float:
-        """The calibrated model's throughput of one strategy."""
-        one = StrategyArray.from_strategies([strategy])
-        prediction = predict(
-            self.config.model, one, self.system, dtype=self.dtype, calibration=self.calibration
-        )
-        return float(prediction.tokens_per_s[0])
-
-    def __call__(self, gbs: int) -> Candidate | None:
-        if gbs not in self._cache:
-            self._cache[gbs] = self._search(gbs)
-        return self._cache[gbs]
-
-    def _search(self, gbs: int) -> Candidate | None:
-        run = bayesian_search if self.botorch else exhaustive_search
-        try:
-            result = run(
-                self.config.model,
-                self.system,
-                self.n_gpus,
-                gbs,
-                options=self.options,
-                dtype=self.dtype,
-                calibration=self.calibration,
-                top_k=self.top_k,
-            )
-        except PlanError:
-            return None  # nothing valid or fitting at this gbs: the frontier skips it
-        for row in range(len(result.candidates)):
-            strategy = result.candidates[row]
-            try:
-                validate_layout(self.config, strategy, self.n_gpus)
-            except ConaError:
-                continue  # the model's space is wider than what the engine trains
-            return Candidate(
-                strategy=strategy, predicted_tokens_per_s=float(result.prediction.tokens_per_s[row])
-            )
-        return None

@@ -1,0 +1,143 @@
+"""The throughput estimator: measured values where measured, the model corrected in shape elsewhere."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cona.config import ModelConfig
+from cona.errors import PlanError
+from cona.planner.systems import load_system
+from cona.planner.throughput import (
+    Point,
+    ThroughputEstimator,
+    estimator_from_step_times,
+    fit_shape,
+    host_micro_batches,
+    model_step_seconds,
+)
+from cona.strategy import Strategy
+
+SEQ = 512
+MODEL = ModelConfig(name="gpt-125m", layers=12, hidden=768, heads=12, seq=SEQ, vocab_size=50257)
+SYSTEM = load_system("h200_141g")
+
+
+def one_gpu(gbs: int, mbs: int) -> Strategy:
+    return Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=gbs)
+
+
+def host_bound_truth(strategies: list[Strategy]) -> np.ndarray:
+    """Step seconds of a fake GPU whose shape is not the model's: a host floor of 2 ms per step and 30 ms per
+    micro-batch (eager dispatch), over a device 1.25x slower than the model says (as on the H200 at 125M,
+    issue 16: the model said 453k tokens/s at gbs 8, the GPU gave 100-150k)."""
+    model_s = model_step_seconds(MODEL, strategies, SYSTEM)
+    micro = np.array([host_micro_batches(s) for s in strategies])
+    return np.maximum(0.002 + 0.030 * micro, model_s / 0.8)
+
+
+def estimator_on(strategies: list[Strategy]) -> ThroughputEstimator:
+    truth = host_bound_truth(strategies)
+    return estimator_from_step_times(
+        list(zip(strategies, truth.tolist(), strict=True)), MODEL, SYSTEM, seq=SEQ
+    )
+
+
+def relative_misses(estimator: ThroughputEstimator, strategies: list[Strategy]) -> np.ndarray:
+    model_s = model_step_seconds(MODEL, strategies, SYSTEM)
+    truth = np.array([s.gbs * SEQ for s in strategies]) / host_bound_truth(strategies)
+    predicted = np.array(
+        [estimator.predicted_tokens_per_s(s, t) for s, t in zip(strategies, model_s, strict=True)]
+    )
+    return predicted / truth - 1.0
+
+
+MEASURED = [one_gpu(8, 8), one_gpu(16, 8), one_gpu(16, 16), one_gpu(32, 32)]
+HELD_OUT = [one_gpu(32, 16), one_gpu(64, 64), one_gpu(64, 32), one_gpu(128, 64), one_gpu(256, 64)]
+
+
+def test_a_host_bound_shape_is_recovered_within_15_percent_on_held_out_strategies():
+    estimator = estimator_on(MEASURED)
+    assert estimator.shape.form == "overlap"
+    misses = relative_misses(estimator, HELD_OUT)
+    assert np.all(np.abs(misses) < 0.15), misses
+    # The shape is what matters: the raw model, and the model times one factor anchored on the last
+    # measurement (the old calibration), both miss these strategies by more than that.
+    raw = ThroughputEstimator(seq=SEQ)
+    assert np.max(np.abs(relative_misses(raw, HELD_OUT))) > 0.3
+    one_factor = estimator_on(MEASURED[-1:])
+    assert one_factor.shape.form == "scale"
+    assert np.max(np.abs(relative_misses(one_factor, HELD_OUT))) > 0.3
+
+
+def test_two_host_bound_points_predict_the_next_gbs():
+    """What an online run has at its second decision: gbs 8 and 16 (one micro-batch each), both host-bound;
+    the next frontier, gbs 32, is predicted within 15% (one factor on gbs 16 says 2x too much)."""
+    estimator = estimator_on([one_gpu(8, 8), one_gpu(16, 16)])
+    assert abs(relative_misses(estimator, [one_gpu(32, 32)])[0]) < 0.15
+
+
+def test_a_serial_shape_is_recovered_on_a_cpu_like_device():
+    """Host and device one after the other (a CPU computes what it dispatches): the serial form fits."""
+    model_s = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 16.0]) * 1e-3
+    micro = np.array([1.0, 2.0, 1.0, 1.0, 2.0, 1.0])
+    truth = 0.002 + 0.010 * micro + model_s / 0.5
+    shape = fit_shape(model_s[:3], micro[:3], truth[:3])
+    assert shape.form == "serial"
+    assert np.all(np.abs(shape.step_s(model_s, micro) / truth - 1.0) < 0.05)
+
+
+def test_no_point_gives_the_raw_model_and_one_point_a_single_factor():
+    strategy = one_gpu(8, 8)
+    model_s = float(model_step_seconds(MODEL, [strategy], SYSTEM)[0])
+    raw = ThroughputEstimator(seq=SEQ)
+    assert raw.predicted_tokens_per_s(strategy, model_s) == pytest.approx(8 * SEQ / model_s)
+    single = raw.with_point(Point(strategy=strategy, tokens_per_s=1000.0, model_step_s=model_s))
+    other = one_gpu(16, 16)
+    other_s = float(model_step_seconds(MODEL, [other], SYSTEM)[0])
+    ratio = single.predicted_tokens_per_s(other, other_s) / (16 * SEQ / other_s)
+    assert single.shape.form == "scale" and ratio == pytest.approx(1000.0 / (8 * SEQ / model_s))
+
+
+def test_a_measured_strategy_is_estimated_at_what_it_measured_whatever_the_model_says():
+    strategy, other = one_gpu(8, 8), one_gpu(16, 16)
+    estimator = ThroughputEstimator(seq=SEQ)
+    estimator = estimator.with_point(
+        Point(strategy=strategy, tokens_per_s=1000.0, model_step_s=1.0, source="a")
+    )
+    estimator = estimator.with_point(Point(strategy=other, tokens_per_s=5000.0, model_step_s=1.0, source="a"))
+    found = estimator.estimate(strategy, model_step_s=1e-9)
+    assert (found.source, found.tokens_per_s) == ("measured", 1000.0)
+    # A second stage under the same strategy is kept beside the first: the mean over all its intervals.
+    estimator = estimator.with_point(
+        Point(strategy=strategy, tokens_per_s=2000.0, model_step_s=1.0, intervals=3, source="b")
+    )
+    seconds = (1 * 8 * SEQ / 1000.0 + 3 * 8 * SEQ / 2000.0) / 4
+    assert estimator.measured_tokens_per_s(strategy) == pytest.approx(8 * SEQ / seconds)
+    # The same source measured again replaces its point.
+    estimator = estimator.with_point(
+        Point(strategy=strategy, tokens_per_s=2000.0, model_step_s=1.0, intervals=3, source="a")
+    )
+    assert estimator.measured_tokens_per_s(strategy) == pytest.approx(2000.0)
+    assert len(estimator.points) == 3
+
+
+def test_ranking_follows_the_measurements_where_the_model_disagrees():
+    favourite, other = one_gpu(16, 16), one_gpu(16, 8)
+    estimator = ThroughputEstimator(seq=SEQ)
+    for strategy, rate in ((favourite, 1000.0), (other, 3000.0)):
+        estimator = estimator.with_point(Point(strategy=strategy, tokens_per_s=rate, model_step_s=1.0))
+    ranked = estimator.ranked([favourite, other], [0.5, 1.0])
+    assert [(e.strategy, e.source, e.tokens_per_s) for e in ranked] == [
+        (other, "measured", 3000.0),
+        (favourite, "measured", 1000.0),
+    ]
+
+
+def test_bad_points_are_refused():
+    with pytest.raises(PlanError, match="positive"):
+        ThroughputEstimator(seq=SEQ).with_point(
+            Point(strategy=one_gpu(8, 8), tokens_per_s=0.0, model_step_s=1.0)
+        )
+    with pytest.raises(PlanError, match="positive"):
+        fit_shape([1.0, 1.0], [1.0, 1.0], [0.0, 1.0])

@@ -1,0 +1,151 @@
+"""The online search's decision inputs when the device's throughput is not the model's (issue 21, part 3).
+
+A fake device with a host-bound floor (its step time is ``max(host, device)``, the model's is device only)
+feeds ``metrics.jsonl``; the real :class:`FrontierSearch` and :class:`StageSearch` read it. The throughput the
+decision expects of the candidate must be the fake's within 15%: dropping the correction (the raw model) or
+inverting it misses by far more, and so does the old one-factor anchor on the running strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from chain_fakes import write_tiny_config
+
+from cona.config import load_config
+from cona.planner.efficiency import NoiseScaleTracker
+from cona.planner.policy import Candidate, PolicySettings, after_switch, initial_state
+from cona.planner.systems import load_system
+from cona.planner.throughput import host_micro_batches, model_step_seconds
+from cona.runner.frontier import FrontierSearch
+from cona.runner.online_search import Budget, StageSearch
+from cona.strategy import Strategy
+
+SEQ = 8  # the tiny config's
+
+
+class HostBoundDevice:
+    """Step seconds ``max(host_step + host_micro_batch x micro-batches, model / 0.8)``, with the host floor
+    set at 4x the model's step at gbs 2: small batches cost the same time, as on a GPU dispatching eagerly."""
+
+    def __init__(self, config, system) -> None:
+        self.config, self.system = config, system
+        base = float(model_step_seconds(config.model, [one_gpu(2, 2)], system, "fp32")[0])
+        self.host_step_s, self.host_micro_batch_s = 0.5 * base, 3.5 * base
+
+    def model_tokens_per_s(self, strategy: Strategy) -> float:
+        model_s = float(model_step_seconds(self.config.model, [strategy], self.system, "fp32")[0])
+        return strategy.gbs * SEQ / model_s
+
+    def tokens_per_s(self, strategy: Strategy) -> float:
+        model_s = float(model_step_seconds(self.config.model, [strategy], self.system, "fp32")[0])
+        host = self.host_step_s + self.host_micro_batch_s * host_micro_batches(strategy)
+        return strategy.gbs * SEQ / max(host, model_s / 0.8)
+
+
+def one_gpu(gbs: int, mbs: int) -> Strategy:
+    return Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=gbs)
+
+
+def metrics(stage: int, strategy: Strategy, tokens_per_s: float, iterations: range) -> list[dict]:
+    """Log lines of ``stage`` at a planted noise scale of 1000 (|G|^2 = 1) and the device's throughput."""
+    gbs, trace = strategy.gbs, 1000.0
+    return [
+        {
+            "stage": stage,
+            "iteration": i,
+            "consumed_samples": i * gbs,
+            "consumed_tokens": i * gbs * SEQ,
+            "gbs": gbs,
+            "step_time_s": gbs * SEQ / tokens_per_s,
+            "steps_in_interval": 1,
+            "tokens_per_s": tokens_per_s,
+            "gns_small_sqr": 1.0 + trace,
+            "gns_big_sqr": 1.0 + trace / gbs,
+            "gns_small_batch": 1,
+            "gns_big_batch": gbs,
+            "time": time.time(),
+        }
+        for i in iterations
+    ]
+
+
+@pytest.fixture
+def setup(tmp_path: Path):
+    write_tiny_config(tmp_path)
+    config = load_config(tmp_path / ".conaconfig")
+    system = load_system("cpu_gloo")
+    frontier = FrontierSearch(config=config, system=system, n_gpus=1, dtype="fp32", botorch=False)
+    return tmp_path, frontier, HostBoundDevice(config, system)
+
+
+def run_stage(run_dir: Path, frontier, device, *, stage: int, current: Strategy, state=None) -> list[dict]:
+    """One stage of the search on the device's metrics until its first decision with a candidate."""
+    settings = PolicySettings(base_gbs=2, max_gbs=16, predicted_switch_cost_s=0.0, hysteresis=0.0)
+    candidate = Candidate(strategy=current, predicted_tokens_per_s=frontier.predicted_tokens_per_s(current))
+    search = StageSearch(
+        run_dir=run_dir,
+        stage=stage,
+        launched_at=time.time(),
+        settings=settings,
+        policy_state=state or initial_state(candidate),
+        tracker=NoiseScaleTracker(base_batch=2),
+        frontier=frontier,
+        budget=Budget(total_iters=10**9, total_tokens=None, target_ppl=None, seq=SEQ),
+        startup_prices_switch=False,
+        out=lambda line: None,
+    )
+    with open(run_dir / "metrics.jsonl", "a") as handle:
+        for record in metrics(stage, current, device.tokens_per_s(current), range(1, 31)):
+            handle.write(json.dumps(record) + "\n")
+    search.poll()
+    search.stop()
+    logged = [json.loads(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    return [d for d in logged if d["stage"] == stage]
+
+
+def expected(record: dict) -> tuple[Strategy, float]:
+    return Strategy(**record["candidate"]["strategy"]), record["candidate"]["predicted_tokens_per_s"]
+
+
+def test_the_candidates_throughput_is_the_devices_not_the_models(setup):
+    run_dir, frontier, device = setup
+    # Stage 1 trained gbs 2 and gbs 2 with two micro-batches; the running stage trains gbs 4.
+    for strategy in (one_gpu(2, 2), one_gpu(2, 1)):
+        frontier.add_measurement(strategy, device.tokens_per_s(strategy), intervals=5, source="stage 1")
+    current = one_gpu(4, 4)
+    last = run_stage(run_dir, frontier, device, stage=2, current=current)[-1]
+    assert last["current"]["measured_tokens_per_s"] == pytest.approx(device.tokens_per_s(current))
+    strategy, predicted = expected(last)
+    assert strategy.gbs == 8 and last["candidate"]["throughput_source"] == "predicted"
+    truth = device.tokens_per_s(strategy)
+    assert predicted == pytest.approx(truth, rel=0.15)
+    assert last["throughput_fit"]["measured_strategies"] == 3
+    # What the planted bugs would have used instead: the raw model, its inverse correction, and the model
+    # times measured / model of the running strategy (the old anchor) are all far off.
+    model = device.model_tokens_per_s(strategy)
+    anchor = device.tokens_per_s(current) / device.model_tokens_per_s(current)
+    for wrong in (model, model * (predicted / model) ** -1, model * anchor):
+        assert abs(wrong / truth - 1.0) > 0.3, (wrong, truth)
+
+
+def test_a_strategy_the_run_trained_is_expected_at_its_measured_throughput(setup):
+    """After a fall-back to gbs 2, the frontier's gbs 4 is what stage 2 measured, not a prediction."""
+    run_dir, frontier, device = setup
+    small, large = one_gpu(2, 2), one_gpu(4, 4)
+    frontier.add_measurement(small, device.tokens_per_s(small), intervals=5, source="stage 1")
+    frontier.add_measurement(large, 0.9 * device.tokens_per_s(large), intervals=5, source="stage 2")
+    state = initial_state(Candidate(strategy=large, predicted_tokens_per_s=1.0))
+    back = Candidate(
+        strategy=small, predicted_tokens_per_s=device.tokens_per_s(small), throughput_source="measured"
+    )
+    state = after_switch(state, new=back, old_measured_tokens_per_s=1.0, switch_cost_s=0.0)
+    last = run_stage(run_dir, frontier, device, stage=3, current=small, state=state)[-1]
+    strategy, predicted = expected(last)
+    assert strategy == large and last["candidate"]["throughput_source"] == "measured"
+    assert predicted == pytest.approx(0.9 * device.tokens_per_s(large))
+    assert np.isfinite(last["throughput_fit"]["error"])
