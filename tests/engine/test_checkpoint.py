@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.engine import ckpt_worker
+from tests.engine.ckpt_tamper import rewrite_manifest
 from tests.torchrun_util import run_torchrun
 from torch import nn
 
@@ -24,6 +25,7 @@ from cona.engine.checkpoint import (
     read_checkpoint_info,
     resolve_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
     verify_complete,
 )
 from cona.engine.model import GPT
@@ -86,7 +88,8 @@ def test_save_writes_dir_json_files_and_latest_last(saved) -> None:
     names = {p.name for p in path.iterdir()}
     assert {".metadata", "trainer_state.json", "config.json", "strategy.json", "manifest.json"} <= names
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format_version"] == 1 and manifest["iteration"] == 2
+    assert manifest["format_version"] == ckpt.FORMAT_VERSION and manifest["iteration"] == 2
+    assert set(manifest["files"]) == names - {"manifest.json"}  # every other file, with its checksum
     assert manifest["model_shape"]["hidden"] == 16 and "layers.0.w1.weight" in manifest["model_tensors"]
     assert "state.layers.0.w1.weight.exp_avg_sq" in manifest["optimizer_tensors"]
     info = read_checkpoint_info(path.parent)
@@ -130,7 +133,7 @@ def test_markers_and_direct_paths_resolve(saved, tmp_path: Path) -> None:
     (universal.parent / "latest_universal").write_text("global_step2_universal\n")
     assert resolve_checkpoint(universal.parent) == universal
     assert resolve_checkpoint(universal.parent / "latest_universal") == universal
-    verify_complete(universal)
+    verify_checkpoint(universal)  # the manifest holds for the hard-linked copy
 
 
 def test_a_later_save_moves_latest_and_resaving_an_iteration_replaces_it(saved) -> None:
@@ -282,8 +285,10 @@ def test_marker_naming_a_missing_directory_is_refused(tmp_path: Path) -> None:
 def test_missing_metadata_is_refused(saved) -> None:
     config, path, (model, optimizer) = saved
     (path / ".metadata").unlink()
-    with pytest.raises(CheckpointError, match=r"global_step2: incomplete checkpoint: no DCP .metadata file"):
+    with pytest.raises(CheckpointError, match=r"global_step2/.metadata: missing \(the checkpoint's manifest"):
         load_checkpoint(path.parent, model_parts=[model], optimizer=optimizer, config=config)
+    with pytest.raises(CheckpointError, match=r"global_step2: incomplete checkpoint: no DCP .metadata file"):
+        verify_complete(path)
 
 
 def test_unreadable_metadata_is_refused(saved) -> None:
@@ -299,9 +304,12 @@ def test_truncated_shard_is_refused(saved) -> None:
     size = shard.stat().st_size
     with shard.open("r+b") as handle:
         handle.truncate(size - 100)
-    message = rf"global_step2: shard file {shard.name} is truncated \({size - 100} of {size} bytes\)"
+    message = rf"global_step2/{shard.name}: corrupt: {size - 100} bytes, manifest.json says {size}"
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
+    message = rf"global_step2: shard file {shard.name} is truncated \({size - 100} of {size} bytes\)"
+    with pytest.raises(CheckpointError, match=message):
+        verify_complete(path)
 
 
 def test_missing_shard_is_refused(saved) -> None:
@@ -348,6 +356,7 @@ def test_checkpoint_from_before_the_family_keys_loads(saved) -> None:
     )
     written["model"] = {k: v for k, v in written["model"].items() if k not in family_keys}
     (path / "config.json").write_text(json.dumps(written))
+    rewrite_manifest(path)
     model, optimizer = trained(config, steps=0, offset=1.0)
     load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
     assert_same_state(trained_pair, (model, optimizer))
@@ -366,7 +375,8 @@ def test_other_format_version_is_refused(saved) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
     (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(
-        CheckpointError, match=r"global_step2: checkpoint format version 99; this CONA reads 1"
+        CheckpointError,
+        match=rf"global_step2: checkpoint format version 99; this CONA reads {ckpt.FORMAT_VERSION}",
     ):
         load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
 
