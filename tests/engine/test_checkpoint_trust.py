@@ -17,10 +17,12 @@ import torch.distributed.checkpoint as dcp
 from tests.engine import ckpt_worker
 from tests.engine.ckpt_tamper import Payload, crafted_metadata, flip_bytes, rewrite_manifest
 from tests.engine.test_checkpoint import ONE, save, small_config, trained
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from cona.cli import main
 from cona.engine import checkpoint as ckpt
 from cona.engine.checkpoint import load_checkpoint, verify_checkpoint
+from cona.engine.checkpoint_dcp import failure_line
 from cona.errors import CheckpointError
 
 BYTES_ENTRY = "param_groups.layers.0.w1.weight.lr"
@@ -214,4 +216,17 @@ def test_an_unwritable_layout_directory_is_one_line(saved, monkeypatch) -> None:
         save(path.parents[5], config, model, optimizer, 3)
     assert str(failed.value) == (
         f"saving a checkpoint into {layout} failed on rank 0: [Errno 13] Permission denied: '{layout}'"
+    )
+
+
+def test_failures_on_several_ranks_are_one_line_with_the_first_cause() -> None:
+    """What DCP raises when both ranks of a save hit a full disk (its str starts 'CheckpointException
+    ranks:dict_keys([0, 1])', the causes only in per-rank tracebacks)."""
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/w/.tmp-global_step3-ab/__1_0.distcp")
+    raised = CheckpointException("write_data", {1: _wrap_exception(full), 0: _wrap_exception(full)})
+    assert str(raised).startswith("CheckpointException ranks:dict_keys([1, 0])")
+    line = str(failure_line(raised, "saving checkpoint /w/global_step3 failed"))
+    assert line == (
+        "saving checkpoint /w/global_step3 failed on rank 0: OSError: [Errno 28] No space left on device: "
+        "'/w/.tmp-global_step3-ab/__1_0.distcp' (also on rank 1)"
     )

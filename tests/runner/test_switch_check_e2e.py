@@ -3,9 +3,9 @@ runner, switching tp2 -> pp2 -> dp2.
 
 An intact chain passes the check at every switch (the probe losses saved and loaded agree within the
 dtype's tolerance). A chain whose first checkpoint is damaged between the stages (the rows of one tp shard
-of a weight reversed in place, as a resharding bug would leave them) is refused before stage 2 trains:
-the runner stops with one message naming the checkpoint, both layouts and both losses, the damaged
-checkpoint stays published byte for byte, and rerunning the command refuses it again.
+of a weight reversed in place, as a resharding bug would leave them, with checksums that match) is refused
+before stage 2 trains: the runner stops with one message naming the checkpoint, both layouts and both
+losses, the damaged checkpoint stays published byte for byte, and rerunning the command refuses it again.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from test_chain_e2e import VOCAB
+from tests.engine.ckpt_tamper import rewrite_manifest
 from tiny_chain import chain_args, write_chain, write_config_and_data
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -128,6 +129,7 @@ def test_a_damaged_shard_is_refused_before_the_next_stage_trains(setup_dir, tmp_
         if launch.spec.stage == 1:
             checkpoint = Path(StageResult.read(launch.spec.result_path).checkpoint)
             damaged["tensor"] = reverse_rows_of_one_tp_shard(checkpoint)
+            rewrite_manifest(checkpoint)  # as a resharding bug would save it: checksums of the wrong rows
             damaged["checkpoint"], damaged["digests"] = checkpoint, file_digests(checkpoint)
 
     args = args_of(setup_dir, tmp_path, "damaged")
