@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from cona.engine.checkpoint import LATEST_UNIVERSAL, PROBE_FILE
 from cona.engine.spec import StageResult
 from cona.engine.switch_check import PROBE_RTOL, Verdict
-from cona.errors import CheckpointError
+from cona.errors import CheckpointError, LaunchError
 from cona.runner.sequence import run_chain
 from cona.runner.stage_run import StageLaunch, torchrun_launcher
 from cona.runner.state import load_state
@@ -165,3 +166,28 @@ def test_a_damaged_shard_is_refused_before_the_next_stage_trains(setup_dir, tmp_
         run_chain(args, out=lambda line: None)
     assert file_digests(universal) == damaged["digests"]
     assert [stage.status for stage in load_state(run_dir).stages] == ["done", "running", "pending"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_flipped_bytes_are_refused_by_the_workers_checksums_naming_the_file(setup_dir, tmp_path):
+    """The same damage without matching checksums: both ranks of stage 2 verify the manifest (each hashing a
+    share), refuse before loading, and the run stops with one line naming the shard file."""
+    damaged: dict[str, Path] = {}
+
+    def damage_after_stage_1(launch: StageLaunch) -> None:
+        torchrun_launcher(launch)
+        if launch.spec.stage == 1:
+            damaged["checkpoint"] = Path(StageResult.read(launch.spec.result_path).checkpoint)
+            reverse_rows_of_one_tp_shard(damaged["checkpoint"])
+
+    with pytest.raises(LaunchError) as refused:
+        run_chain(
+            args_of(setup_dir, tmp_path, "flipped"), launcher=damage_after_stage_1, out=lambda line: None
+        )
+    message = str(refused.value)
+    universal = damaged["checkpoint"].parent / f"{damaged['checkpoint'].name}_universal"
+    shard = rf"{universal}/__\d+_\d+\.distcp"  # every rank refuses with the same line
+    refusal = rf"{shard}: corrupt: its SHA-256 is not the one in manifest\.json; refusing the checkpoint"
+    assert re.match(rf"stage 2: rank [01] failed: CheckpointError: {refusal} \(traceback: ", message)
+    assert "\n" not in message
