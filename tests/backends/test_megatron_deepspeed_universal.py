@@ -75,6 +75,28 @@ def test_repair_rewrites_cat_dim_of_row_parallel_weights_and_their_adam_states(t
     assert repair_row_parallel(universal) == ()  # idempotent
 
 
+class _Payload:
+    """Unpickling it creates ``marker``: a state file crafted to run code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_repair_refuses_a_crafted_state_file_and_runs_nothing(tmp_path):
+    universal = _write_universal(tmp_path / "global_step4_universal")
+    crafted = universal / "zero" / ROW_PARALLEL[0] / "exp_avg.pt"
+    marker = tmp_path / "ran"
+    torch.save({"param": torch.zeros(2), "cat_dim": 0, "hook": _Payload(marker)}, crafted)
+    with pytest.raises(CheckpointError, match=rf"^{crafted}: refused, .*; nothing in it was run$"):
+        repair_row_parallel(universal)
+    assert not marker.exists()
+    torch.load(crafted, weights_only=False)  # what the repair used to do: it runs the payload
+    assert marker.exists()
+
+
 def test_repair_leaves_a_checkpoint_saved_at_tp2_alone(tmp_path):
     universal = _write_universal(tmp_path / "u", cat_dim=1)
     assert repair_row_parallel(universal) == ()

@@ -60,7 +60,7 @@ def test_inspect_text_and_incomplete_exit_code(checkpoint, capsys) -> None:
     next(path.glob("*.distcp")).unlink()
     assert main(["ckpt", "inspect", str(path)]) == 1
     text = capsys.readouterr().out
-    assert "complete: False" in text and "is missing" in text
+    assert "complete: False" in text and "missing (the checkpoint's manifest.json lists it)" in text
 
 
 def test_inspect_bad_path_is_one_line_error(tmp_path: Path, capsys) -> None:
@@ -93,7 +93,9 @@ def test_export_refuses_incomplete_checkpoint_and_bad_out(checkpoint, tmp_path: 
     assert "should end in .safetensors" in capsys.readouterr().err
     (path / ".metadata").unlink()
     assert main(["ckpt", "export", str(path), str(tmp_path / "x.safetensors")]) == 2
-    assert "incomplete checkpoint: no DCP .metadata file" in capsys.readouterr().err
+    assert (
+        "global_step5/.metadata: missing (the checkpoint's manifest.json lists it)" in capsys.readouterr().err
+    )
     assert not (tmp_path / "x.safetensors").exists()
 
 

@@ -127,7 +127,11 @@ def test_a_checkpoint_carries_its_probe(tmp_path):
 def test_the_runner_reports_a_refused_check_as_a_checkpoint_error(tmp_path):
     from cona.runner.stage_run import StageLaunch, launch_stage
 
-    spec = type("Spec", (), {"stage_dir": tmp_path / "stages" / "2", "stage": 2})()
+    spec = type(
+        "Spec",
+        (),
+        {"stage_dir": tmp_path / "stages" / "2", "stage": 2, "run_dir": tmp_path, "load_path": None},
+    )()
     launch = StageLaunch(spec=spec, spec_path=tmp_path / "spec.json", topology=None, device_type="cpu")
 
     def refuses(_launch):

@@ -3,9 +3,9 @@ runner, switching tp2 -> pp2 -> dp2.
 
 An intact chain passes the check at every switch (the probe losses saved and loaded agree within the
 dtype's tolerance). A chain whose first checkpoint is damaged between the stages (the rows of one tp shard
-of a weight reversed in place, as a resharding bug would leave them) is refused before stage 2 trains:
-the runner stops with one message naming the checkpoint, both layouts and both losses, the damaged
-checkpoint stays published byte for byte, and rerunning the command refuses it again.
+of a weight reversed in place, as a resharding bug would leave them, with checksums that match) is refused
+before stage 2 trains: the runner stops with one message naming the checkpoint, both layouts and both
+losses, the damaged checkpoint stays published byte for byte, and rerunning the command refuses it again.
 """
 
 from __future__ import annotations
@@ -14,19 +14,21 @@ import argparse
 import hashlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from test_chain_e2e import VOCAB
+from tests.engine.ckpt_tamper import rewrite_manifest
 from tiny_chain import chain_args, write_chain, write_config_and_data
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cona.engine.checkpoint import LATEST_UNIVERSAL, PROBE_FILE
 from cona.engine.spec import StageResult
 from cona.engine.switch_check import PROBE_RTOL, Verdict
-from cona.errors import CheckpointError
+from cona.errors import CheckpointError, LaunchError
 from cona.runner.sequence import run_chain
 from cona.runner.stage_run import StageLaunch, torchrun_launcher
 from cona.runner.state import load_state
@@ -128,6 +130,7 @@ def test_a_damaged_shard_is_refused_before_the_next_stage_trains(setup_dir, tmp_
         if launch.spec.stage == 1:
             checkpoint = Path(StageResult.read(launch.spec.result_path).checkpoint)
             damaged["tensor"] = reverse_rows_of_one_tp_shard(checkpoint)
+            rewrite_manifest(checkpoint)  # as a resharding bug would save it: checksums of the wrong rows
             damaged["checkpoint"], damaged["digests"] = checkpoint, file_digests(checkpoint)
 
     args = args_of(setup_dir, tmp_path, "damaged")
@@ -163,3 +166,28 @@ def test_a_damaged_shard_is_refused_before_the_next_stage_trains(setup_dir, tmp_
         run_chain(args, out=lambda line: None)
     assert file_digests(universal) == damaged["digests"]
     assert [stage.status for stage in load_state(run_dir).stages] == ["done", "running", "pending"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_flipped_bytes_are_refused_by_the_workers_checksums_naming_the_file(setup_dir, tmp_path):
+    """The same damage without matching checksums: both ranks of stage 2 verify the manifest (each hashing a
+    share), refuse before loading, and the run stops with one line naming the shard file."""
+    damaged: dict[str, Path] = {}
+
+    def damage_after_stage_1(launch: StageLaunch) -> None:
+        torchrun_launcher(launch)
+        if launch.spec.stage == 1:
+            damaged["checkpoint"] = Path(StageResult.read(launch.spec.result_path).checkpoint)
+            reverse_rows_of_one_tp_shard(damaged["checkpoint"])
+
+    with pytest.raises(LaunchError) as refused:
+        run_chain(
+            args_of(setup_dir, tmp_path, "flipped"), launcher=damage_after_stage_1, out=lambda line: None
+        )
+    message = str(refused.value)
+    universal = damaged["checkpoint"].parent / f"{damaged['checkpoint'].name}_universal"
+    shard = rf"{universal}/__\d+_\d+\.distcp"  # every rank refuses with the same line
+    refusal = rf"{shard}: corrupt: its SHA-256 is not the one in manifest\.json; refusing the checkpoint"
+    assert re.match(rf"stage 2: rank [01] failed: CheckpointError: {refusal} \(traceback: ", message)
+    assert "\n" not in message

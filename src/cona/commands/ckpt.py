@@ -59,11 +59,16 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
     """What ``cona ckpt inspect`` shows, as a JSON-ready dict."""
-    from cona.engine.checkpoint import model_shape, read_checkpoint_info, resolve_checkpoint, verify_complete
+    from cona.engine.checkpoint import (
+        model_shape,
+        read_checkpoint_info,
+        resolve_checkpoint,
+        verify_checkpoint,
+    )
 
     checkpoint = resolve_checkpoint(path)
     try:
-        verify_complete(checkpoint)
+        verify_checkpoint(checkpoint)
         problem = None
     except CheckpointError as err:
         problem = str(err)
@@ -124,12 +129,7 @@ def run_export(args: argparse.Namespace) -> int:
     tensors = load_model_tensors(checkpoint)
     info = read_checkpoint_info(checkpoint)
     tied = (info.manifest or {}).get("tied_parameters", [])
-    for kept, *aliases in tied:
-        for alias in aliases:
-            # Only drop a copy that really is the same weight (a pipeline that keeps tied weights as two
-            # synchronised copies stores both; they must still be equal).
-            if alias in tensors and kept in tensors and tensors[alias].equal(tensors[kept]):
-                del tensors[alias]
+    drop_tied_copies(checkpoint, tensors, tied)
     metadata = {
         "format": "pt",
         "source": str(checkpoint),
@@ -157,3 +157,19 @@ def _run_export_hf(args: argparse.Namespace) -> int:
         f"parameters, {tokenizer}"
     )
     return 0
+
+
+def drop_tied_copies(checkpoint: Path, tensors: dict, tied: list[list[str]]) -> None:
+    """Keep one tensor per tied group (the first name). Every copy must equal it: a pipeline that keeps tied
+    weights as two synchronised copies stores both, and a copy that differs is corruption, never a weight
+    to export as untied."""
+    for kept, *aliases in tied:
+        for alias in aliases:
+            if alias not in tensors or kept not in tensors:
+                continue
+            if not tensors[alias].equal(tensors[kept]):
+                raise CheckpointError(
+                    f"{checkpoint}: tied weights {kept} and {alias} differ; the checkpoint is corrupt "
+                    "(a tied copy is never exported as an untied weight)"
+                )
+            del tensors[alias]

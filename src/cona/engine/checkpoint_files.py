@@ -9,12 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from cona.engine.checkpoint_dcp import METADATA_FILE, SafeFileSystemReader
 from cona.errors import CheckpointError
 
-METADATA_FILE = ".metadata"
 TRAINER_STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.json"
 
@@ -33,12 +32,10 @@ def verify_complete(path: Path) -> None:
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
+    """The DCP metadata, through the reader that refuses any global but DCP's metadata classes."""
     if not (path / METADATA_FILE).is_file():
         raise CheckpointError(f"{path}: incomplete checkpoint: no DCP {METADATA_FILE} file")
-    try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except Exception as err:  # a truncated pickle can raise almost anything
-        raise CheckpointError(f"{path}/{METADATA_FILE}: unreadable ({type(err).__name__})") from None
+    return SafeFileSystemReader(path).read_metadata()
 
 
 def _check_chunks_cover_tensors(path: Path, metadata: Metadata) -> None:

@@ -1,7 +1,8 @@
 """Launching one stage, as the chain runner and the online runner both do it.
 
 A stage is handed to a :data:`Launcher` (torchrun in production, a fake engine in tests) as a
-:class:`StageLaunch`. :func:`launch_stage` starts it and turns a stage that stopped because it refused the
+:class:`StageLaunch`. :func:`launch_stage` first cross-checks the checkpoint it loads against the run state
+(:func:`check_trainer_state`), then starts it and turns a stage that stopped because it refused the
 checkpoint it loaded (switch verification, :mod:`cona.engine.switch_check`) into one
 :class:`~cona.errors.CheckpointError` that says so, instead of a worker failure; :func:`switch_check_line`
 is the line that reports a stage's verification when it passed. Around the launch: the LR a stage plans
@@ -11,6 +12,7 @@ for its gbs (:func:`stage_lr`) and the timed publish of its checkpoint (:func:`p
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import TrainingConfig
+from cona.engine.checkpoint import TRAINER_STATE_FILE, read_checkpoint_info
 from cona.engine.spec import StageSpec
 from cona.engine.switch_check import VERDICT_FILE, Verdict, read_verdict
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.lr_scaling import ScaledLR, scaled_lr
 from cona.runner.launch import WORKER_MODULE, Topology, run_stage
-from cona.runner.state import StageState, measured_noise_scale
+from cona.runner.state import StageState, load_state, measured_noise_scale, state_path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,10 +70,12 @@ def checkpoint_dtype(training: TrainingConfig, device_type: str) -> str:
 def launch_stage(launcher: Launcher, launch: StageLaunch) -> float:
     """Run one attempt of a stage and wait for it; returns the unix time it was launched.
 
-    Raises :class:`CheckpointError` when the workers stopped because the checkpoint they loaded failed
-    switch verification (its verdict, written by rank 0 before every rank stopped, says so), so the run
-    ends with that message and not with a worker's traceback.
+    Raises :class:`CheckpointError` before the launch when the checkpoint to load disagrees with what the
+    run state recorded for it (:func:`check_trainer_state`), and when the workers stopped because the
+    checkpoint they loaded failed switch verification (its verdict, written by rank 0 before every rank
+    stopped, says so), so the run ends with that message and not with a worker's traceback.
     """
+    check_trainer_state(launch.spec.run_dir, launch.spec.load_path)
     stage_dir = launch.spec.stage_dir
     (stage_dir / VERDICT_FILE).unlink(missing_ok=True)  # an earlier attempt's verdict is not this one's
     launched = time.time()
@@ -82,6 +87,43 @@ def launch_stage(launcher: Launcher, launch: StageLaunch) -> float:
             raise CheckpointError(refusal_message(launch.spec.stage, verdict)) from None
         raise
     return launched
+
+
+def check_trainer_state(run_dir: Path, load_path: Path | None) -> None:
+    """Refuse to load a checkpoint the run recorded (a finished stage's ``checkpoint`` or ``universal``)
+    whose ``trainer_state.json`` disagrees with the record: iteration, consumed samples or tokens changed
+    after the save would train samples twice or skip them. Checkpoints the state does not record, and those
+    of another backend's format, are left to the workers' own checks."""
+    state = load_state(run_dir) if load_path is not None else None
+    if state is None:
+        return
+    try:
+        info = read_checkpoint_info(load_path)
+    except CheckpointError:
+        return
+    for stage in state.stages:
+        recorded = [Path(path) for path in (stage.checkpoint, stage.universal) if path]
+        if stage.consumed_samples is None or not any(_same_directory(info.path, p) for p in recorded):
+            continue
+        expected = {
+            "iteration": stage.last_iteration,
+            "consumed_samples": stage.consumed_samples,
+            "consumed_tokens": stage.consumed_tokens,
+        }
+        for key, value in expected.items():
+            if value is not None and info.trainer_state.get(key) != value:
+                raise CheckpointError(
+                    f"{info.path / TRAINER_STATE_FILE}: {key} is {info.trainer_state.get(key)}, but the run "
+                    f"state {state_path(run_dir)} records {value} for stage {stage.step_num}'s checkpoint; "
+                    "refusing it"
+                )
+
+
+def _same_directory(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def refusal_message(stage: int, verdict: Verdict) -> str:

@@ -134,13 +134,28 @@ def repair_row_parallel(universal_dir: Path) -> tuple[str, ...]:
             path = param_dir / name
             if not path.is_file():
                 continue
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = _load_state_file(torch, path)
             if state.get("cat_dim", 0) != ROW_PARALLEL_DIM:
                 state["cat_dim"] = ROW_PARALLEL_DIM
                 torch.save(state, path)
                 if param_dir.name not in changed:
                     changed.append(param_dir.name)
     return tuple(changed)
+
+
+def _load_state_file(torch, path: Path) -> dict:
+    """One of DeepSpeed's universal state files, weights-only (tensors and plain data): a file that names
+    any other object is refused, and nothing in it runs."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        why = next((line for line in str(err).splitlines() if "Unsupported" in line), "not plain data")
+        raise CheckpointError(f"{path}: refused, {why.strip()}; nothing in it was run") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a DeepSpeed universal state file (a {type(state).__name__})")
+    return state
 
 
 def check_reshardable(env: MdsEnvironment, tps: Sequence[int], *, where: str) -> None:

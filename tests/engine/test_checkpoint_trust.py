@@ -1,0 +1,232 @@
+"""Checkpoints that cannot be trusted are refused: crafted pickles run nothing, corruption is caught by the
+checksum manifest, and a failed save says why in one line. Each refusal names the file."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from tests.engine import ckpt_worker
+from tests.engine.ckpt_tamper import Payload, crafted_metadata, flip_bytes, rewrite_manifest
+from tests.engine.test_checkpoint import ONE, save, small_config, trained
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+from cona.cli import main
+from cona.engine import checkpoint as ckpt
+from cona.engine.checkpoint import load_checkpoint, verify_checkpoint
+from cona.engine.checkpoint_dcp import failure_line
+from cona.errors import CheckpointError
+
+BYTES_ENTRY = "param_groups.layers.0.w1.weight.lr"
+
+
+@pytest.fixture
+def saved(tmp_path: Path):
+    config = small_config()
+    model, optimizer = trained(config)
+    return config, save(tmp_path / "work", config, model, optimizer, 2)
+
+
+def fresh(config):
+    return trained(config, steps=0, offset=0.5)
+
+
+def refused_on_load(config, path: Path, match: str) -> str:
+    model, optimizer = fresh(config)
+    with pytest.raises(CheckpointError, match=match) as refused:
+        load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+# ------------------------------------------------------------------------------- crafted pickles
+
+
+def test_the_payload_runs_code_when_unpickled_without_restriction(tmp_path: Path) -> None:
+    """The proof the tests below rely on: plain unpickling of a Payload creates its marker."""
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(Payload(marker)))
+    assert marker.exists()
+
+
+def test_crafted_metadata_runs_nothing_on_inspect_or_load(saved, tmp_path: Path, capsys) -> None:
+    config, path = saved
+    marker = tmp_path / "ran"
+    crafted_metadata(path, marker)
+    rewrite_manifest(path)  # a crafted checkpoint comes with a manifest that matches it
+    assert main(["ckpt", "inspect", str(path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["problem"].startswith(f"{path}/.metadata: refused, it names pathlib")
+    assert "nothing in it was run" in report["problem"]
+    refused_on_load(
+        config, path, rf"^{path}/.metadata: refused, it names pathlib\S*Path.touch, which is not DCP metadata"
+    )
+    assert main(["ckpt", "export", str(path), str(tmp_path / "out.safetensors")]) == 2
+    assert ".metadata: refused" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_crafted_bytes_entry_runs_nothing_on_resume(tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint whose optimizer param_groups entry is a pickle that would run code (and whose manifest
+    and DCP metadata are consistent with it) is refused on load, naming the shard file and the entry."""
+    config = small_config()
+    model, optimizer = trained(config)
+    marker = tmp_path / "ran"
+    state_of = ckpt.model_and_optimizer_state
+
+    def planted(parts, opt):
+        model_state, optim_state = state_of(parts, opt)
+        return model_state, {**optim_state, BYTES_ENTRY: Payload(marker)}
+
+    monkeypatch.setattr(ckpt, "model_and_optimizer_state", planted)
+    path = save(tmp_path / "work", config, model, optimizer, 2)
+    monkeypatch.undo()
+    assert not marker.exists()
+    message = refused_on_load(config, path, rf"^{path}/__0_0.distcp: entry optim.{BYTES_ENTRY} is not plain")
+    assert "nothing in it was run" in message
+    assert not marker.exists()
+    # DCP's own reader would have run it: the refusal is what kept the marker away.
+    model, optimizer = fresh(config)
+    state = {"optim": dict(ckpt.model_and_optimizer_state([model], optimizer)[1])}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    assert marker.exists()
+
+
+# ------------------------------------------------------------------------------- corruption
+
+
+def test_flipped_bytes_in_a_weight_are_refused_naming_the_file(saved, tmp_path: Path, capsys) -> None:
+    config, path = saved
+    shard = flip_bytes(path, "model.layers.0.w1.weight")
+    expected = rf"^{shard}: corrupt: its SHA-256 is not the one in manifest.json"
+    refused_on_load(config, path, expected)
+    assert main(["ckpt", "inspect", str(path), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["problem"].startswith(f"{shard}: corrupt")
+    out = tmp_path / "out.safetensors"
+    assert main(["ckpt", "export", str(path), str(out)]) == 2
+    assert f"{shard}: corrupt" in capsys.readouterr().err and not out.exists()
+
+
+def test_flipped_bytes_in_optimizer_state_are_refused_naming_the_file(saved) -> None:
+    config, path = saved
+    shard = flip_bytes(path, "optim.state.layers.0.w1.weight.exp_avg_sq")
+    refused_on_load(config, path, rf"^{shard}: corrupt: its SHA-256 is not the one in manifest.json")
+
+
+def test_an_edited_trainer_state_is_refused_naming_the_file(saved) -> None:
+    config, path = saved
+    state = json.loads((path / "trainer_state.json").read_text())
+    (path / "trainer_state.json").write_text(json.dumps({**state, "consumed_tokens": 0}))
+    refused_on_load(config, path, rf"^{path}/trainer_state.json: corrupt: ")
+
+
+def test_an_edited_manifest_and_an_extra_file_are_refused(saved) -> None:
+    config, path = saved
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["tied_parameters"] = [["tok_embeddings.weight", "output.weight"]]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    refused_on_load(config, path, rf"^{path}/manifest.json: altered or corrupt")
+    rewrite_manifest(path)
+    (path / "__9_0.distcp").write_bytes(b"planted")
+    refused_on_load(config, path, rf"^{path}/__9_0.distcp: not in the checkpoint's manifest.json")
+
+
+def test_a_checkpoint_without_a_manifest_is_refused(saved) -> None:
+    config, path = saved
+    (path / "manifest.json").unlink()
+    refused_on_load(config, path, rf"^{path}/manifest.json is missing: the checkpoint cannot be verified")
+
+
+def test_a_differing_tied_copy_is_not_exported_as_an_untied_weight(tmp_path: Path, capsys) -> None:
+    """A checkpoint whose two stored copies of a tied weight differ (checksums consistent: the damage was
+    there when it was saved) is refused by export, which writes nothing."""
+    config = small_config()
+    model = ckpt_worker.build_model(config, ONE, None, 0.0)
+    model.output.weight = model.tok_embeddings.weight
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = save(tmp_path / "work", config, model, optimizer, 1)
+    flip_bytes(path, "model.output.weight")
+    rewrite_manifest(path)
+    verify_checkpoint(path)
+    out = tmp_path / "out.safetensors"
+    assert main(["ckpt", "export", str(path), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: tied weights tok_embeddings.weight and output.weight differ" in err
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_verification_cost_on_a_small_checkpoint(saved) -> None:
+    """Verifying the checksums is a small part of a load (printed; run with -s to see it)."""
+    config, path = saved
+    began = time.perf_counter()
+    for _ in range(20):
+        verify_checkpoint(path)
+    verify_s = (time.perf_counter() - began) / 20
+    model, optimizer = fresh(config)
+    began = time.perf_counter()
+    load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
+    load_s = time.perf_counter() - began
+    size = sum(f.stat().st_size for f in path.iterdir())
+    print(f"\nverify {verify_s * 1e3:.2f} ms, whole load {load_s * 1e3:.1f} ms, {size} bytes")
+    assert verify_s < load_s
+
+
+# ------------------------------------------------------------------------------- failed saves
+
+
+def test_a_full_disk_during_the_save_is_one_line_with_cause_and_path(saved, monkeypatch) -> None:
+    config, path = saved
+    model, optimizer = trained(config, steps=3)
+    real_create_stream = dcp.filesystem.FileSystem.create_stream
+
+    def full_disk(self, target, mode):
+        if "w" in mode and str(target).endswith(".distcp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+        return real_create_stream(self, target, mode)
+
+    monkeypatch.setattr(dcp.filesystem.FileSystem, "create_stream", full_disk)
+    with pytest.raises(CheckpointError) as failed:
+        save(path.parents[5], config, model, optimizer, 3)
+    message = str(failed.value)
+    assert "\n" not in message and "CheckpointException" not in message
+    assert message.startswith(f"saving checkpoint {path.parent}/global_step3 failed on rank 0: OSError: ")
+    assert "[Errno 28] No space left on device" in message and ".tmp-global_step3-" in message
+    assert ckpt.resolve_checkpoint(path.parent) == path  # the previous checkpoint stays latest
+
+
+def test_an_unwritable_layout_directory_is_one_line(saved, monkeypatch) -> None:
+    config, path = saved
+    model, optimizer = trained(config, steps=3)
+    layout = path.parent
+
+    def no_permission(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+
+    shutil.rmtree(layout)
+    monkeypatch.setattr(Path, "mkdir", no_permission)
+    with pytest.raises(CheckpointError) as failed:
+        save(path.parents[5], config, model, optimizer, 3)
+    assert str(failed.value) == (
+        f"saving a checkpoint into {layout} failed on rank 0: [Errno 13] Permission denied: '{layout}'"
+    )
+
+
+def test_failures_on_several_ranks_are_one_line_with_the_first_cause() -> None:
+    """What DCP raises when both ranks of a save hit a full disk (its str starts 'CheckpointException
+    ranks:dict_keys([0, 1])', the causes only in per-rank tracebacks)."""
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/w/.tmp-global_step3-ab/__1_0.distcp")
+    raised = CheckpointException("write_data", {1: _wrap_exception(full), 0: _wrap_exception(full)})
+    assert str(raised).startswith("CheckpointException ranks:dict_keys([1, 0])")
+    line = str(failure_line(raised, "saving checkpoint /w/global_step3 failed"))
+    assert line == (
+        "saving checkpoint /w/global_step3 failed on rank 0: OSError: [Errno 28] No space left on device: "
+        "'/w/.tmp-global_step3-ab/__1_0.distcp' (also on rank 1)"
+    )
