@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 
@@ -106,12 +108,12 @@ def test_measurements_leave_the_window_but_at_least_min_samples_stay():
     assert tracker.noise_scale() == pytest.approx(3.0) and tracker.samples == 7
     far = tracker.update(small_sqr=2.5, big_sqr=1.375, small_batch=2, big_batch=8, consumed_samples=10_000)
     assert len(far.measurements) == 3  # a long log interval keeps min_samples measurements
-    assert NoiseScaleTracker(base_batch=8).window is None  # default: WINDOW_BASE_BATCHES * M0
+    assert NoiseScaleTracker(base_batch=8).window is None  # default: see WINDOW_FRACTION
 
 
 def test_the_averages_restart_once_the_warm_up_is_over():
     """While the LR rises the measurements count; min_samples measurements after its peak replace them."""
-    tracker = NoiseScaleTracker(base_batch=8, min_samples=3)
+    tracker = NoiseScaleTracker(base_batch=8, min_samples=3, window=math.inf)  # the restart alone
     for step in range(5):  # warm-up: LR rising, |G|^2 = 100, tr(Sigma) = 0
         tracker = tracker.update_from_metrics(warm_record(step, lr=0.1 * (step + 1), small=100.0, big=100.0))
     assert tracker.warmup_end is None and tracker.noise_scale() == pytest.approx(0.0)

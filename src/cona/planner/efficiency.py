@@ -35,6 +35,10 @@ WINDOW_BASE_BATCHES = 500
 """The window, in ``M0`` batches of samples: measurements taken more than ``500 * M0`` samples before the
 newest one leave the average (about the half-life of AdaptDL's EMA, ``0.999 ** 693 = 0.5`` per ``M0``), so
 the estimate follows the noise scale as the loss falls, whatever the log interval."""
+WINDOW_FRACTION = 0.75
+"""Early in a run the window is shorter: the last 3/4 of the samples consumed so far. The noise scale
+changes on the scale of the run's length (it follows the loss), and the warm-up's measurements leave the
+average once the run is 4x as long as the warm-up."""
 MIN_SAMPLES = 10
 """Measurements needed before the tracker reports a noise scale; fewer are too noisy to act on. The window
 always keeps at least this many (a long log interval never makes a known noise scale unknown again)."""
@@ -104,7 +108,8 @@ class NoiseScaleTracker:
 
     ``update`` returns a new tracker, so the search thread can keep the history it wants and tests can replay.
     A measurement's position is the run's consumed samples (``metrics.jsonl``'s ``consumed_samples``); kept
-    are the measurements of the last ``window`` samples (at least ``min_samples`` of them). The LR warm-up
+    are the measurements of the last ``window`` samples (at least ``min_samples`` of them): an average
+    over a window lags the noise scale by about half of it, an EMA by its whole horizon. The LR warm-up
     is over at the first measurement whose ``lr`` does not exceed the previous one's; from then on, once
     ``min_samples`` measurements follow it, the warm-up ones are dropped (a restart that never leaves the
     tracker without an estimate it had).
@@ -114,7 +119,8 @@ class NoiseScaleTracker:
     """``M0``: sets the window (see :data:`WINDOW_BASE_BATCHES`)."""
     min_samples: int = MIN_SAMPLES
     window: float | None = None
-    """Window in samples; None: ``WINDOW_BASE_BATCHES * base_batch``."""
+    """Window in samples; None: the smaller of ``WINDOW_BASE_BATCHES * base_batch`` and ``WINDOW_FRACTION``
+    of the newest measurement's position."""
     measurements: tuple[Measurement, ...] = ()
     """The measurements in the window, oldest first."""
     samples: int = 0
@@ -168,8 +174,10 @@ class NoiseScaleTracker:
             after = tuple(m for m in kept if m[0] >= warmup_end)
             if len(after) >= self.min_samples:
                 kept = after
-        window = WINDOW_BASE_BATCHES * self.base_batch if self.window is None else self.window
         newest = kept[-1][0]
+        window = self.window
+        if window is None:
+            window = min(WINDOW_BASE_BATCHES * self.base_batch, WINDOW_FRACTION * newest)
         first = 0
         while len(kept) - first > self.min_samples and kept[first][0] < newest - window:
             first += 1
