@@ -148,6 +148,7 @@ def run_layout(name: str, strategy: Strategy, config: ConaConfig, batch) -> dict
         "norm": norm,
         "ref_norm": ref["norm"],
         "gns_small_sqr": out.gns_small_sqr,
+        "gns_small_batch": out.gns_small_batch,
         "ref_small_sqr": ref["small_sqr"],
         "gns_big_sqr": out.gns_big_sqr,
         "ref_big_sqr": ref["big_sqr"],

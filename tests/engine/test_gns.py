@@ -14,6 +14,7 @@ from cona.config import ConaConfig, ModelConfig, TrainingConfig
 from cona.engine.gns import MicroBatchNormMeter, PreviousGradient, difference_estimate, is_tied
 from cona.engine.model import GPT, init_weights
 from cona.engine.parallel_dims import build_mesh
+from cona.engine.step_noise import NoiseInputs, split_rows
 from cona.engine.train_model import LossScaler, TrainingModel, build_training_model, token_cross_entropy
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.strategy import Strategy
@@ -179,9 +180,10 @@ def test_engine_reports_micro_batch_norms_with_accumulation(one_process_group) -
     assert out.gns_big_sqr == pytest.approx(big, rel=1e-5)
 
 
-def test_engine_pairs_consecutive_steps_with_one_micro_batch(one_process_group) -> None:
-    engine, config = tiny_engine(gbs=2, mbs=2)
-    first_batch, second_batch = token_batches(config, 2, 2, seed=1)[0], token_batches(config, 2, 2, seed=2)[0]
+def test_engine_pairs_consecutive_steps_with_one_sample(one_process_group) -> None:
+    """mbs = 1 on one rank cannot be split: the difference estimator pairs two consecutive steps."""
+    engine, config = tiny_engine(gbs=1, mbs=1)
+    first_batch, second_batch = token_batches(config, 1, 1, seed=1)[0], token_batches(config, 1, 1, seed=2)[0]
     first = engine.train_step([first_batch])
     assert math.isnan(first.gns_small_sqr) and math.isnan(first.gns_big_sqr)
     engine.clip_grad_norm_(0.01)  # clipping the held gradient must not change the estimate
@@ -189,9 +191,54 @@ def test_engine_pairs_consecutive_steps_with_one_micro_batch(one_process_group) 
     sqr_a, grads_a = plain_gns_sqr(config, *first_batch)
     sqr_b, grads_b = plain_gns_sqr(config, *second_batch)
     pair = sum(((a + b) / 2).square().sum().item() for (_, a), (_, b) in zip(grads_a, grads_b, strict=True))
-    assert (second.gns_small_batch, second.gns_big_batch) == (2, 4)
+    assert (second.gns_small_batch, second.gns_big_batch) == (1, 2)
     assert second.gns_small_sqr == pytest.approx((sqr_a + sqr_b) / 2, rel=1e-5)
     assert second.gns_big_sqr == pytest.approx(pair, rel=1e-5)
+
+
+def test_a_measured_single_micro_batch_step_runs_as_halves(one_process_group) -> None:
+    """gbs = mbs on one rank: the measured step accumulates two halves, so both norms are of this step's
+    parameters; loss and gradient are those of the unsplit (unmeasured) step."""
+    engine, config = tiny_engine(gbs=4, mbs=4)
+    (batch,) = token_batches(config, 4, 4, seed=7)
+    unsplit = engine.train_step([batch], measure_gns=False)
+    unsplit_grads = [p.grad.clone() for p in engine.model_parts[0].parameters()]
+    split = engine.train_step([batch])
+    assert split.loss == pytest.approx(unsplit.loss, rel=1e-6)
+    for got, want in zip((p.grad for p in engine.model_parts[0].parameters()), unsplit_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    halves = [plain_gns_sqr(config, *half)[0] for half in split_rows(batch, 2)]
+    assert (split.gns_small_batch, split.gns_big_batch) == (2, 4)
+    assert split.gns_small_sqr == pytest.approx(sum(halves) / 2, rel=1e-5)
+    assert split.gns_big_sqr == pytest.approx(plain_gns_sqr(config, *batch)[0], rel=1e-5)
+    assert not engine._noise.meter._handles  # unmeasured steps run no hook
+    odd, odd_config = tiny_engine(gbs=3, mbs=3)  # odd mbs: thirds, one row each
+    assert odd.train_step(token_batches(odd_config, 3, 3, seed=8)).gns_small_batch == 1
+
+
+def test_halves_recover_a_planted_noise_scale_with_gbs_equal_to_mbs() -> None:
+    """The engine's noise inputs on a problem with known noise, gbs = mbs = 64 and dp = 1: each measured step
+    runs its micro-batch as two halves (loss / 2 each, as the engine scales it) at the same parameters."""
+    generator = torch.Generator().manual_seed(2)
+    problem = LinearRegression(generator)
+    noise = NoiseInputs(
+        [problem], strategy=Strategy(dp=1, tp=1, pp=1, mbs=64, gbs=64), tie_embeddings=False,
+        is_first_stage=True, fsdp=False, device=torch.device("cpu"), copy_previous=False,
+    )  # fmt: skip
+    tracker = NoiseScaleTracker(base_batch=64)
+    for _ in range(300):
+        problem.zero_grad()
+        pieces = noise.pieces_for(True)
+        measure = noise.start_step(pieces, measure=True)
+        for x, y in split_rows(problem.sample(64, generator), pieces):
+            (problem.loss(x, y) / pieces).backward()
+        sums, grads = noise.local_sums(pieces, measure)
+        out = noise.output(torch.zeros(()), sums, grads, n_small=pieces, measure=measure, may_overflow=False)
+        assert (out.gns_small_batch, out.gns_big_batch) == (32, 64)
+        tracker = tracker.update(
+            small_sqr=out.gns_small_sqr.item(), big_sqr=out.gns_big_sqr.item(), small_batch=32, big_batch=64
+        )
+    assert tracker.noise_scale() == pytest.approx(problem.true_noise_scale(), rel=0.10)
 
 
 def test_clip_and_optimizer_step(one_process_group) -> None:

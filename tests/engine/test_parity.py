@@ -17,6 +17,8 @@ WORKER = str(Path(__file__).with_name("parity_worker.py"))
 
 TWO_PROCESS_LAYOUTS = {
     "dp2 zero0": "dp=2,zero_stage=0",
+    "dp2 zero0 one micro-batch": "dp=2,zero_stage=0,gbs=4",
+    "dp2 zero3 one micro-batch": "dp=2,zero_stage=3,gbs=4",
     "dp2 zero1": "dp=2,zero_stage=1",
     "dp2 zero3 full recompute": "dp=2,zero_stage=3,recompute=full",
     "tp2": "tp=2",
@@ -82,8 +84,11 @@ def check(result: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_process_layouts_match_one_process() -> None:
-    for result in run_layouts(TWO_PROCESS_LAYOUTS, 2).values():
+    results = run_layouts(TWO_PROCESS_LAYOUTS, 2)
+    for result in results.values():
         check(result)
+    for name in ("dp2 zero0 one micro-batch", "dp2 zero3 one micro-batch"):  # measured as halves of 1 row
+        assert results[name]["gns_small_batch"] == 1, results[name]
 
 
 @pytest.mark.slow

@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 
@@ -6,6 +8,7 @@ from cona.planner.efficiency import (
     NoiseScaleEstimate,
     NoiseScaleTracker,
     adascale_gain,
+    median_of_means,
     progress_per_second,
     statistical_efficiency,
     two_batch_estimate,
@@ -60,14 +63,79 @@ def test_tracker_recovers_a_planted_noise_scale():
     assert estimate.trace_sigma == pytest.approx(true_phi * error_sqr, rel=0.10)
 
 
-def test_one_measurement_averages_to_itself_thanks_to_bias_correction():
+def test_one_measurement_averages_to_itself():
     tracker = NoiseScaleTracker(base_batch=16, min_samples=1).update(
         small_sqr=3.0 + 40.0 / 4, big_sqr=3.0 + 40.0 / 32, small_batch=4, big_batch=32
     )
     estimate = tracker.estimate()
     assert estimate.grad_sqr == pytest.approx(3.0)
     assert estimate.trace_sigma == pytest.approx(40.0)
-    assert tracker.weight == pytest.approx(1 - 0.999**2)  # decay 0.999 ** (32 / 16)
+    assert tracker.measurements[0][0] == 32  # without a position: one big batch after the start
+
+
+def planted_measurements(rng, steps, small=4, big=64):
+    """Per-step two-batch measurements of the regression of :func:`regression_gradient_norms`; phi = 21."""
+    return regression_gradient_norms(rng, steps, small, big, dim=10, error_sqr=1.0, label_noise=1.0)
+
+
+def test_a_first_measurement_100x_the_others_is_outvoted_within_50_steps():
+    """Issue 16: a warm-up step with gradient norms ~100x the later ones (|G|^2 estimate -51.8) held the
+    EMA negative for millions of tokens. Robust averaging must know the noise scale within 50 steps."""
+    small_sqr, big_sqr = planted_measurements(np.random.default_rng(3), 50)
+    small_sqr[0] *= 100.0  # its |G|^2 estimate: far below 0, as in the issue
+    tracker = NoiseScaleTracker(base_batch=64)
+    known_at = None
+    for step, (s, b) in enumerate(zip(small_sqr, big_sqr, strict=True), start=1):
+        tracker = tracker.update(small_sqr=float(s), big_sqr=float(b), small_batch=4, big_batch=64)
+        if known_at is None and tracker.noise_scale() is not None:
+            known_at = step
+    assert two_batch_estimate(small_sqr[0], big_sqr[0], 4, 64)[0] < -20  # the true |G|^2 is 1
+    assert known_at is not None and known_at <= 50
+    assert tracker.noise_scale() == pytest.approx(21.0, rel=0.25)
+
+
+def test_measurements_leave_the_window_but_at_least_min_samples_stay():
+    tracker = NoiseScaleTracker(base_batch=8, min_samples=3, window=100.0)
+    for position in (0, 10, 20, 30):  # |G|^2 = 100: a regime the run has left
+        tracker = tracker.update(
+            small_sqr=100.0, big_sqr=100.0, small_batch=2, big_batch=8, consumed_samples=position
+        )
+    for position in (150, 160, 170):  # |G|^2 = 1, tr(Sigma) = 3
+        tracker = tracker.update(
+            small_sqr=2.5, big_sqr=1.375, small_batch=2, big_batch=8, consumed_samples=position
+        )
+    assert [m[0] for m in tracker.measurements] == [150, 160, 170]
+    assert tracker.noise_scale() == pytest.approx(3.0) and tracker.samples == 7
+    far = tracker.update(small_sqr=2.5, big_sqr=1.375, small_batch=2, big_batch=8, consumed_samples=10_000)
+    assert len(far.measurements) == 3  # a long log interval keeps min_samples measurements
+    assert NoiseScaleTracker(base_batch=8).window is None  # default: see WINDOW_FRACTION
+
+
+def test_the_averages_restart_once_the_warm_up_is_over():
+    """While the LR rises the measurements count; min_samples measurements after its peak replace them."""
+    tracker = NoiseScaleTracker(base_batch=8, min_samples=3, window=math.inf)  # the restart alone
+    for step in range(5):  # warm-up: LR rising, |G|^2 = 100, tr(Sigma) = 0
+        tracker = tracker.update_from_metrics(warm_record(step, lr=0.1 * (step + 1), small=100.0, big=100.0))
+    assert tracker.warmup_end is None and tracker.noise_scale() == pytest.approx(0.0)
+    for step in range(5, 8):  # after the peak: |G|^2 = 1, tr(Sigma) = 3
+        tracker = tracker.update_from_metrics(warm_record(step, lr=0.5 - 0.01 * step, small=2.5, big=1.375))
+        assert len(tracker.measurements) == (5 + step - 4 if step < 7 else 3)
+    assert tracker.warmup_end == 5 * 8
+    assert tracker.noise_scale() == pytest.approx(3.0)
+
+
+def warm_record(step, *, lr, small, big):
+    return {
+        "consumed_samples": 8 * step, "lr": lr, "gns_small_sqr": small, "gns_big_sqr": big,
+        "gns_small_batch": 2, "gns_big_batch": 8,
+    }  # fmt: skip
+
+
+def test_median_of_means_ignores_a_minority_of_bad_groups():
+    values = np.concatenate([[-1e4, -1e4], np.ones(12)])
+    assert median_of_means(values) == pytest.approx(1.0)
+    assert median_of_means(np.array([2.0, 4.0])) == pytest.approx(3.0)  # one group: the plain mean
+    assert median_of_means(np.arange(100.0)) == pytest.approx(np.arange(44, 58).mean())  # groups 15,15,14,..
 
 
 def test_negative_grad_sqr_average_is_unknown_not_infinite():

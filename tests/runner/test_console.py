@@ -109,13 +109,13 @@ def test_plain_mode_writes_one_stable_line_per_log_interval(run_dir):
     assert lines[0] == "stage 2: dp4/tp1/pp1 mbs4 gbs16 from iteration 50"
     assert lines[1] == (
         "stage 2 iter     55 | loss 7.7419 | lr 1.41e-03 | 3.580 s/it | 572 tok/s | gnorm 1.079 | "
-        "61,440 tokens | noise scale 11.1 samples | tokens 61.4k in 51.2k->461k (2%) | eta 11:38"
+        "61,440 tokens | noise scale 11.0 samples | tokens 61.4k in 51.2k->461k (2%) | eta 11:38"
     )
     assert all(line.startswith("stage 2 iter ") for line in lines[1:-1])
     assert "eval 7.6969 ppl 2201.45" in lines[2]
     assert lines[-1] == (
         "stage 2 (dp4 tp1 pp1 mbs4 gbs16) ended after 2:37 at iteration 110: loss 6.6237, "
-        "eval ppl 947.30 (it 100), tokens/s 874, noise scale 50.3 samples"
+        "eval ppl 947.30 (it 100), tokens/s 874, noise scale 64.6 samples"
     )
 
 
@@ -147,7 +147,7 @@ def test_rich_panel_shows_the_bar_the_strategy_the_metrics_and_the_best_candidat
     assert "━" in text and "dp4 tp1 pp1 mbs4 gbs16" in text
     assert "tokens 133k in 51.2k->461k (20%)" in text and "eta 6:36" in text
     assert "loss 6.8797" in text and "eval ppl 1312.64 (it 80)" in text and "tokens/s 827" in text
-    assert "MFU -" in text and "noise scale 29.6 samples" in text
+    assert "MFU -" in text and "noise scale 41.0 samples" in text
     assert "best: dp2 tp2 pp1 mbs8 gbs32, +7.5% goodput (switch at +13.7%)" in text
 
 

@@ -18,6 +18,7 @@ from cona.runner.state import (
     load_state,
     measured_noise_scale,
     new_state,
+    noise_tracker,
     resume_line,
     save_state,
     switch_cost,
@@ -120,7 +121,8 @@ def test_noise_scale_for_adascale_counts_each_iteration_once(tmp_path):
     for iteration in range(1, 13):
         expected = expected.update_from_metrics(retry if iteration == 5 else record)
     estimate = measured_noise_scale(tmp_path, training, up_to_iteration=12)
-    assert estimate == expected.estimate() and estimate.samples == 12
+    assert estimate == expected.estimate()
+    assert noise_tracker(tmp_path, 8, up_to_iteration=12).samples == 12  # folded once each
 
 
 def test_durations_split_out_the_switch_check():

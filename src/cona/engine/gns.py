@@ -7,20 +7,25 @@ are the module parameters, except under FSDP2, where autograd accumulates into F
 parameters: those are the ones installed on the modules while a block runs, so a forward pre-hook on each
 FSDP unit (run after FSDP's own, which installs them) registers the tensor hooks the first time it sees
 them. This needs no extra communication and no copy of the gradient; the alternatives were rejected:
-the dp-local accumulated gradient is not visible under FSDP2 (reduce-scatter consumes it), diffs of
-accumulated gradients cost a parameter-sized copy per micro-batch, and splitting micro-batches changes the
-kernels the step runs. Masked objectives (BERT): a small batch's gradient is that of its share of the global
-masked-token mean, see :mod:`cona.engine.objective`.
+the dp-local accumulated gradient is not visible under FSDP2 (reduce-scatter consumes it), and diffs of
+accumulated gradients cost a parameter-sized copy per micro-batch. Masked objectives (BERT): a small batch's
+gradient is that of its share of the global masked-token mean, see :mod:`cona.engine.objective`.
 
-With one micro-batch on one dp rank (n = dp * micro_batches = 1) there is only one gradient per step; then
-AdaptDL's difference estimator is used: the previous step's gradient is kept (by reference, no copy; copied
-under CUDA graphs) and the two consecutive gradients play the two small batches (slightly biased: the
-parameters moved in between).
+Where a rank has one micro-batch per step (``micro_batches = 1``, pp = 1), a measured step runs that
+micro-batch as equal pieces with gradient accumulation (two halves for an even mbs; see
+:meth:`cona.engine.step_noise.NoiseInputs.pieces_for`): the step's samples, loss and gradient are those of
+the unsplit step, and the meter gets ``dp * pieces`` small-batch gradients at the same parameters. Only
+unmeasured steps keep the single micro-batch (and a CUDA graph); a measured one runs eager where the model
+is compiled. With one sample on one rank (mbs = 1, dp = 1) or under pp > 1 (a schedule fixed to one
+micro-batch shape) there is still one gradient per step; then AdaptDL's difference estimator is used: the
+previous step's gradient is kept (by reference, no copy; copied under CUDA graphs) and the two consecutive
+gradients play the two small batches. It is biased: the parameters moved in between, by a lot during LR
+warm-up (issue 16 saw a first pair 100x the later ones), which the tracker's robust averages must absorb.
 
 Measuring is optional per step (the trainer measures only the few steps before each metrics line): on an
-unmeasured step the hooks return at once and the difference estimator forgets its previous gradient, so
-an estimate always pairs two consecutive steps. The norms stay device tensors; nothing here waits for
-the device.
+unmeasured step the hooks return at once (where a step has pieces only when measured, they are not even
+installed) and the difference estimator forgets its previous gradient, so an estimate always pairs two
+consecutive steps. The norms stay device tensors; nothing here waits for the device.
 
 Squared norms of sharded tensors are summed over shards; a tensor replicated over r of the ranks that sum
 it is weighted 1/r, so nothing is double counted; pipeline stages add up in the same all-reduce. The tied
@@ -104,6 +109,10 @@ class MicroBatchNormMeter:
         self.total.zero_()
         self.factor = grad_factor
         self.active = active
+
+    def hook(self, module: nn.Module) -> None:
+        """Put the hooks on ``module``'s parameters (again after :meth:`remove`)."""
+        self._hook_parameters(module)
 
     def _hook_parameters(self, module: nn.Module) -> None:
         for name, param in module.named_parameters():

@@ -1,7 +1,8 @@
 """This rank's part of a training step's gradient-noise inputs (the method is in :mod:`cona.engine.gns`).
 
 :class:`NoiseInputs` knows which gradients count and with what weight, holds the per-micro-batch norm meter
-and the difference estimator's memory, and turns a step's all-reduced sums into the step's
+and the difference estimator's memory, says into how many pieces a measured step's single micro-batch is
+cut (:meth:`NoiseInputs.pieces_for`), and turns a step's all-reduced sums into the step's
 :class:`~cona.engine.step_output.PendingStepOutput`. Everything stays on the device.
 """
 
@@ -62,19 +63,39 @@ class NoiseInputs:
                     self.tied_params.append(param)
         self.weights = _shard_weights(self.params, strategy, device)
         self.tied_weights = _shard_weights(self.tied_params, strategy, device)
-        # Hooks only where a step has several small batches (else the difference estimator is used).
+        # A single micro-batch per rank is cut into pieces on measured steps (not under pp > 1, whose
+        # schedule is built for one micro-batch count and shape).
+        self.pieces = smallest_factor(strategy.mbs) if strategy.micro_batches == 1 and strategy.pp == 1 else 1
         several = strategy.dp * strategy.micro_batches > 1
+        # Hooks stay on where every step has several small batches. Where only the pieces of measured
+        # steps give them (dp = 1, so never FSDP), they are put on for those steps only: an unmeasured step
+        # then runs no hook at all.
+        self._modules = _meter_modules(model_parts, fsdp)
+        self._hook_per_step = not several and self.pieces > 1
         self.meter = gns.MicroBatchNormMeter(
-            _meter_modules(model_parts, fsdp) if several else [],
+            self._modules if several else [],
             ranks_per_copy=strategy.tp,
             device=device,
             via_forward_hooks=fsdp,
         )
         self.previous = gns.PreviousGradient(copies=copy_previous)
 
+    def pieces_for(self, measure: bool) -> int:
+        """Equal pieces this step's one micro-batch runs as (1: unsplit): :attr:`pieces` on measured steps.
+
+        Accumulating the pieces' gradients gives the step's gradient (the loss shares follow the piece
+        count), and the meter sees each piece's gradient at the same parameters, so the estimate needs no
+        second step. Only ``mbs = 1`` on one rank (or pp > 1) leaves a single gradient: the difference
+        estimator then pairs two consecutive steps.
+        """
+        return self.pieces if measure and self.enabled else 1
+
     def start_step(self, grad_factor: float, *, measure: bool) -> bool:
         """Before the step's backward: whether this step measures (``measure`` unless disabled)."""
         measure = measure and self.enabled
+        if measure and self._hook_per_step:
+            for module in self._modules:
+                self.meter.hook(module)
         self.meter.start_step(grad_factor, active=measure)
         return measure
 
@@ -87,6 +108,8 @@ class NoiseInputs:
     def local_sums(self, n_small: int, measure: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """After the backward: this rank's ``[gns_sqr, tied_sqr, micro-batch sum, pair_sqr]`` to all-reduce,
         and its GNS gradients (the difference estimator holds them after :meth:`output`)."""
+        if self._hook_per_step:
+            self.meter.remove()  # the sum (a device tensor) is kept: it is read below
         grads = local_grads(self.params)
         gns_sqr = weighted_sqr(grads, self.weights)
         tied_sqr = weighted_sqr(local_grads(self.tied_params), self.tied_weights)
@@ -161,6 +184,23 @@ class NoiseInputs:
     def _device_scalar(self, value: float) -> torch.Tensor:
         # torch.full fills on the device; torch.tensor(value, device=...) would copy from the host and wait.
         return torch.full((), value, dtype=torch.float32, device=self.device)
+
+
+def smallest_factor(rows: int) -> int:
+    """The smallest factor > 1 of ``rows`` (2 for an even micro-batch), 1 for a single row: equal pieces keep
+    one small-batch size per step, which the estimator needs."""
+    return next((factor for factor in range(2, rows + 1) if rows % factor == 0), 1)
+
+
+def split_rows(
+    batch: tuple[torch.Tensor, torch.Tensor], pieces: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``batch`` cut into ``pieces`` equal row blocks, in order (the step's samples are unchanged)."""
+    inputs, targets = batch
+    if inputs.shape[0] % pieces:
+        raise ValueError(f"a micro-batch of {inputs.shape[0]} rows does not split into {pieces} equal pieces")
+    rows = inputs.shape[0] // pieces
+    return list(zip(inputs.split(rows), targets.split(rows), strict=True))
 
 
 def _shard_weights(params: list[nn.Parameter], strategy: Strategy, device: torch.device) -> torch.Tensor:

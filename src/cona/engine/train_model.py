@@ -33,7 +33,7 @@ from cona.engine.pipeline import (
     split_stage,
     stage_ids_of_rank,
 )
-from cona.engine.step_noise import NoiseInputs, local_grads
+from cona.engine.step_noise import NoiseInputs, local_grads, split_rows
 from cona.engine.step_output import LossScaler, PendingStepOutput, StepOutput
 from cona.strategy import Strategy
 
@@ -60,7 +60,7 @@ def compiles_whole_model(strategy: Strategy) -> bool:
 def uses_cuda_graphs(training: TrainingConfig, strategy: Strategy, device: torch.device) -> bool:
     """``training.cuda_graphs`` applies where the whole model is compiled on a GPU and a step runs one
     micro-batch: with several, autograd accumulates into gradients that the next replay of the same backward
-    graph would overwrite first."""
+    graph would overwrite first. A measured step, run as pieces, therefore runs outside the graphs."""
     return (
         training.cuda_graphs
         and training.compile
@@ -170,7 +170,12 @@ class TrainingModel:
     def train_step_pending(
         self, micro_batches: list[Batch], *, iteration: int | None = None, measure_gns: bool = True
     ) -> PendingStepOutput:
-        """:meth:`train_step` without waiting for the device (except for fp16's overflow check)."""
+        """:meth:`train_step` without waiting for the device (except for fp16's overflow check).
+
+        A measured step with one micro-batch per rank runs it as equal pieces with gradient accumulation
+        (:meth:`NoiseInputs.pieces_for`): the same samples, loss and gradient up to float rounding (with
+        dropout, other masks of the same distribution).
+        """
         if iteration is not None:
             self.seed_dropout(iteration)
         n_micro = len(micro_batches)
@@ -183,9 +188,14 @@ class TrainingModel:
         if self.cuda_graphs:  # the last step's graph outputs are dead: the replay may reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
         scale = self.scaler.scale
+        pieces = self._noise.pieces_for(measure_gns) if n_micro == 1 else 1
+        if pieces > 1:  # a measured step of one micro-batch: its pieces give small batches (step_noise)
+            micro_batches = split_rows(micro_batches[0], pieces)
+            n_micro = pieces
         if self._pipeline is None:
             measure = self._noise.start_step(n_micro / scale, measure=measure_gns)
-            losses = self._plain_forward_backward(micro_batches, scale)
+            with self._eager_if(pieces > 1):
+                losses = self._plain_forward_backward(micro_batches, scale)
         else:  # the schedule scales the gradient by 1 / n_micro after the per-micro-batch hooks ran
             measure = self._noise.start_step(1 / scale, measure=measure_gns)
             inputs, targets = self._to_device(
@@ -227,6 +237,14 @@ class TrainingModel:
                 (loss * (scale / len(batches))).backward()
             losses.append(loss.detach())
         return losses
+
+    def _eager_if(self, split: bool) -> contextlib.AbstractContextManager:
+        """A split step runs eager where the model is compiled: its piece shape would otherwise compile the
+        model again (tens of seconds, for the few measured steps), and a CUDA graph cannot accumulate two
+        backward passes (see :func:`uses_cuda_graphs`)."""
+        if split and self.config.training.compile:
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
 
     def _compute_context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()

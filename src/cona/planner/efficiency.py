@@ -10,10 +10,15 @@ Inputs come from ``metrics.jsonl``: the engine measures, at one step and the sam
 squared norm of gradients over "small" batches of ``gns_small_batch`` samples (``gns_small_sqr``) and the
 squared norm of the mean gradient over the whole ``gns_big_batch`` (``gns_big_sqr``). Since
 ``E|g_B|^2 = |G|^2 + tr(Sigma)/B``, two batch sizes give unbiased estimates of both unknowns
-(:func:`two_batch_estimate`). Single estimates are very noisy (often ``|G|^2 < 0``), so
-:class:`NoiseScaleTracker` smooths ``|G|^2`` and ``tr(Sigma)`` in two separate bias-corrected EMAs and divides
-only at the end (a ratio of averages, as McCandlish advises), and reports "unknown" rather than an infinite
-noise scale when the ``|G|^2`` average is not positive.
+(:func:`two_batch_estimate`).
+
+Single estimates are very noisy (often ``|G|^2 < 0``) and early ones can be huge: in LR warm-up the gradient
+norms are ~100x the later ones, and one such measurement held a bias-corrected EMA negative for millions
+of tokens (issue 16). :class:`NoiseScaleTracker` therefore keeps the per-measurement estimates of ``|G|^2``
+and ``tr(Sigma)`` of a window of consumed samples (tokens / seq), restarts once the LR warm-up is over, and
+averages each robustly (median of the means of consecutive groups, so one bad measurement or one bad
+stretch moves nothing); it divides only at the end (a ratio of averages, as McCandlish advises), and
+reports "unknown" rather than an infinite noise scale when the ``|G|^2`` average is not positive.
 """
 
 from __future__ import annotations
@@ -26,11 +31,21 @@ import numpy as np
 
 from cona.errors import PlanError
 
-EMA_DECAY_PER_BASE_BATCH = 0.999
-"""EMA decay per ``M0`` samples: one step at batch ``M`` decays by ``0.999 ** (M / M0)``, so the average
-remembers about ``1000 * M0`` samples whatever the batch size (AdaptDL's choice after its PR #54)."""
+WINDOW_BASE_BATCHES = 500
+"""The window, in ``M0`` batches of samples: measurements taken more than ``500 * M0`` samples before the
+newest one leave the average (about the half-life of AdaptDL's EMA, ``0.999 ** 693 = 0.5`` per ``M0``), so
+the estimate follows the noise scale as the loss falls, whatever the log interval."""
+WINDOW_FRACTION = 0.75
+"""Early in a run the window is shorter: the last 3/4 of the samples consumed so far. The noise scale
+changes on the scale of the run's length (it follows the loss), and the warm-up's measurements leave the
+average once the run is 4x as long as the warm-up."""
 MIN_SAMPLES = 10
-"""Measurements needed before the tracker reports a noise scale; fewer are too noisy to act on."""
+"""Measurements needed before the tracker reports a noise scale; fewer are too noisy to act on. The window
+always keeps at least this many (a long log interval never makes a known noise scale unknown again)."""
+MAX_KEPT = 512
+"""At most this many measurements are kept (the oldest leave first): bounds the cost of an update."""
+MAX_GROUPS = 7
+"""Median-of-means groups: up to 3 of 7 consecutive groups may hold outliers without moving the median."""
 METRIC_KEYS = ("gns_small_sqr", "gns_big_sqr", "gns_small_batch", "gns_big_batch")
 
 
@@ -66,11 +81,11 @@ class NoiseScaleEstimate:
     """Smoothed gradient statistics; ``noise_scale`` is None when they do not determine it."""
 
     grad_sqr: float
-    """``|G|^2``, the squared norm of the true gradient (bias-corrected EMA)."""
+    """``|G|^2``, the squared norm of the true gradient (robust average over the window)."""
     trace_sigma: float
-    """``tr(Sigma)``, the summed per-sample gradient variance (bias-corrected EMA)."""
+    """``tr(Sigma)``, the summed per-sample gradient variance (robust average over the window)."""
     samples: int
-    """Measurements averaged into the EMAs."""
+    """Measurements averaged (those in the tracker's window)."""
 
     @property
     def noise_scale(self) -> float | None:
@@ -83,21 +98,36 @@ class NoiseScaleEstimate:
         return max(self.trace_sigma, 0.0) / self.grad_sqr
 
 
+Measurement = tuple[float, float, float]
+"""(position in consumed samples, ``|G|^2`` estimate, ``tr(Sigma)`` estimate) of one measurement."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoiseScaleTracker:
-    """Two bias-corrected EMAs (Adam-style, ``m/c``) of ``|G|^2`` and ``tr(Sigma)``; immutable.
+    """Robust windowed averages of ``|G|^2`` and ``tr(Sigma)`` over two-batch measurements; immutable.
 
     ``update`` returns a new tracker, so the search thread can keep the history it wants and tests can replay.
+    A measurement's position is the run's consumed samples (``metrics.jsonl``'s ``consumed_samples``); kept
+    are the measurements of the last ``window`` samples (at least ``min_samples`` of them): an average
+    over a window lags the noise scale by about half of it, an EMA by its whole horizon. The LR warm-up
+    is over at the first measurement whose ``lr`` does not exceed the previous one's; from then on, once
+    ``min_samples`` measurements follow it, the warm-up ones are dropped (a restart that never leaves the
+    tracker without an estimate it had).
     """
 
     base_batch: int
-    """``M0``: sets the EMA horizon (see :data:`EMA_DECAY_PER_BASE_BATCH`)."""
+    """``M0``: sets the window (see :data:`WINDOW_BASE_BATCHES`)."""
     min_samples: int = MIN_SAMPLES
-    grad_sqr_sum: float = 0.0
-    trace_sigma_sum: float = 0.0
-    weight: float = 0.0
-    """Sum of the EMA weights; dividing by it is the bias correction."""
+    window: float | None = None
+    """Window in samples; None: the smaller of ``WINDOW_BASE_BATCHES * base_batch`` and ``WINDOW_FRACTION``
+    of the newest measurement's position."""
+    measurements: tuple[Measurement, ...] = ()
+    """The measurements in the window, oldest first."""
     samples: int = 0
+    """Measurements folded in so far (also those that left the window)."""
+    last_lr: float | None = None
+    warmup_end: float | None = None
+    """Position of the first measurement after the LR warm-up (None: still in it, or no LR seen)."""
 
     def __post_init__(self) -> None:
         if self.base_batch <= 0:
@@ -106,46 +136,95 @@ class NoiseScaleTracker:
             )
 
     def update(
-        self, *, small_sqr: float, big_sqr: float, small_batch: int, big_batch: int
+        self,
+        *,
+        small_sqr: float,
+        big_sqr: float,
+        small_batch: int,
+        big_batch: int,
+        consumed_samples: float | None = None,
+        lr: float | None = None,
     ) -> NoiseScaleTracker:
-        """Fold in one two-batch measurement; a non-finite one (fp16 overflow step) is skipped."""
+        """Fold in one two-batch measurement; a non-finite one (fp16 overflow step) is skipped.
+
+        Without ``consumed_samples`` the measurement sits ``big_batch`` samples after the previous one.
+        """
         if not (math.isfinite(small_sqr) and math.isfinite(big_sqr)):
             return self
         grad_sqr, trace_sigma = two_batch_estimate(small_sqr, big_sqr, small_batch, big_batch)
-        decay = EMA_DECAY_PER_BASE_BATCH ** (big_batch / self.base_batch)
+        if consumed_samples is None:
+            consumed_samples = (self.measurements[-1][0] if self.measurements else 0.0) + big_batch
+        position = float(consumed_samples)
+        warmup_end = self.warmup_end
+        if warmup_end is None and lr is not None and self.last_lr is not None and lr <= self.last_lr:
+            warmup_end = position
+        kept = (*self.measurements, (position, float(grad_sqr), float(trace_sigma)))
         return replace(
             self,
-            grad_sqr_sum=decay * self.grad_sqr_sum + (1.0 - decay) * float(grad_sqr),
-            trace_sigma_sum=decay * self.trace_sigma_sum + (1.0 - decay) * float(trace_sigma),
-            weight=decay * self.weight + (1.0 - decay),
+            measurements=self._trimmed(kept, warmup_end),
             samples=self.samples + 1,
+            last_lr=self.last_lr if lr is None else float(lr),
+            warmup_end=warmup_end,
         )
 
+    def _trimmed(self, kept: tuple[Measurement, ...], warmup_end: float | None) -> tuple[Measurement, ...]:
+        """Drop warm-up measurements once enough follow it, then those outside the window (keeping
+        ``min_samples``), then all beyond :data:`MAX_KEPT`."""
+        if warmup_end is not None and kept[0][0] < warmup_end:
+            after = tuple(m for m in kept if m[0] >= warmup_end)
+            if len(after) >= self.min_samples:
+                kept = after
+        newest = kept[-1][0]
+        window = self.window
+        if window is None:
+            window = min(WINDOW_BASE_BATCHES * self.base_batch, WINDOW_FRACTION * newest)
+        first = 0
+        while len(kept) - first > self.min_samples and kept[first][0] < newest - window:
+            first += 1
+        return kept[max(first, len(kept) - MAX_KEPT) :]
+
     def update_from_metrics(self, record: Mapping[str, object]) -> NoiseScaleTracker:
-        """Fold in one ``metrics.jsonl`` record; records without all four ``gns_*`` fields are skipped."""
+        """Fold in one ``metrics.jsonl`` record (its ``consumed_samples`` and ``lr`` where it has them);
+        records without all four ``gns_*`` fields are skipped."""
         if any(record.get(key) is None for key in METRIC_KEYS):
             return self
+        position, lr = record.get("consumed_samples"), record.get("lr")
         return self.update(
             small_sqr=float(record["gns_small_sqr"]),
             big_sqr=float(record["gns_big_sqr"]),
             small_batch=int(record["gns_small_batch"]),
             big_batch=int(record["gns_big_batch"]),
+            consumed_samples=None if position is None else float(position),
+            lr=None if lr is None else float(lr),
         )
 
     def estimate(self) -> NoiseScaleEstimate | None:
-        """The bias-corrected averages, or None before :attr:`min_samples` measurements."""
-        if self.samples < self.min_samples or self.weight <= 0.0:
+        """The robust averages over the window, or None with fewer than :attr:`min_samples` measurements."""
+        if len(self.measurements) < self.min_samples or not self.measurements:
             return None
+        values = np.asarray([m[1:] for m in self.measurements], dtype=np.float64)
         return NoiseScaleEstimate(
-            grad_sqr=self.grad_sqr_sum / self.weight,
-            trace_sigma=self.trace_sigma_sum / self.weight,
-            samples=self.samples,
+            grad_sqr=median_of_means(values[:, 0]),
+            trace_sigma=median_of_means(values[:, 1]),
+            samples=len(self.measurements),
         )
 
     def noise_scale(self) -> float | None:
         """``phi`` in samples, or None when unknown (too few samples, or the ``|G|^2`` average <= 0)."""
         estimate = self.estimate()
         return None if estimate is None else estimate.noise_scale
+
+
+def median_of_means(values: np.ndarray) -> float:
+    """The median of the means of up to :data:`MAX_GROUPS` (an odd number) consecutive groups.
+
+    Consecutive, not interleaved: a stretch of bad measurements (a warm-up) then spoils few groups. Groups of
+    at least two keep most of the mean's efficiency on the skewed single estimates, whose plain median would
+    be biased.
+    """
+    groups = max(1, min(MAX_GROUPS, len(values) // 2))
+    groups -= 1 - groups % 2  # odd: the median is one group's mean
+    return float(np.median([part.mean() for part in np.array_split(values, groups)]))
 
 
 def statistical_efficiency(batch: np.ndarray | float, noise_scale: float, base_batch: float) -> np.ndarray:
