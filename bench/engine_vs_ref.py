@@ -177,7 +177,7 @@ def engine_step(size: str, mbs: int, args: argparse.Namespace, gns: str = "train
     if gns == "off":
         model.disable_gns()
     log_interval = config.training.log_interval
-    measured_steps = gns_steps_per_line(log_interval)
+    measured_steps = gns_steps_per_line(log_interval, single_step=model.measures_noise_in_one_step)
     batch = [random_batch(size, mbs, args.seq, args.device)]
     state = {"iteration": 0, "interval": IntervalSums()}
 

@@ -85,7 +85,7 @@ def engine_step(family: str, mbs: int, args: argparse.Namespace):
     for group in optimizer.param_groups:
         group["lr"] = 1e-4
     log_interval = config.training.log_interval
-    measured_steps = gns_steps_per_line(log_interval)
+    measured_steps = gns_steps_per_line(log_interval, single_step=model.measures_noise_in_one_step)
     batch = [random_batch(config, mbs, args.device, family)]
     state = {"iteration": 0, "interval": IntervalSums()}
 

@@ -54,7 +54,8 @@ class InPlaceState:
 def continue_in_place(
     carried: InPlaceState | None, spec: StageSpec, *, console: IO[str] | None, timings: dict[str, float]
 ) -> tuple[StageContext, Progress]:
-    """The previous stage's objects under ``spec``'s gbs, mbs and LR factors (same layout and config)."""
+    """The previous stage's objects under ``spec``'s gbs, mbs and LR factors (same layout and config). The
+    evaluation batches stay as they were cut (the same samples; their shape, compiled once, stays too)."""
     if carried is None:
         raise LaunchError(f"stage {spec.stage}: continue_in_place, but no earlier stage's state is in memory")
     old = carried.context
@@ -76,15 +77,11 @@ def continue_in_place(
         lr_factor=spec.lr_factor,
         min_lr_factor=spec.min_lr_factor,
     )
-    eval_batches = old.eval_batches
-    if strategy.mbs != old.spec.strategy.mbs:
-        eval_batches = _eval_batches(spec, old.valid_data, old.dp_rank, model.device)
     dtype = resolved_dtype(spec.config.training, model.device)
     context = dataclasses.replace(
         old,
         spec=spec,
         schedule=schedule,
-        eval_batches=eval_batches,
         logger=_rank0_logger(spec, console),
         save=partial(
             _save,
@@ -166,7 +163,6 @@ def build_stage(
         schedule=schedule,
         train_data=splits.train,
         eval_batches=_eval_batches(spec, splits.valid, dp_rank, device),
-        valid_data=splits.valid,
         dp_rank=dp_rank,
         flops_per_token=training_flops_per_token(config.model),
         peak_flops_per_device=peak_flops(_device_name(device), dtype),

@@ -72,6 +72,8 @@ class NoiseInputs:
         # then runs no hook at all.
         self._modules = _meter_modules(model_parts, fsdp)
         self._hook_per_step = not several and self.pieces > 1
+        self.in_one_step = several or self.pieces > 1
+        """Whether one measured step gives an estimate (else the difference estimator pairs two)."""
         self.meter = gns.MicroBatchNormMeter(
             self._modules if several else [],
             ranks_per_copy=strategy.tp,

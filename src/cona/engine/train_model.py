@@ -63,7 +63,7 @@ def uses_cuda_graphs(training: TrainingConfig, strategy: Strategy, device: torch
     graph would overwrite first. A measured step, run as pieces, therefore runs outside the graphs."""
     return (
         training.cuda_graphs
-        and training.compile
+        and training.compiles_on(device.type)
         and device.type == "cuda"
         and compiles_whole_model(strategy)
         and strategy.micro_batches == 1
@@ -121,7 +121,7 @@ class TrainingModel:
         )
         self.cuda_graphs = uses_cuda_graphs(self.config.training, strategy, self.device)
         self._forward_loss = self._plain_forward_loss
-        if self.config.training.compile and compiles_whole_model(strategy):
+        if self.config.training.compiles_on(self.device.type) and compiles_whole_model(strategy):
             mode = "reduce-overhead" if self.cuda_graphs else None
             if mode not in self._compiled:
                 self._compiled[mode] = torch.compile(self._plain_forward_loss, mode=mode)
@@ -135,6 +135,10 @@ class TrainingModel:
             device=self.device,
             copy_previous=self.cuda_graphs,
         )
+
+    @property
+    def measures_noise_in_one_step(self) -> bool:
+        return self._noise.in_one_step
 
     def rebatch(self, strategy: Strategy) -> None:
         """Continue under another gbs and mbs on the same layout (an in-place switch): the parameters, their
@@ -242,7 +246,7 @@ class TrainingModel:
         """A split step runs eager where the model is compiled: its piece shape would otherwise compile the
         model again (tens of seconds, for the few measured steps), and a CUDA graph cannot accumulate two
         backward passes (see :func:`uses_cuda_graphs`)."""
-        if split and self.config.training.compile:
+        if split and self.config.training.compiles_on(self.device.type):
             return torch.compiler.set_stance("force_eager")
         return contextlib.nullcontext()
 
@@ -255,7 +259,12 @@ class TrainingModel:
         return stack
 
     def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        if self._compiled:  # one graph for every batch size: an in-place switch of mbs compiles nothing new
+            torch._dynamo.maybe_mark_dynamic(inputs, 0)
+            torch._dynamo.maybe_mark_dynamic(targets, 0)
+        return inputs, targets
 
     def _step_output(self, losses: list[torch.Tensor], n_micro: int, measure: bool) -> PendingStepOutput:
         n_small = self.strategy.dp * n_micro
@@ -401,7 +410,7 @@ def build_training_model(
     validate_layout(config.model, config.training, strategy, world_size=world)
     dtype = resolved_dtype(config.training, device)
     stage_ids = stage_ids_of_rank(strategy, mesh.get_local_rank("pp"))
-    compile_blocks = config.training.compile and not compiles_whole_model(strategy)
+    compile_blocks = config.training.compiles_on(device.type) and not compiles_whole_model(strategy)
     parts = []
     for stage in stage_ids:
         with torch.device("meta"):

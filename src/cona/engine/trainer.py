@@ -33,7 +33,8 @@ from cona.engine.train_model import PendingStepOutput, TrainingModel
 
 Batch = list[tuple[Tensor, Tensor]]
 GNS_MIN_STEPS_PER_LINE = 2
-"""Measured steps before each metrics line: the difference estimator needs two consecutive gradients."""
+"""Measured steps before each metrics line where the difference estimator needs two consecutive gradients
+(one where a step's pieces or micro-batches give the small batches at the same parameters)."""
 GNS_STEP_FRACTION = 10
 """Longer log intervals measure one step in this many (more estimates per line, under 1% of step time)."""
 
@@ -66,8 +67,6 @@ class StageContext:
     train_data: GPTDataset
     eval_batches: Batch
     """This dp rank's share of the fixed validation set (see :func:`fixed_eval_batches`)."""
-    valid_data: GPTDataset
-    """The validation split the eval batches come from (an in-place switch to another mbs re-cuts them)."""
     dp_rank: int
     flops_per_token: float
     peak_flops_per_device: float | None
@@ -133,7 +132,8 @@ def train_stage(ctx: StageContext, progress: Progress) -> str:
     interval = IntervalSums()
     while not stop_rule_met(spec, progress):
         lr = ctx.schedule.lr_at(progress.consumed_tokens)
-        out, grad_norm, stepped = _step(ctx, progress, lr, measure_gns=gns_due(spec, progress))
+        measure = gns_due(spec, progress, single_step=ctx.model.measures_noise_in_one_step)
+        out, grad_norm, stepped = _step(ctx, progress, lr, measure_gns=measure)
         _advance(progress, spec)
         interval.add(out, grad_norm, stepped)
         if "first_step_done" not in ctx.timings:
@@ -178,14 +178,15 @@ def _reads_in_place(request_path: Path) -> bool:
         return False  # unreadable: the safe way, through a checkpoint
 
 
-def gns_due(spec: StageSpec, progress: Progress) -> bool:
+def gns_due(spec: StageSpec, progress: Progress, *, single_step: bool = False) -> bool:
     """Whether the coming step is one of the last steps before a planned metrics line (log, eval, end).
+    ``single_step``: one measured step gives an estimate (see :func:`gns_steps_per_line`).
 
     A line forced early by a switch request may fall before them; its GNS inputs are then NaN.
     """
     upcoming = progress.iteration + 1  # the iteration number the step ends at
     log_interval = spec.config.training.log_interval
-    steps = gns_steps_per_line(log_interval)
+    steps = gns_steps_per_line(log_interval, single_step=single_step)
     if any((-upcoming) % interval < steps for interval in (log_interval, spec.resolved_eval_interval())):
         return True
     if spec.target_iteration is not None and spec.target_iteration - upcoming < steps:
@@ -196,9 +197,11 @@ def gns_due(spec: StageSpec, progress: Progress) -> bool:
     )
 
 
-def gns_steps_per_line(log_interval: int) -> int:
-    """How many steps before each metrics line measure the gradient-noise inputs."""
-    return max(GNS_MIN_STEPS_PER_LINE, log_interval // GNS_STEP_FRACTION)
+def gns_steps_per_line(log_interval: int, *, single_step: bool = False) -> int:
+    """How many steps before each metrics line measure the gradient-noise inputs: one in
+    :data:`GNS_STEP_FRACTION`, at least the steps one estimate needs (a measured step costs more than
+    another where it runs as pieces, so no more are measured than that)."""
+    return max(1 if single_step else GNS_MIN_STEPS_PER_LINE, log_interval // GNS_STEP_FRACTION)
 
 
 def _step(
