@@ -226,3 +226,45 @@ def test_a_larger_batch_that_is_not_even_faster_falls_back_whatever_the_noise():
     assert actions == ["stay", "stay", "fallback"]
     record = json.loads(json.dumps(decision.record, allow_nan=False))
     assert record["fallback_break_even_noise_scale"] is None
+
+
+ONE_GPU_8 = Strategy(dp=1, tp=1, pp=1, mbs=8, gbs=16)
+ONE_GPU_16 = Strategy(dp=1, tp=1, pp=1, mbs=16, gbs=32)
+IN_PLACE = PolicySettings(base_gbs=BASE, max_gbs=64, in_place=True, predicted_in_place_cost_s=1.0)
+
+
+def test_a_layout_keeping_candidate_the_model_undersells_is_tried_in_place():
+    # Noise scale 20: gbs 32 makes (20 + 16) / (20 + 32) = 0.69 of the progress per sample. Predicted 1.15x
+    # the measured rate it does not pay; perfectly scaled (2x, as a host-bound step nearly is) it would.
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    candidate = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0)
+    measurement = measure(20.0, tokens_per_s=1000.0, remaining=1e5)
+    decision = decide(state, measurement, candidate, IN_PLACE)
+    assert decision.action == "switch" and decision.target.trial
+    assert decision.record["in_place"] and decision.record["switch_cost_s"] == 1.0
+    assert "trial in place" in decision.reason
+    # Not without in-place switches, nor when its rate was measured (the model's word is not what failed).
+    assert decide(state, measurement, candidate, SETTINGS).action == "stay"
+    measured = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0, throughput_source="measured")
+    assert decide(state, measurement, measured, IN_PLACE).action == "stay"
+    no_trials = PolicySettings(base_gbs=BASE, max_gbs=64, in_place=True, trial_in_place=False)
+    assert decide(state, measurement, candidate, no_trials).action == "stay"
+    # Nor when even perfect scaling could not pay for the way there and back.
+    short = measure(20.0, tokens_per_s=1000.0, remaining=2e3)
+    assert decide(state, short, candidate, IN_PLACE).action == "stay"
+
+
+def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    trial = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0, trial=True)
+    state = after_switch(state, new=trial, old_measured_tokens_per_s=1000.0, switch_cost_s=0.5, in_place=True)
+    assert state.measured_in_place_cost_s == 0.5 and state.measured_switch_cost_s is None
+    assert not IN_PLACE.fallback
+    actions = []
+    for _ in range(IN_PLACE.fallback_patience):
+        # Measured 1.05x the gbs-16 rate: at noise scale 20 the larger batch loses.
+        decision = decide(state, measure(20.0, tokens_per_s=1050.0, remaining=1e6), None, IN_PLACE)
+        state = decision.state
+        actions.append(decision.action)
+    assert actions == ["stay"] * (IN_PLACE.fallback_patience - 1) + ["fallback"]
+    assert decision.target.strategy == ONE_GPU_8 and decision.record["in_place"]

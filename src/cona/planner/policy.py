@@ -67,6 +67,11 @@ class PolicySettings:
     """Whether the runner can switch in place (same processes, state kept in memory) to a strategy that
     keeps the layout; such a switch is charged its own cost."""
     predicted_in_place_cost_s: float = 1.0
+    trial_in_place: bool = True
+    """With ``in_place``: try a candidate that keeps the layout when its predicted throughput does not pay but
+    perfect scaling from the measured one would, and measure it (those are training steps: nothing is lost
+    but two cheap switches when it does not pay). A model calibrated on one strategy cannot tell a
+    host-bound step, which a larger batch nearly doubles, from a device-bound one."""
     """In-place switch cost assumed until one has been measured (a rebuild of the batch-dependent parts and,
     compiled, a first step at a new shape)."""
     fallback: bool = False
@@ -116,6 +121,9 @@ class Candidate:
     predicted_tokens_per_s: float
     throughput_source: str = "predicted"
     """``measured`` when the run already trained this strategy and the number is what it measured."""
+    trial: bool = False
+    """Switched to in place to measure it (its predicted throughput did not pay, a perfect scaling would):
+    the policy falls back from it when the measurement says it does not pay, fallback setting or not."""
 
 
 def next_frontier(
@@ -318,7 +326,40 @@ def _compare(
     why = (
         f"{ratio}; would save {saved_s:.1f} s over the remaining {remaining_s:.1f} s, not more than {margin}"
     )
+    trial = _trial(state, candidate, current_progress, remaining_s, noise, settings, record)
+    if trial is not None:
+        return _decision("switch", trial, f"{why}; {record['trial']}", record, state)
     return _decision("stay", None, why, record, state)
+
+
+def _trial(
+    state: PolicyState,
+    candidate: Candidate,
+    current_progress: float,
+    remaining_s: float,
+    noise: float,
+    settings: PolicySettings,
+    record: dict[str, Any],
+) -> Candidate | None:
+    """The candidate as an in-place trial when it keeps the layout, its throughput is only predicted, and
+    perfect scaling from the current measured rate would pay for the trial and for the way back."""
+    measured = record["current"]["measured_tokens_per_s"]
+    if not (settings.trial_in_place and record["in_place"] and candidate.throughput_source == "predicted"):
+        return None
+    if not measured:
+        return None
+    current_gbs, gbs = state.current.strategy.gbs, candidate.strategy.gbs
+    best_case = progress_per_second(measured * gbs / current_gbs, gbs, noise, settings.base_gbs)
+    saved_s = max(1.0 - current_progress / best_case, 0.0) * remaining_s
+    cost_s = 2 * record["switch_cost_s"] * (1.0 + settings.hysteresis)  # there and, if it fails, back
+    record["trial_best_case_saved_s"] = saved_s
+    if saved_s <= cost_s:
+        return None
+    record["trial"] = (
+        f"trial in place: perfect scaling would save up to {saved_s:.1f} s, more than {cost_s:.1f} s for "
+        "the switch there and back; measured, it is left again if it does not pay"
+    )
+    return dataclasses.replace(candidate, trial=True)
 
 
 def switch_cost_s(
@@ -369,7 +410,7 @@ def _fallback_check(
     state: PolicyState, measured_tokens_per_s: float, settings: PolicySettings, record: dict[str, Any]
 ) -> tuple[PolicyState, Decision | None]:
     """Count evaluations with the EMA below the break-even point; a fallback decision after ``patience``."""
-    if not settings.fallback or not state.earlier or state.noise_ema is None:
+    if not (settings.fallback or state.current.trial) or not state.earlier or state.noise_ema is None:
         return state, None
     previous = state.earlier[-1]
     break_even = break_even_noise_scale(previous, state.current.strategy.gbs, measured_tokens_per_s)

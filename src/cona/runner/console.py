@@ -173,6 +173,8 @@ class RunConsole:
             with self.stage(stage.spec) as watch:
                 base(dataclasses.replace(stage, quiet=True, watch=_chain_watches(stage.watch, watch)))
 
+        # What the driver may ask of the launcher it is given: stages in the same processes (in place).
+        launch.keeps_workers = getattr(base, "keeps_workers", False)  # type: ignore[attr-defined]
         return launch
 
     @contextmanager

@@ -157,6 +157,8 @@ class _Runner:
             {
                 "strategy": dataclasses.asdict(candidate.strategy),
                 "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
+                "throughput_source": candidate.throughput_source,
+                "trial": candidate.trial,
                 "action": action,
                 "reason": reason,
                 "in_place": in_place,
@@ -173,7 +175,10 @@ class _Runner:
     def candidate(self, step_num: int) -> Candidate:
         entry = self.stages[step_num - 1]
         return Candidate(
-            strategy=self.strategy(step_num), predicted_tokens_per_s=entry["predicted_tokens_per_s"]
+            strategy=self.strategy(step_num),
+            predicted_tokens_per_s=entry["predicted_tokens_per_s"],
+            throughput_source=entry.get("throughput_source", "predicted"),
+            trial=entry.get("trial", False),
         )
 
     def layout_dir(self, step_num: int) -> Path:
@@ -319,6 +324,8 @@ class _Runner:
             target = Candidate(
                 strategy=Strategy(**request["strategy"]),
                 predicted_tokens_per_s=request["predicted_tokens_per_s"],
+                throughput_source=request.get("throughput_source", "predicted"),
+                trial=request.get("trial", False),
             )
             in_place = request.get("in_place") is True and result.handed_over
             self._add_stage(target, action=request["action"], reason=request["reason"], in_place=in_place)

@@ -316,6 +316,8 @@ def _target(decision: Decision) -> dict[str, Any]:
     return {
         "strategy": strategy_dict(decision.target.strategy),
         "predicted_tokens_per_s": decision.target.predicted_tokens_per_s,
+        "throughput_source": decision.target.throughput_source,
+        "trial": decision.target.trial,
         "reason": decision.reason,
     }
 
