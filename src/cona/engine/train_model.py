@@ -242,11 +242,11 @@ class TrainingModel:
             losses.append(loss.detach())
         return losses
 
-    def _eager_if(self, split: bool) -> contextlib.AbstractContextManager:
-        """A split step runs eager where the model is compiled: its piece shape would otherwise compile the
-        model again (tens of seconds, for the few measured steps), and a CUDA graph cannot accumulate two
+    def _eager_if(self, eager: bool) -> contextlib.AbstractContextManager:
+        """Run eager where the model is compiled, e.g. a split step: its piece shape would otherwise compile
+        the model again (tens of seconds, for the few measured steps), and a CUDA graph cannot accumulate two
         backward passes (see :func:`uses_cuda_graphs`)."""
-        if split and self.config.training.compiles_on(self.device.type):
+        if eager and self.config.training.compiles_on(self.device.type):
             return torch.compiler.set_stance("force_eager")
         return contextlib.nullcontext()
 
@@ -261,9 +261,12 @@ class TrainingModel:
     def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        if self._compiled:  # one graph for every batch size: an in-place switch of mbs compiles nothing new
-            torch._dynamo.maybe_mark_dynamic(inputs, 0)
-            torch._dynamo.maybe_mark_dynamic(targets, 0)
+        if self._compiled and inputs.shape[0] > 1:
+            # One graph for every batch size, so an in-place switch of mbs compiles nothing new. Strictly
+            # dynamic: ``maybe_mark_dynamic`` compiled GPT-125M static first and again, dynamic, at the first
+            # new mbs (19 s on the H200; bench/rebatch_compile.py); the dynamic graph steps as fast.
+            torch._dynamo.mark_dynamic(inputs, 0)
+            torch._dynamo.mark_dynamic(targets, 0)
         return inputs, targets
 
     def _step_output(self, losses: list[torch.Tensor], n_micro: int, measure: bool) -> PendingStepOutput:
@@ -363,7 +366,10 @@ class TrainingModel:
         for part in self.model_parts:
             part.eval()
         try:
-            losses = self._eval_losses(micro_batches)
+            # Eager where the model is compiled: the evaluation's no-grad graph would be compiled on its own
+            # (a 16 s stall at the first evaluation of GPT-125M on the H200) for a few forwards per interval.
+            with self._eager_if(True):
+                losses = self._eval_losses(micro_batches)
         finally:
             for part in self.model_parts:
                 part.train()

@@ -1,0 +1,80 @@
+"""What an in-place switch of the micro-batch size costs a compiled model: the first step at the new shape.
+
+For each way of marking the batch dimension (``maybe``: ``torch._dynamo.maybe_mark_dynamic``; ``strict``:
+``torch._dynamo.mark_dynamic``, what the engine does; ``none``: static shapes, dynamo's automatic dynamic after a
+second shape), one process builds CONA's training model (whole-model compile, CUDA graphs) at mbs 8, takes
+steps, then :meth:`TrainingModel.rebatch` to mbs 16 and 32 as an in-place switch does, and prints the first
+step's seconds and the steady step time at each shape, with dynamo's count of compiled graphs::
+
+    PYTHONPATH=src python3 bench/rebatch_compile.py --size 125m --seq 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from cona.strategy import Strategy
+from engine_vs_ref import engine_model, init_single_process_group, random_batch, synchronize
+
+
+def timed_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
+    """(first step s, mean of the next ``steps`` in ms)."""
+
+    def step() -> None:
+        model.train_step_pending([batch], measure_gns=False)
+        model.optimizer_step_pending(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+    began = time.perf_counter()
+    step()
+    synchronize("cuda")
+    first = time.perf_counter() - began
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize("cuda")
+    return first, (time.perf_counter() - began) / steps * 1e3
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict:
+    torch._dynamo.reset()
+    original = torch._dynamo.maybe_mark_dynamic
+    marks = {"maybe": original, "strict": torch._dynamo.mark_dynamic, "none": lambda tensor, dim: None}
+    torch._dynamo.maybe_mark_dynamic = marks[variant]
+    try:
+        model, optimizer, _ = engine_model(args.size, args.mbs[0], args)
+        row = {"variant": variant}
+        for mbs in args.mbs:
+            if mbs != model.strategy.mbs:
+                model.rebatch(Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs, zero_stage=0))
+            first, step_ms = timed_steps(model, optimizer, random_batch(args.size, mbs, args.seq, "cuda"), 20)
+            row[f"mbs{mbs}"] = {"first_step_s": round(first, 2), "step_ms": round(step_ms, 2)}
+        row["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    except Exception as err:  # noqa: BLE001 (a variant that cannot compile is a result)
+        row = {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+    finally:
+        torch._dynamo.maybe_mark_dynamic = original
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="125m")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--mbs", default="8,16,32")
+    parser.add_argument("--variants", default="maybe,strict,none")
+    args = parser.parse_args()
+    args.mbs = [int(m) for m in args.mbs.split(",")]
+    args.device, args.no_compile = "cuda", False
+    init_single_process_group("cuda")
+    for variant in args.variants.split(","):
+        run_variant(variant, args)
+
+
+if __name__ == "__main__":
+    main()
