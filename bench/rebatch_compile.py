@@ -52,7 +52,12 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
             if mbs != model.strategy.mbs:
                 model.rebatch(Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs, zero_stage=0))
             first, step_ms = timed_steps(model, optimizer, random_batch(args.size, mbs, args.seq, "cuda"), 20)
-            row[f"mbs{mbs}"] = {"first_step_s": round(first, 2), "step_ms": round(step_ms, 2)}
+            graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            row[f"mbs{mbs}"] = {
+                "first_step_s": round(first, 2),
+                "step_ms": round(step_ms, 2),
+                "graphs": graphs,
+            }
         row["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     except Exception as err:  # noqa: BLE001 (a variant that cannot compile is a result)
         row = {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
