@@ -1,10 +1,11 @@
 """What an in-place switch of the micro-batch size costs a compiled model: the first step at the new shape.
 
-For each way of marking the batch dimension (``maybe``: ``torch._dynamo.maybe_mark_dynamic``; ``strict``:
-``torch._dynamo.mark_dynamic``, what the engine does; ``none``: static shapes, dynamo's automatic dynamic after a
-second shape), one process builds CONA's training model (whole-model compile, CUDA graphs) at mbs 8, takes
-steps, then :meth:`TrainingModel.rebatch` to mbs 16 and 32 as an in-place switch does, and prints the first
-step's seconds and the steady step time at each shape, with dynamo's count of compiled graphs::
+For each way of marking the batch dimension (``maybe``: ``torch._dynamo.maybe_mark_dynamic``;
+``strict``: ``torch._dynamo.mark_dynamic``, what the engine does; ``none``: static shapes, dynamo's
+automatic dynamic after a second shape), one process builds CONA's training model (whole-model compile,
+CUDA graphs) at mbs 8, takes steps, then :meth:`TrainingModel.rebatch` to mbs 16 and 32 as an in-place
+switch does, and prints the first step's seconds and the steady step time at each shape, with dynamo's
+count of compiled graphs::
 
     PYTHONPATH=src python3 bench/rebatch_compile.py --size 125m --seq 512
 """
