@@ -10,7 +10,6 @@ or one per GPU when GPUs are visible.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from datetime import UTC, datetime
 from pathlib import Path
@@ -56,11 +55,6 @@ DEMO_ONLINE: dict[str, Any] = {
 }
 """The online run: from gbs 1 (which 4 processes can only share by tensor parallelism, so the search picks
 another layout than at the larger sizes) up to 32, for 100k tokens of the demo text."""
-NOISE_SCALE_FLOOR = 64.0
-"""The noise scale (samples) the demo's decisions assume at least. A few minutes of the tiny model measure
-one of a few samples (the loss is still falling fast), where no larger batch pays; the noise scale grows
-as the loss falls, and this is the regime a longer run reaches. Printed, and logged beside the measured
-value in every decision."""
 
 
 def register(subparsers) -> None:
@@ -134,11 +128,7 @@ def _demo(args: argparse.Namespace) -> int:
     system = demo_system(torch.cuda.get_device_name(0) if device == "cuda" else None)
     run = online_run_from_args(_online_args(config_path, run_root, processes, system))
     with stage_launcher(restart_workers=False) as launcher:  # the stages reuse the worker processes
-        run_online(
-            dataclasses.replace(run, noise_scale_floor=NOISE_SCALE_FLOOR),
-            launcher=console.launcher(launcher),
-            out=console.message,
-        )
+        run_online(run, launcher=console.launcher(launcher), out=console.message)  # measured values only
     print(f"cona demo: done; run directory, checkpoints and realized_chain.json under {run_root}")
     return 0
 

@@ -355,7 +355,7 @@ class _Runner:
                 "min_lr": lr.scaled.min_lr, "strategy": dataclasses.asdict(strategy)}  # fmt: skip
         self.out(
             f"stage {number}: {strategy.short()} from iteration {start}, lr {lr.scaled.lr:.3g} "
-            f"(x{lr.lr_factor:.3g}), load {load_path or 'none (from scratch)'}"
+            f"(x{lr.lr_factor:.3g}), {_start_text(load_path, self.continues_in_place(number))}"
         )
         return advance(
             stage,
@@ -433,6 +433,12 @@ class _Runner:
             spec=spec, spec_path=spec_path, topology=topology, device_type=self.run.device_type,
             quiet=self.run.quiet,
         )  # fmt: skip
+
+
+def _start_text(load_path: str | None, in_place: bool) -> str:
+    if in_place:
+        return "continuing in place (the state stays in the workers)"
+    return f"load {load_path or 'none (from scratch)'}"
 
 
 def _size(path: Path) -> int:
