@@ -189,12 +189,12 @@ def real_run(config: ConaConfig, strategy: Strategy, seed: int) -> Run:
     def step(iteration: int) -> float:
         inputs, targets = global_batch(config, iteration)
         rows = [(k * strategy.dp + dp_rank) * MBS for k in range(strategy.micro_batches)]
-        out = model.train_step(
+        out = model.train_step_pending(
             [(inputs[r : r + MBS], targets[r : r + MBS]) for r in rows], iteration=iteration
-        )
-        model.clip_grad_norm_(config.training.clip_grad)
+        ).result()
+        model.clip_grad_norm_pending(config.training.clip_grad).item()
         set_lr(optimizer, 1e-3)
-        model.optimizer_step(optimizer)
+        bool(model.optimizer_step_pending(optimizer).item())
         return out.loss
 
     return Run(strategy, model.model_parts, optimizer, step)

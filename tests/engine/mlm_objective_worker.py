@@ -102,8 +102,9 @@ def run_layout(strategy: Strategy, config: ConaConfig) -> dict:
     mesh = build_mesh(strategy, "cpu")
     engine = build_training_model(config, strategy, mesh, torch.device("cpu"))
     micro = micro_batches_of(strategy, mesh.get_local_rank("dp"), inputs, targets)
-    out = engine.train_step(micro)
-    n_small = strategy.dp * strategy.micro_batches
+    out = engine.train_step_pending(micro).result()
+    # The engine's small batches: micro-batches, or a measured step's pieces of a single one per rank.
+    n_small = strategy.gbs // out.gns_small_batch
     ref = reference(config, inputs, targets, n_small)
     diff = torch.tensor(max_grad_diff(engine, ref["grads"]))
     if dist.is_initialized():

@@ -129,8 +129,8 @@ def run_layout(name: str, strategy: Strategy, config: ConaConfig, batch) -> dict
     model = build_training_model(config, strategy, mesh, torch.device("cpu"))
     micro = my_micro_batches(strategy, mesh.get_local_rank("dp"), *batch)
     start = time.perf_counter()
-    out = model.train_step(micro)
-    norm = model.clip_grad_norm_(0.0)
+    out = model.train_step_pending(micro).result()
+    norm = model.clip_grad_norm_pending(0.0).item()
     step_s = time.perf_counter() - start
     n_small = strategy.gbs // out.gns_small_batch
     ref = reference(config, *batch, n_small)
@@ -139,7 +139,7 @@ def run_layout(name: str, strategy: Strategy, config: ConaConfig, batch) -> dict
     probe_loss = model.probe_loss(batch[0][:PROBE_ROWS], batch[1][:PROBE_ROWS])
     # Evaluation must leave the step's gradients alone, and training must go on after it.
     diff = torch.maximum(diff, torch.tensor(max_grad_diff(model.model_parts, ref["grads"])))
-    again = model.train_step(micro)
+    again = model.train_step_pending(micro).result()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return {
         "layout": name,

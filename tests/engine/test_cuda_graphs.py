@@ -67,9 +67,9 @@ def train(model: TrainingModel, cfg: ConaConfig, steps: int) -> list[tuple[float
     rows = []
     for step in range(steps):
         # Every third step measures: it runs as two halves outside the graphs, between graph replays.
-        out = model.train_step([batch(step)], iteration=step + 1, measure_gns=step % 3 == 1)
-        norm = model.clip_grad_norm_(cfg.training.clip_grad)
-        model.optimizer_step(optimizer)
+        out = model.train_step_pending([batch(step)], iteration=step + 1, measure_gns=step % 3 == 1).result()
+        norm = model.clip_grad_norm_pending(cfg.training.clip_grad).item()
+        bool(model.optimizer_step_pending(optimizer).item())
         rows.append((out.loss, norm, out.gns_small_sqr, out.gns_big_sqr))
     rows.append((model.eval_loss([batch(100), batch(101)]),))
     return rows
@@ -96,7 +96,7 @@ def test_dropout_draws_a_new_mask_on_every_replay(one_gpu_group) -> None:
     cfg = config(cuda_graphs=True, dropout=0.3)
     model = engine(cfg)
     same = batch(7)
-    losses = [model.train_step([same], iteration=i).loss for i in (1, 2, 3, 1)]
+    losses = [model.train_step_pending([same], iteration=i).result().loss for i in (1, 2, 3, 1)]
     assert len(set(losses[:3])) == 3  # a new mask per iteration
     assert losses[3] == losses[0]  # seeded by the iteration: the same mask again
 

@@ -172,7 +172,7 @@ def plain_gns_sqr(config: ConaConfig, inputs: torch.Tensor, targets: torch.Tenso
 def test_engine_reports_micro_batch_norms_with_accumulation(one_process_group) -> None:
     engine, config = tiny_engine(gbs=4, mbs=2)
     batches = token_batches(config, 4, 2, seed=0)
-    out = engine.train_step(batches)
+    out = engine.train_step_pending(batches).result()
     per_micro = [plain_gns_sqr(config, *batch)[0] for batch in batches]
     big = plain_gns_sqr(config, *(torch.cat(parts) for parts in zip(*batches, strict=True)))[0]
     assert (out.gns_small_batch, out.gns_big_batch) == (2, 4)
@@ -184,10 +184,12 @@ def test_engine_pairs_consecutive_steps_with_one_sample(one_process_group) -> No
     """mbs = 1 on one rank cannot be split: the difference estimator pairs two consecutive steps."""
     engine, config = tiny_engine(gbs=1, mbs=1)
     first_batch, second_batch = token_batches(config, 1, 1, seed=1)[0], token_batches(config, 1, 1, seed=2)[0]
-    first = engine.train_step([first_batch])
+    first = engine.train_step_pending([first_batch]).result()
     assert math.isnan(first.gns_small_sqr) and math.isnan(first.gns_big_sqr)
-    engine.clip_grad_norm_(0.01)  # clipping the held gradient must not change the estimate
-    second = engine.train_step([second_batch])  # no optimizer step: same parameters, two batches
+    engine.clip_grad_norm_pending(0.01).item()  # clipping the held gradient must not change the estimate
+    second = engine.train_step_pending(
+        [second_batch]
+    ).result()  # no optimizer step: same parameters, two batches
     sqr_a, grads_a = plain_gns_sqr(config, *first_batch)
     sqr_b, grads_b = plain_gns_sqr(config, *second_batch)
     pair = sum(((a + b) / 2).square().sum().item() for (_, a), (_, b) in zip(grads_a, grads_b, strict=True))
@@ -201,9 +203,9 @@ def test_a_measured_single_micro_batch_step_runs_as_halves(one_process_group) ->
     parameters; loss and gradient are those of the unsplit (unmeasured) step."""
     engine, config = tiny_engine(gbs=4, mbs=4)
     (batch,) = token_batches(config, 4, 4, seed=7)
-    unsplit = engine.train_step([batch], measure_gns=False)
+    unsplit = engine.train_step_pending([batch], measure_gns=False).result()
     unsplit_grads = [p.grad.clone() for p in engine.model_parts[0].parameters()]
-    split = engine.train_step([batch])
+    split = engine.train_step_pending([batch]).result()
     assert split.loss == pytest.approx(unsplit.loss, rel=1e-6)
     for got, want in zip((p.grad for p in engine.model_parts[0].parameters()), unsplit_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -213,7 +215,7 @@ def test_a_measured_single_micro_batch_step_runs_as_halves(one_process_group) ->
     assert split.gns_big_sqr == pytest.approx(plain_gns_sqr(config, *batch)[0], rel=1e-5)
     assert not engine._noise.meter._handles  # unmeasured steps run no hook
     odd, odd_config = tiny_engine(gbs=3, mbs=3)  # odd mbs: thirds, one row each
-    assert odd.train_step(token_batches(odd_config, 3, 3, seed=8)).gns_small_batch == 1
+    assert odd.train_step_pending(token_batches(odd_config, 3, 3, seed=8)).result().gns_small_batch == 1
 
 
 def test_halves_recover_a_planted_noise_scale_with_gbs_equal_to_mbs() -> None:
@@ -245,16 +247,16 @@ def test_clip_and_optimizer_step(one_process_group) -> None:
     engine, config = tiny_engine(gbs=4, mbs=2)
     batches = token_batches(config, 4, 2, seed=4)
     optimizer = torch.optim.SGD([p for part in engine.model_parts for p in part.parameters()], lr=0.5)
-    first = engine.train_step(batches)
+    first = engine.train_step_pending(batches).result()
     tied_sqr = engine.model_parts[0].tok_embeddings.weight.grad.square().sum().item()
-    norm = engine.clip_grad_norm_(0.1)
+    norm = engine.clip_grad_norm_pending(0.1).item()
     assert norm == pytest.approx(math.sqrt(first.gns_big_sqr + tied_sqr), rel=1e-5)
     assert norm > 0.1
     clipped = math.sqrt(sum(p.grad.square().sum().item() for p in engine.model_parts[0].parameters()))
     assert clipped == pytest.approx(0.1, rel=1e-4)
-    assert engine.optimizer_step(optimizer) is True
+    assert bool(engine.optimizer_step_pending(optimizer).item()) is True
     assert all(p.grad is None for p in engine.model_parts[0].parameters())
-    assert engine.train_step(batches).loss < first.loss
+    assert engine.train_step_pending(batches).result().loss < first.loss
     assert engine.eval_loss(batches) < first.loss
 
 
@@ -274,19 +276,19 @@ def test_fp16_loss_scaling_unscales_and_skips_overflow(one_process_group) -> Non
     """The scaler's path, driven on CPU: a scaled step equals the unscaled one; an overflow is skipped."""
     engine, config = tiny_engine(gbs=4, mbs=2)
     batches = token_batches(config, 4, 2, seed=5)
-    reference = engine.train_step(batches)
-    reference_norm = engine.clip_grad_norm_(0.0)
+    reference = engine.train_step_pending(batches).result()
+    reference_norm = engine.clip_grad_norm_pending(0.0).item()
     engine.scaler = LossScaler(enabled=True, initial_scale=1024.0)
-    scaled = engine.train_step(batches)
+    scaled = engine.train_step_pending(batches).result()
     assert scaled.loss == pytest.approx(reference.loss, rel=1e-6)
     assert scaled.gns_small_sqr == pytest.approx(reference.gns_small_sqr, rel=1e-5)
-    assert engine.clip_grad_norm_(0.0) == pytest.approx(reference_norm, rel=1e-5)
+    assert engine.clip_grad_norm_pending(0.0).item() == pytest.approx(reference_norm, rel=1e-5)
     engine.scaler.scale = 3e38  # the scaled loss overflows fp32 like an fp16 one would
     params = [p.detach().clone() for p in engine.model_parts[0].parameters()]
     optimizer = torch.optim.SGD(engine.model_parts[0].parameters(), lr=0.1)
-    engine.train_step(batches)
-    assert not math.isfinite(engine.clip_grad_norm_(1.0))
-    assert engine.optimizer_step(optimizer) is False
+    engine.train_step_pending(batches).result()
+    assert not math.isfinite(engine.clip_grad_norm_pending(1.0).item())
+    assert bool(engine.optimizer_step_pending(optimizer).item()) is False
     assert engine.scaler.scale == 1.5e38
     assert all(torch.equal(p, q) for p, q in zip(params, engine.model_parts[0].parameters(), strict=True))
 
@@ -294,9 +296,11 @@ def test_fp16_loss_scaling_unscales_and_skips_overflow(one_process_group) -> Non
 def test_gns_can_be_switched_off(one_process_group) -> None:
     engine, config = tiny_engine(gbs=4, mbs=2)
     batches = token_batches(config, 4, 2, seed=6)
-    measured = engine.train_step(batches)
-    norm = engine.clip_grad_norm_(0.0)
+    measured = engine.train_step_pending(batches).result()
+    norm = engine.clip_grad_norm_pending(0.0).item()
     engine.disable_gns()
-    off = engine.train_step(batches)
+    off = engine.train_step_pending(batches).result()
     assert math.isnan(off.gns_small_sqr) and math.isnan(off.gns_big_sqr)
-    assert off.loss == measured.loss and engine.clip_grad_norm_(0.0) == pytest.approx(norm, rel=1e-6)
+    assert off.loss == measured.loss and engine.clip_grad_norm_pending(0.0).item() == pytest.approx(
+        norm, rel=1e-6
+    )

@@ -66,8 +66,8 @@ def checkpoint(text: MarkovText) -> dict[str, torch.Tensor]:
     optimizer = build_optimizer(trainer.model_parts, CONFIG.training)
     set_lr(optimizer, 3e-3)
     for _ in range(40):
-        last = trainer.train_step([text.rows(8)], measure_gns=False)
-        trainer.optimizer_step(optimizer)
+        last = trainer.train_step_pending([text.rows(8)], measure_gns=False).result()
+        bool(trainer.optimizer_step_pending(optimizer).item())
     assert last.loss < 0.9 * np.log(VOCAB)
     return trainer.model_parts[0].state_dict()
 
@@ -79,7 +79,7 @@ def test_halves_match_the_exact_estimate_of_16_micro_batches(one_process_group) 
     for model in (exact, halves):
         model.model_parts[0].load_state_dict(weights)
     # Exact: 16 micro-batch gradients of 8 sequences per step, the ratio of the averaged estimates.
-    outs = [exact.train_step([text.rows(8) for _ in range(16)]) for _ in range(60)]
+    outs = [exact.train_step_pending([text.rows(8) for _ in range(16)]).result() for _ in range(60)]
     grad_sqr, trace_sigma = two_batch_estimate(
         np.array([o.gns_small_sqr for o in outs]), np.array([o.gns_big_sqr for o in outs]), 8, 128
     )
@@ -87,7 +87,9 @@ def test_halves_match_the_exact_estimate_of_16_micro_batches(one_process_group) 
     # The run's path: one micro-batch of 16 per step, measured as two halves, through the tracker.
     tracker = NoiseScaleTracker(base_batch=16, window=math.inf)  # fixed parameters: every measurement counts
     for _ in range(300):
-        out = halves.train_step([text.rows(16)])  # no optimizer step: the parameters stay fixed
+        out = halves.train_step_pending(
+            [text.rows(16)]
+        ).result()  # no optimizer step: the parameters stay fixed
         assert (out.gns_small_batch, out.gns_big_batch) == (8, 16)
         tracker = tracker.update(
             small_sqr=out.gns_small_sqr,

@@ -76,7 +76,7 @@ def test_gpt_loss_is_still_the_mean_of_micro_batch_means(one_process_group) -> N
     engine = build_training_model(config, strategy, build_mesh(strategy, "cpu"), torch.device("cpu"))
     tokens = torch.randint(0, 64, (6, 13), generator=torch.Generator().manual_seed(0))
     batches = list(zip(tokens[:, :-1].split(3), tokens[:, 1:].split(3), strict=True))
-    out = engine.train_step(batches)
+    out = engine.train_step_pending(batches).result()
     with torch.no_grad():
         means = [token_cross_entropy(engine.model_parts[0](i), t).item() for i, t in batches]
     assert out.loss == pytest.approx(sum(means) / 2, rel=1e-7)

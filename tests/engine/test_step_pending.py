@@ -52,15 +52,15 @@ def batches(rows: int, mbs: int, seed: int) -> list[tuple[torch.Tensor, torch.Te
     return list(zip(tokens[:, :-1].split(mbs), tokens[:, 1:].split(mbs), strict=True))
 
 
-def test_pending_step_equals_the_float_step(one_process_group) -> None:
+def test_pending_step_keeps_its_outputs_on_the_device_and_is_deterministic(one_process_group) -> None:
     pending_engine, float_engine = tiny_engine(gbs=4, mbs=2), tiny_engine(gbs=4, mbs=2)
     data = batches(4, 2, seed=0)
     pending = pending_engine.train_step_pending(data)
     assert isinstance(pending.loss, torch.Tensor) and pending.loss.dim() == 0
-    assert pending.result() == float_engine.train_step(data)
+    assert pending.result() == float_engine.train_step_pending(data).result()
     norm = pending_engine.clip_grad_norm_pending(0.05)
     assert isinstance(norm, torch.Tensor)
-    assert norm.item() == float_engine.clip_grad_norm_(0.05)
+    assert norm.item() == float_engine.clip_grad_norm_pending(0.05).item()
     pairs = zip(
         pending_engine.model_parts[0].parameters(), float_engine.model_parts[0].parameters(), strict=True
     )
@@ -71,22 +71,26 @@ def test_pending_step_equals_the_float_step(one_process_group) -> None:
 def test_unmeasured_steps_restart_the_difference_estimator(one_process_group) -> None:
     engine = tiny_engine(gbs=1, mbs=1)  # one sample on one rank: the only case without halves
     first, second, third = (batches(1, 1, seed=s) for s in (1, 2, 3))
-    assert math.isnan(engine.train_step(first).gns_big_sqr)  # nothing to pair with yet
-    skipped = engine.train_step(second, measure_gns=False)
+    assert math.isnan(engine.train_step_pending(first).result().gns_big_sqr)  # nothing to pair with yet
+    skipped = engine.train_step_pending(second, measure_gns=False).result()
     assert math.isnan(skipped.gns_small_sqr) and math.isnan(skipped.gns_big_sqr)
     assert math.isfinite(skipped.loss)
-    again = engine.train_step(third)  # the first gradient is forgotten: no pair across a skipped step
+    again = engine.train_step_pending(
+        third
+    ).result()  # the first gradient is forgotten: no pair across a skipped step
     assert math.isnan(again.gns_small_sqr)
-    assert math.isfinite(engine.train_step(first).gns_small_sqr)
+    assert math.isfinite(engine.train_step_pending(first).result().gns_small_sqr)
 
 
 def test_unmeasured_micro_batch_steps_report_nan(one_process_group) -> None:
     engine = tiny_engine(gbs=4, mbs=2)
     data = batches(4, 2, seed=4)
-    measured = engine.train_step(data)
-    off = engine.train_step(data, measure_gns=False)
+    measured = engine.train_step_pending(data).result()
+    off = engine.train_step_pending(data, measure_gns=False).result()
     assert math.isnan(off.gns_small_sqr) and off.loss == measured.loss
-    assert engine.train_step(data).gns_small_sqr == pytest.approx(measured.gns_small_sqr, rel=1e-6)
+    assert engine.train_step_pending(data).result().gns_small_sqr == pytest.approx(
+        measured.gns_small_sqr, rel=1e-6
+    )
 
 
 def pending(loss: float, small: float, big: float) -> PendingStepOutput:

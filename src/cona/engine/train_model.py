@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
-from cona.config import ConaConfig, TrainingConfig
+from cona.config import ConaConfig
 from cona.engine import gns
 from cona.engine.model import GPT, init_weights, parameter_seed, token_cross_entropy
 from cona.engine.objective import loss_token_count, micro_batch_share, summed_token_cross_entropy
@@ -33,6 +33,7 @@ from cona.engine.pipeline import (
     split_stage,
     stage_ids_of_rank,
 )
+from cona.engine.step_modes import compiles_whole_model, resolved_dtype, uses_cuda_graphs
 from cona.engine.step_noise import NoiseInputs, local_grads, split_rows
 from cona.engine.step_output import LossScaler, PendingStepOutput, StepOutput
 from cona.strategy import Strategy
@@ -49,30 +50,6 @@ __all__ = [
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def compiles_whole_model(strategy: Strategy) -> bool:
-    """``training.compile`` compiles the whole model with its loss in one graph (as the single-GPU
-    reference does) where the model is neither split nor sharded, and each block otherwise."""
-    return strategy.tp == 1 and strategy.pp == 1 and (strategy.dp == 1 or strategy.zero_stage == 0)
-
-
-def uses_cuda_graphs(training: TrainingConfig, strategy: Strategy, device: torch.device) -> bool:
-    """``training.cuda_graphs`` applies where the whole model is compiled on a GPU and a step runs one
-    micro-batch: with several, autograd accumulates into gradients that the next replay of the same backward
-    graph would overwrite first. A measured step, run as pieces, therefore runs outside the graphs."""
-    return (
-        training.cuda_graphs
-        and training.compiles_on(device.type)
-        and device.type == "cuda"
-        and compiles_whole_model(strategy)
-        and strategy.micro_batches == 1
-    )
-
-
-def resolved_dtype(training: TrainingConfig, device: torch.device) -> str:
-    """The precision a run trains in: fp32 on CPU, ``training.dtype`` on CUDA."""
-    return training.dtype if device.type == "cuda" else "fp32"
 
 
 class TrainingModel:
@@ -161,20 +138,12 @@ class TrainingModel:
         activations, and nothing rank-specific has to survive a reshard."""
         torch.manual_seed(parameter_seed(self.config.training.seed, f"dropout/{iteration}/{self.dp_rank}"))
 
-    def train_step(
-        self, micro_batches: list[Batch], *, iteration: int | None = None, measure_gns: bool = True
-    ) -> StepOutput:
-        """Forward + backward over this dp rank's micro-batches; on return the grads are fully reduced.
-
-        ``measure_gns`` False leaves out the gradient-noise inputs of this step (their fields are NaN) and
-        makes the difference estimator start afresh on the next measured step.
-        """
-        return self.train_step_pending(micro_batches, iteration=iteration, measure_gns=measure_gns).result()
-
     def train_step_pending(
         self, micro_batches: list[Batch], *, iteration: int | None = None, measure_gns: bool = True
     ) -> PendingStepOutput:
-        """:meth:`train_step` without waiting for the device (except for fp16's overflow check).
+        """Forward + backward over this dp rank's micro-batches, nothing waiting for the device (except fp16's
+        overflow check); ``.result()`` reads it. On return the grads are fully reduced. ``measure_gns`` False
+        leaves out the gradient-noise inputs (NaN) and restarts the difference estimator.
 
         A measured step with one micro-batch per rank runs it as equal pieces with gradient accumulation
         (:meth:`NoiseInputs.pieces_for`): the same samples, loss and gradient up to float rounding (with
@@ -301,13 +270,9 @@ class TrainingModel:
         return stacked
 
     # ---- after the step ------------------------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global gradient norm of the last step (all ranks, shards, stages; tied matrix once); clips in place
-        to ``max_norm`` when it is > 0."""
-        return self.clip_grad_norm_pending(max_norm).item()
-
     def clip_grad_norm_pending(self, max_norm: float) -> torch.Tensor:
-        """:meth:`clip_grad_norm_` with the norm and the clipping factor kept on the device (float64 scalar).
+        """Global gradient norm of the last step (all ranks, shards, stages; tied matrix once), clipped in
+        place to ``max_norm`` when it is > 0; norm and clipping factor stay on the device (float64 scalar).
 
         The gradients are multiplied by ``max_norm / (norm + 1e-6)`` where the norm is finite and above
         ``max_norm``, by exactly 1 elsewhere (a no-op on the values), so no host decision is needed.
@@ -322,13 +287,9 @@ class TrainingModel:
             self._noise.previous.note_scaled(factor)
         return norm
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step unless the gradients are not finite (fp16 overflow: then also lower the loss scale);
-        False = skipped."""
-        return bool(self.optimizer_step_pending(optimizer).item())
-
     def optimizer_step_pending(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """:meth:`optimizer_step` returning whether it stepped as a device bool tensor.
+        """Step unless the gradients are not finite (fp16 overflow: then also lower the loss scale);
+        whether it stepped, as a device bool tensor.
 
         With an optimizer that takes ``found_inf`` (fused AdamW, as GradScaler uses it) the skip happens in
         its kernel and nothing waits for the device; otherwise (CPU, foreach on DTensor shards) and under

@@ -23,22 +23,22 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
-from cona.planner.efficiency import NoiseScaleTracker
-from cona.planner.policy import Candidate, PolicySettings, PolicyState, initial_state
+from cona.planner.policy import Candidate
 from cona.planner.systems import load_system
 from cona.runner.across_nodes import node_topology, run_across_nodes
 from cona.runner.chain import content_digest
+from cona.runner.in_place import replay_in_place
 from cona.runner.launch import stage_master_port
 from cona.runner.multinode import cona_command
+from cona.runner.online_memory import Memory, resumed_memory
 from cona.runner.online_options import OnlineRun, online_run_from_args
-from cona.runner.online_report import print_summary, realized_chain, stage_rows
+from cona.runner.online_report import print_summary, realized_chain
 from cona.runner.online_search import Budget, FrontierSearch, PendingSwitch, StageOutcome, StageSearch
+from cona.runner.online_stages import STAGES_NAME, StageRecords
 from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
 from cona.runner.stage_run import (
@@ -58,7 +58,6 @@ from cona.runner.state import (
     advance,
     check_same_run,
     load_state,
-    noise_tracker,
     own_checkpoint,
     save_state,
     saved_result,
@@ -67,18 +66,7 @@ from cona.runner.state import (
 )
 from cona.strategy import Strategy
 
-STAGES_NAME = "online_stages.json"
 REALIZED_NAME = "realized_chain.json"
-
-
-@dataclass
-class _Memory:
-    """What carries from one stage's search to the next."""
-
-    settings: PolicySettings
-    policy_state: PolicyState
-    tracker: NoiseScaleTracker
-    pending: PendingSwitch | None = None
 
 
 class _Runner:
@@ -100,9 +88,7 @@ class _Runner:
             target_ppl=run.target_ppl,
             seq=run.config.model.seq,
         )
-        self.stages: list[dict[str, Any]] = []
-        """Per stage: the strategy, its predicted tokens/s, why it was chosen and whether the switch into it
-        kept the state in memory (online_stages.json)."""
+        self.records = StageRecords(run.run_dir)
         self.in_place = getattr(launcher, "keeps_workers", False)
         """Whether a switch that keeps the layout can keep the state in the workers (a session)."""
         self.handed_over: int | None = None
@@ -131,7 +117,7 @@ class _Runner:
                 config_digest=config_digest,
                 world_size=run.world_size,
             )
-            self.stages = json.loads((run_dir / STAGES_NAME).read_text())
+            self.records.load()
             self.out(f"resuming online run {run_dir.name} at stage {len(state.stages)} ({run_dir})")
             return state
         first = self.frontier(run.initial_gbs)
@@ -140,7 +126,7 @@ class _Runner:
                 f"no strategy for {run.world_size} processes at --initial-gbs {run.initial_gbs} fits and "
                 f"trains under this config"
             )
-        self._add_stage(first, action="initial", reason=f"best strategy at --initial-gbs {run.initial_gbs}")
+        self.records.add(first, action="initial", reason=f"best strategy at --initial-gbs {run.initial_gbs}")
         state = RunState(
             chain_path="online",
             chain_digest=run.identity(),
@@ -152,34 +138,11 @@ class _Runner:
         self.out(f"starting online run {run_dir.name} (run directory {run_dir})")
         return state
 
-    def _add_stage(self, candidate: Candidate, *, action: str, reason: str, in_place: bool = False) -> None:
-        self.stages.append(
-            {
-                "strategy": dataclasses.asdict(candidate.strategy),
-                "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
-                "throughput_source": candidate.throughput_source,
-                "trial": candidate.trial,
-                "action": action,
-                "reason": reason,
-                "in_place": in_place,
-            }
-        )
-        path = self.run.run_dir / STAGES_NAME
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.stages, indent=1) + "\n")
-        tmp.replace(path)
-
     def strategy(self, step_num: int) -> Strategy:
-        return Strategy(**self.stages[step_num - 1]["strategy"])
+        return self.records.strategy(step_num)
 
     def candidate(self, step_num: int) -> Candidate:
-        entry = self.stages[step_num - 1]
-        return Candidate(
-            strategy=self.strategy(step_num),
-            predicted_tokens_per_s=entry["predicted_tokens_per_s"],
-            throughput_source=entry.get("throughput_source", "predicted"),
-            trial=entry.get("trial", False),
-        )
+        return self.records.candidate(step_num)
 
     def layout_dir(self, step_num: int) -> Path:
         from cona.engine.checkpoint import layout_dir
@@ -191,38 +154,13 @@ class _Runner:
         save_state(self.run.run_dir, state)
         return state
 
-    def memory(self, state: RunState) -> _Memory:
+    def memory(self, state: RunState) -> Memory:
         """The policy's memory at the start of the current stage (rebuilt from the files after a resume)."""
-        training = self.run.config.training
-        current = state.current
-        assert current is not None
-        tracker = noise_tracker(self.run.run_dir, training.base_gbs, current.start_iteration or 0)
-        earlier = len(state.stages) - 1
-        policy_state = initial_state(self.candidate(len(state.stages)))
-        costs = [sum(s.switch_cost.values()) for s in state.stages if s.switch_cost]
-        if costs:
-            policy_state = dataclasses.replace(
-                policy_state, measured_switch_cost_s=sum(costs) / len(costs), switches=len(costs)
-            )
-        if earlier:
-            from cona.planner.policy import FinishedStage
-
-            rates = stage_rows(self.run.run_dir, state, self.stages)
-            finished = tuple(
-                FinishedStage(
-                    strategy=self.strategy(row["stage"]), measured_tokens_per_s=row["tokens_per_s"] or 0.0
-                )
-                for row in rates[:earlier]
-            )
-            policy_state = dataclasses.replace(policy_state, earlier=finished)
-        settings = PolicySettings.from_training(
-            training, max_gbs=self.run.max_gbs, **{"in_place": self.in_place, **self.run.policy_overrides}
-        )
-        return _Memory(settings=settings, policy_state=policy_state, tracker=tracker)
+        return resumed_memory(self.run, state, self.records, in_place=self.in_place)
 
     # --- one stage -------------------------------------------------------------------------------------
 
-    def run_stage(self, state: RunState, memory: _Memory) -> tuple[RunState, _Memory]:
+    def run_stage(self, state: RunState, memory: Memory) -> tuple[RunState, Memory]:
         current = state.current
         assert current is not None
         number = current.step_num
@@ -243,7 +181,7 @@ class _Runner:
             cost = switch_cost(state.stage(number - 1), stage) if number > 1 else {}
             state = self.save(state, advance(stage, "done", switch_cost=cost))
         if outcome is not None:
-            memory = _Memory(
+            memory = Memory(
                 settings=outcome.settings, policy_state=outcome.policy_state, tracker=outcome.tracker
             )
             if has_next and outcome.decision is not None:
@@ -252,13 +190,13 @@ class _Runner:
                     new=self.candidate(number + 1),
                     old_measured_tokens_per_s=outcome.measured_tokens_per_s or 0.0,
                     handoff_s=done.timings.get("save_s", 0.0) + done.timings.get("publish_s", 0.0),
-                    in_place=self.continues_in_place(number + 1),
+                    in_place=self.records.continues_in_place(number + 1),
                 )
         elif has_next:
             memory = self.memory(state)
         return state, memory
 
-    def _train(self, state: RunState, memory: _Memory) -> tuple[RunState, StageOutcome | None]:
+    def _train(self, state: RunState, memory: Memory) -> tuple[RunState, StageOutcome | None]:
         current = state.current
         assert current is not None
         if current.status == "pending":
@@ -267,7 +205,16 @@ class _Runner:
         spec = self._spec(current)
         result, outcome, launched = saved_result(current, spec.result_path), None, None
         if result is None and spec.continue_in_place and self.handed_over != current.step_num - 1:
-            self._replay_in_place(state, current.step_num)  # a kill lost the state kept in memory
+            # a kill lost the state kept in memory
+            replay_in_place(
+                self.records,
+                state,
+                current.step_num,
+                spec_of=self._spec,
+                launch=self._launch_now,
+                out=self.out,
+            )
+            self.handed_over = current.step_num - 1
         if result is None:
             spec_path = spec.write(spec.stage_dir / "spec.json")
             spec.result_path.unlink(missing_ok=True)
@@ -328,7 +275,7 @@ class _Runner:
                 trial=request.get("trial", False),
             )
             in_place = request.get("in_place") is True and result.handed_over
-            self._add_stage(target, action=request["action"], reason=request["reason"], in_place=in_place)
+            self.records.add(target, action=request["action"], reason=request["reason"], in_place=in_place)
             state = dataclasses.replace(
                 state, stages=(*state.stages, StageState(step_num=stage.step_num + 1))
             )
@@ -347,7 +294,7 @@ class _Runner:
         previous = state.stage(number - 1) if number > 1 else None
         start = previous.last_iteration if previous is not None else 0
         load_path = (previous.universal or previous.checkpoint) if previous is not None else None
-        if self.continues_in_place(number):
+        if self.records.continues_in_place(number):
             load_path = None  # the state stays in the workers' memory
         strategy = self.strategy(number)
         lr = stage_lr(self.run.run_dir, training, strategy.gbs, start)
@@ -355,7 +302,7 @@ class _Runner:
                 "min_lr": lr.scaled.min_lr, "strategy": dataclasses.asdict(strategy)}  # fmt: skip
         self.out(
             f"stage {number}: {strategy.short()} from iteration {start}, lr {lr.scaled.lr:.3g} "
-            f"(x{lr.lr_factor:.3g}), {_start_text(load_path, self.continues_in_place(number))}"
+            f"(x{lr.lr_factor:.3g}), {_start_text(load_path, self.records.continues_in_place(number))}"
         )
         return advance(
             stage,
@@ -373,7 +320,7 @@ class _Runner:
         span = dataclasses.replace(stage, target_iteration=stage.target_iteration or sys.maxsize)
         own = own_checkpoint(span, self.layout_dir(stage.step_num))
         load_path = own if own is not None else (Path(stage.load_path) if stage.load_path else None)
-        in_place = own is None and self.continues_in_place(stage.step_num)
+        in_place = own is None and self.records.continues_in_place(stage.step_num)
         return StageSpec(
             continue_in_place=in_place,
             start_iteration=stage.start_iteration if in_place else None,
@@ -391,40 +338,8 @@ class _Runner:
             save_at_end=True,
         )
 
-    def continues_in_place(self, step_num: int) -> bool:
-        """Whether the switch into stage ``step_num`` kept the state in the workers' memory."""
-        return step_num > 1 and bool(self.stages[step_num - 1].get("in_place"))
-
-    def _replay_in_place(self, state: RunState, step_num: int) -> None:
-        """Rebuild in the session's memory the state stage ``step_num`` continues in place, which a kill
-        lost: retrain from the last stage whose start is on disk, each stage to the iteration it handed
-        over at, under its own strategy and LR (the same samples in the same order), handing over again."""
-        first = step_num - 1
-        while self.continues_in_place(first):
-            first -= 1
-        for number in range(first, step_num):
-            stage = state.stage(number)
-            spec = dataclasses.replace(
-                self._spec(dataclasses.replace(stage, attempts=0)),
-                load_path=Path(stage.load_path) if number == first and stage.load_path else None,
-                continue_in_place=number > first,
-                start_iteration=stage.start_iteration if number > first else None,
-                target_iteration=stage.last_iteration,
-                max_tokens=None,
-                save_at_end=False,
-                hand_over_in_place=True,
-            )
-            self.out(
-                f"stage {number}: retraining iterations {stage.start_iteration}..{stage.last_iteration} to "
-                f"rebuild the state an in-place switch kept in memory"
-            )
-            spec_path = spec.write(spec.stage_dir / "replay_spec.json")
-            spec.result_path.unlink(missing_ok=True)
-            launch_stage(self.launcher, self._launch(spec, spec_path, number))
-            result = StageResult.read(spec.result_path)
-            if not result.handed_over or result.last_iteration != stage.last_iteration:
-                raise LaunchError(f"stage {number}: the retraining did not end at {stage.last_iteration}")
-        self.handed_over = step_num - 1
+    def _launch_now(self, spec: StageSpec, spec_path: Path, number: int) -> None:
+        launch_stage(self.launcher, self._launch(spec, spec_path, number))
 
     def _launch(self, spec: StageSpec, spec_path: Path, number: int) -> StageLaunch:
         port = stage_master_port(self.run.base_port, number)
@@ -493,8 +408,8 @@ def _drive_online(run: OnlineRun, launcher: Launcher, out: Callable[[str], None]
         memory = runner.memory(state)
         while state.current is not None:
             state, memory = runner.run_stage(state, memory)
-    chain = realized_chain(state, runner.stages)
+    chain = realized_chain(state, runner.records.entries)
     (run.run_dir / REALIZED_NAME).write_text(json.dumps(chain, indent=1) + "\n")
-    print_summary(run.run_dir, state, runner.stages, target_ppl=run.target_ppl, out=out)
+    print_summary(run.run_dir, state, runner.records.entries, target_ppl=run.target_ppl, out=out)
     out(f"realized chain: {run.run_dir / REALIZED_NAME} (cona train --chain replays it)")
     return state

@@ -1,0 +1,146 @@
+"""The switching policy's data: its settings, candidates, state, measurements and decisions (frozen).
+
+:mod:`cona.planner.policy` holds the rules over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cona.config import TrainingConfig
+from cona.errors import PlanError
+from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate
+from cona.strategy import Strategy
+
+DEFAULT_HYSTERESIS = 0.05
+"""Relative margin a switch must clear (AdaptDL uses 5 % on goodput, its issue #27)."""
+
+Action = Literal["stay", "switch", "fallback"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicySettings:
+    """What the policy is allowed to do; :meth:`from_training` reads the config's fallback keys."""
+
+    base_gbs: int
+    """``M0``: the batch the efficiency is relative to (``training.base_gbs``)."""
+    max_gbs: int
+    """The frontier never goes past this."""
+    gbs_factor: int = 2
+    """Next frontier = current gbs x this (capped at ``max_gbs``) unless ``gbs_list`` is given."""
+    gbs_list: tuple[int, ...] | None = None
+    """Explicit frontier: the next gbs is the smallest listed one above the current."""
+    hysteresis: float = DEFAULT_HYSTERESIS
+    min_measurements: int = MIN_SAMPLES
+    """Noise-scale measurements needed before any switch."""
+    predicted_switch_cost_s: float = 0.0
+    """Switch cost assumed until a switch has been measured."""
+    in_place: bool = False
+    """Whether the runner can switch in place (same processes, state kept in memory) to a strategy that
+    keeps the layout; such a switch is charged its own cost."""
+    predicted_in_place_cost_s: float = 1.0
+    trial_in_place: bool = True
+    """With ``in_place``: try a candidate that keeps the layout when its predicted throughput does not pay but
+    perfect scaling from the measured one would, and measure it (those are training steps: nothing is lost
+    but two cheap switches when it does not pay). A model calibrated on one strategy cannot tell a
+    host-bound step, which a larger batch nearly doubles, from a device-bound one."""
+    """In-place switch cost assumed until one has been measured (a rebuild of the batch-dependent parts and,
+    compiled, a first step at a new shape)."""
+    fallback: bool = False
+    fallback_ema_alpha: float = 0.1
+    fallback_patience: int = 3
+
+    def __post_init__(self) -> None:
+        if self.base_gbs < 1 or self.max_gbs < 1:
+            raise PlanError(f"gbs bounds must be positive, got base {self.base_gbs}, max {self.max_gbs}")
+        if self.gbs_factor < 2:
+            raise PlanError(f"the frontier's gbs factor must be at least 2, got {self.gbs_factor}")
+        if self.gbs_list is not None and (not self.gbs_list or min(self.gbs_list) < 1):
+            raise PlanError(f"the frontier's gbs list must hold positive sizes, got {self.gbs_list}")
+        if self.hysteresis < 0 or min(self.predicted_switch_cost_s, self.predicted_in_place_cost_s) < 0:
+            raise PlanError("hysteresis and switch cost must be non-negative")
+        if not 0.0 < self.fallback_ema_alpha <= 1.0 or self.fallback_patience < 1:
+            raise PlanError("fallback_ema_alpha must be in (0, 1] and fallback_patience at least 1")
+
+    @classmethod
+    def from_training(cls, training: TrainingConfig, *, max_gbs: int, **overrides: Any) -> PolicySettings:
+        values: dict[str, Any] = {
+            "base_gbs": training.base_gbs,
+            "max_gbs": max_gbs,
+            "fallback": training.fallback,
+            "fallback_ema_alpha": training.fallback_ema_alpha,
+            "fallback_patience": training.fallback_patience,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """A strategy with the performance model's predicted throughput."""
+
+    strategy: Strategy
+    predicted_tokens_per_s: float
+    throughput_source: str = "predicted"
+    """``measured`` when the run already trained this strategy and the number is what it measured."""
+    trial: bool = False
+    """Switched to in place to measure it (its predicted throughput did not pay, a perfect scaling would):
+    the policy falls back from it when the measurement says it does not pay, fallback setting or not."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FinishedStage:
+    """An earlier stage, kept as the fallback target: its strategy and its measured throughput."""
+
+    strategy: Strategy
+    measured_tokens_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyState:
+    """What the policy remembers between evaluations. Start with :func:`initial_state`."""
+
+    current: Candidate
+    """The running strategy and what the model predicted for it."""
+    earlier: tuple[FinishedStage, ...] = ()
+    """Stages at smaller gbs that led here, oldest first (a fallback pops the last one)."""
+    measured_switch_cost_s: float | None = None
+    """Mean of the measured switch costs so far (through a checkpoint)."""
+    switches: int = 0
+    measured_in_place_cost_s: float | None = None
+    """Mean of the measured in-place switch costs so far."""
+    in_place_switches: int = 0
+    noise_ema: float | None = None
+    """The fallback EMA of the noise scale (samples)."""
+    below_break_even: int = 0
+    """Consecutive evaluations with the EMA below the fallback break-even noise scale."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """What the runner knows at one evaluation (only the past)."""
+
+    time: float
+    """Unix time (or simulated seconds)."""
+    iteration: int
+    consumed_tokens: int
+    noise: NoiseScaleEstimate | None
+    """The tracker's estimate (None before it has ``min_samples``)."""
+    measured_tokens_per_s: float | None
+    """The current strategy's measured throughput (None before a step was timed)."""
+    remaining_tokens: float
+    """Tokens still to train under the current strategy (the run's budget minus what is done)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    """What to do, why, the numbers behind it (``record``: one line of decisions.jsonl), the next state."""
+
+    action: Action
+    target: Candidate | None
+    """What to switch (or fall back) to, with the throughput expected of it; None when staying. A fallback's
+    throughput is the one measured when that strategy last ran."""
+    reason: str
+    record: dict[str, Any]
+    state: PolicyState
