@@ -43,7 +43,7 @@ def trained(config: ConaConfig, steps: int = 2, offset: float = 0.0):
     model = ckpt_worker.build_model(config, ONE, None, offset)
     optimizer = build_optimizer([model], config.training)
     for step in range(1, steps + 1):
-        ckpt_worker.train_step_pending(model, optimizer, step).result()
+        ckpt_worker.train_step(model, optimizer, step)
     return model, optimizer
 
 
@@ -136,7 +136,7 @@ def test_markers_and_direct_paths_resolve(saved, tmp_path: Path) -> None:
 
 def test_a_later_save_moves_latest_and_resaving_an_iteration_replaces_it(saved) -> None:
     config, path, (model, optimizer) = saved
-    ckpt_worker.train_step_pending(model, optimizer, 3).result()
+    ckpt_worker.train_step(model, optimizer, 3)
     newer = save(path.parents[5], config, model, optimizer, 3)
     assert resolve_checkpoint(path.parent) == newer and path.is_dir()
     again = save(path.parents[5], config, model, optimizer, 3)

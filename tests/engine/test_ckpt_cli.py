@@ -27,7 +27,7 @@ def checkpoint(tmp_path: Path):
     model = ckpt_worker.build_model(config, STRATEGY, None, 0.0)
     model.output.weight = model.tok_embeddings.weight
     optimizer = build_optimizer([model], config.training)
-    ckpt_worker.train_step_pending(model, optimizer, 1).result()
+    ckpt_worker.train_step(model, optimizer, 1)
     state = {"iteration": 5, "consumed_samples": 40, "consumed_tokens": 320, "stage": 1}
     path = save_checkpoint(
         layout_dir(tmp_path, config, STRATEGY, "fp32"),
