@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 from chain_fakes import (
     KILL_POINTS,
@@ -20,6 +21,7 @@ from chain_fakes import (
     write_tiny_config,
 )
 
+from cona.data.indexed import IndexedDatasetWriter
 from cona.errors import ChainError, LaunchError
 from cona.runner.publish import LATEST_UNIVERSAL
 from cona.runner.sequence import chain_run_from_args, run_chain
@@ -143,8 +145,9 @@ def test_options_from_the_command_line(tmp_path):
     config = json.loads((tmp_path / ".conaconfig").read_text())
     config["training"]["data_prefix"] = "data"
     (tmp_path / ".conaconfig").write_text(json.dumps(config))
-    for suffix in (".bin", ".idx"):
-        (tmp_path / f"data{suffix}").write_bytes(b"")
+    with IndexedDatasetWriter(tmp_path / "data", np.uint16) as writer:  # checked before the run starts
+        for start in range(0, 2000, 50):
+            writer.add_document(np.arange(start, start + 50) % 64)
     args = argparse.Namespace(
         chain=str(tmp_path / "chain.json"),
         config=str(tmp_path / ".conaconfig"),

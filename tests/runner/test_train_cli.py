@@ -159,11 +159,13 @@ def test_train_runs_one_stage_on_two_cpu_processes(tmp_path, capfd):
 
 
 @pytest.mark.multiproc
-def test_a_worker_error_fails_the_command_with_that_message_once(tmp_path, capfd):
+def test_a_data_error_fails_the_command_with_one_line_before_any_worker(tmp_path, capfd):
+    # (A worker's own failure, named by stage and rank, is test_worker_session's failing-stage test.)
     config = write_tiny_setup(tmp_path)
     bin_path = tmp_path / "data" / "tiny.bin"
     bin_path.write_bytes(bin_path.read_bytes()[:100])  # the index now points past the end of the data
     assert main(train_args(config, tmp_path / "work")) != 0
     err = capfd.readouterr().err
-    assert err.count("cona: error: stage 1: rank 0 failed: DataError") == 1
+    assert err.count(f"cona: error: {bin_path}: 100 bytes, shorter than") == 1
     assert err.count("Traceback") == 0
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("rank0.log"))
