@@ -149,6 +149,13 @@ def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from cona.runner.signals import stop_on_signals
+
+    with stop_on_signals():  # SIGTERM/SIGINT stop the workers and leave the run resumable
+        return _train_run(args)
+
+
+def _train_run(args: argparse.Namespace) -> int:
     mds = _megatron_deepspeed(args)
     if args.chain is not None:
         fixed = [f"--{name}" for name in FIXED_STRATEGY_FLAGS[:-1] if getattr(args, name) is not None]
