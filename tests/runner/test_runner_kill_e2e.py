@@ -108,6 +108,8 @@ def test_killing_the_runner_during_training_stops_the_workers_and_the_rerun_trai
     took = wait_until(
         lambda: not find_processes(run_dir).workers, timeout_s=WORKERS_GONE_S, what="the workers to stop"
     )
+    # torchrun follows its workers; until it has, it holds the run's locks and a rerun would be refused
+    wait_until(lambda: not find_processes(run_dir).launchers, timeout_s=30, what="torchrun to end")
     assert took < WORKERS_GONE_S
     killed = metrics(run_dir)
     assert len(killed) < ITERS  # they did not train the stage to its end

@@ -28,6 +28,7 @@ from typing import IO
 
 from cona.engine.spec import LAUNCH_TIME_ENV, RUNNER_PID_ENV, WORKER_CONSOLE_ENV
 from cona.errors import LaunchError
+from cona.runner.run_lock import held_fds
 
 DEFAULT_MASTER_PORT_BASE = 29400
 WORKER_MODULE = "cona.engine.worker"
@@ -189,7 +190,9 @@ def start_torchrun(
     ``quiet``)."""
     torchrun_log.write(" ".join(command) + "\n")
     torchrun_log.flush()
-    return subprocess.Popen(command, env=env, stdout=torchrun_log if quiet else None, stderr=torchrun_log)
+    stdout = torchrun_log if quiet else None
+    # torchrun keeps the run's locks (cona.runner.run_lock) until its workers are gone, even if we die first
+    return subprocess.Popen(command, env=env, stdout=stdout, stderr=torchrun_log, pass_fds=held_fds())
 
 
 def record_pids(path: Path, topology: Topology, torchrun_pid: int, **extra: object) -> Path:
