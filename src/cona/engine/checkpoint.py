@@ -181,7 +181,7 @@ def save_checkpoint(
             }
             files |= {name: checksum(tmp_dir / name) for name in present_files(tmp_dir) if name not in files}
             write_manifest(tmp_dir, fields, files)  # before the rename: a published checkpoint has one
-            _publish(tmp_dir, final_dir, owner)
+            _publish(tmp_dir, final_dir)
             _write_marker(layout_dir / LATEST, final_dir.name, owner)
     barrier()
     return final_dir
@@ -257,10 +257,11 @@ def _write_json_files(directory: Path, documents: dict[str, Any]) -> None:
         (directory / name).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
 
 
-def _publish(tmp_dir: Path, final_dir: Path, owner: str = "") -> None:
+def _publish(tmp_dir: Path, final_dir: Path) -> None:
     """Rename the finished temporary into place. Saving the same iteration again (a stage that ended
     right after loading) moves the old copy aside first; only the two renames lie between."""
     if final_dir.exists():
+        owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
         aside = final_dir.with_name(_tmp_name(f"replaced-{final_dir.name}", owner))
         os.replace(final_dir, aside)
         os.replace(tmp_dir, final_dir)
