@@ -74,6 +74,11 @@ def lock_directory(directory: Path, what: str) -> None:
     _scopes[-1][path] = fd
 
 
+def locking() -> bool:
+    """Whether a :func:`run_locks` scope is open (:func:`lock_directory` then locks)."""
+    return bool(_scopes)
+
+
 def held_fds() -> tuple[int, ...]:
     """The descriptors of every lock this process holds (for torchrun to inherit)."""
     return tuple(fd for scope in _scopes for fd in scope.values())

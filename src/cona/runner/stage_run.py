@@ -26,7 +26,7 @@ from cona.engine.switch_check import VERDICT_FILE, Verdict, read_verdict
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.lr_scaling import ScaledLR, scaled_lr
 from cona.runner.launch import WORKER_MODULE, Topology, run_stage
-from cona.runner.run_lock import lock_directory
+from cona.runner.run_lock import lock_directory, locking
 from cona.runner.state import StageState, load_state, measured_noise_scale, state_path
 
 
@@ -78,9 +78,10 @@ def launch_stage(launcher: Launcher, launch: StageLaunch) -> float:
     every rank stopped, says so), so the run ends with that message and not with a worker's traceback.
     """
     spec = launch.spec
-    lock_directory(spec.run_dir, "run directory")  # held already by a chain or online run: no-op
-    dtype = checkpoint_dtype(spec.config.training, launch.device_type)
-    lock_directory(layout_dir(spec.workdir, spec.config, spec.strategy, dtype), "checkpoint folder")
+    if locking():  # within a run's scope (the run directory is held already: no-op)
+        lock_directory(spec.run_dir, "run directory")
+        dtype = checkpoint_dtype(spec.config.training, launch.device_type)
+        lock_directory(layout_dir(spec.workdir, spec.config, spec.strategy, dtype), "checkpoint folder")
     check_trainer_state(spec.run_dir, spec.load_path)
     stage_dir = spec.stage_dir
     (stage_dir / VERDICT_FILE).unlink(missing_ok=True)  # an earlier attempt's verdict is not this one's
