@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_chain_e2e import free_port_base
+from test_status import running_copy
 from tests.observed import TRACE_ENV, assert_each_sample_once_in_order
 from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.engine.session import RunnerWatch
 from cona.processes import process_state
+from cona.runner.launch import PIDS_FILE, Topology, record_pids
 from cona.runner.sequence import run_chain
 from cona.runner.status import collect_status, find_processes, status_lines
 
@@ -147,3 +149,23 @@ def test_the_runner_watch_sees_a_dead_or_unreaped_runner_and_checks_at_most_once
         zombie.wait()
     assert not RunnerWatch(os.getpid(), interval_s=0.0).runner_gone()
     assert not RunnerWatch(dead.pid, interval_s=60.0).runner_gone()  # not due yet: no check, no cost
+
+
+def test_status_names_workers_that_outlive_their_runner_and_torchrun(tmp_path):
+    run_dir = running_copy(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = record_pids(
+        run_dir / "stages" / "3" / PIDS_FILE, Topology(nproc_per_node=2, master_port=29503), dead.pid
+    )
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "runner_pid": dead.pid}))
+    spec = run_dir / "stages" / "3" / "spec.json"
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(spec)])
+    try:
+        text = dict(status_lines(collect_status(run_dir)))["processes"]
+    finally:
+        orphan.kill()
+        orphan.wait()
+    assert text.endswith(f"; 1 worker(s) alive (pids {orphan.pid})"), text
+    assert f"runner pid {dead.pid} gone" in text
