@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 from cona.cli import main
 from cona.config import load_config
 from cona.engine.checkpoint import layout_dir
+from cona.processes import running
+from cona.runner.launch import start_torchrun
 from cona.runner.run_lock import RunLocked, lock_directory, lock_path, run_locks
 from cona.runner.sequence import run_chain
 from cona.strategy import Strategy
@@ -104,3 +107,39 @@ def test_a_fixed_run_into_a_live_checkpoint_folder_is_refused(tmp_path, capsys):
         kill(holder)
     assert code == 2
     assert f"cona: error: checkpoint folder {layout} is in use by pid {holder.pid}" in capsys.readouterr().err
+
+
+def test_torchrun_keeps_a_killed_runners_locks_until_it_ends(tmp_path):
+    """The runner dies at once (as under SIGKILL); the process it started as torchrun still holds its run
+    directory, so a rerun is refused until that process, which outlives its workers, has ended."""
+    directory = tmp_path / "logs" / "run"
+    pid_file = tmp_path / "torchrun.pid"
+    runner = os.fork()
+    if runner == 0:
+        try:
+            with run_locks():
+                lock_directory(directory, "run directory")
+                with open(tmp_path / "torchrun.log", "w") as log:
+                    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+                    torchrun = start_torchrun(sleeper, os.environ, log, quiet=True)
+                pid_file.write_text(str(torchrun.pid))
+                os._exit(0)  # no scope exit: the kernel closes the runner's descriptors, as SIGKILL would
+        finally:
+            os._exit(1)
+    os.waitpid(runner, 0)
+    torchrun = int(pid_file.read_text())
+    try:
+        refused = rf"in use by the workers of pid {runner} on host .*, which is gone"
+        with pytest.raises(RunLocked, match=refused), run_locks():
+            lock_directory(directory, "run directory")
+    finally:
+        os.kill(torchrun, signal.SIGKILL)
+    wait_gone(torchrun)
+    with run_locks():
+        lock_directory(directory, "run directory")
+
+
+def wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
