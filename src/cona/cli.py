@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConaError as err:
         print(f"cona: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("cona: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        print(f"cona: {err}" if str(err) else "cona: interrupted", file=sys.stderr)
+        return int(getattr(err, "exit_code", 130))
 
 
 if __name__ == "__main__":

@@ -149,6 +149,13 @@ def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from cona.runner.signals import stop_on_signals
+
+    with stop_on_signals():  # SIGTERM/SIGINT stop the workers and leave the run resumable
+        return _train_run(args)
+
+
+def _train_run(args: argparse.Namespace) -> int:
     mds = _megatron_deepspeed(args)
     if args.chain is not None:
         fixed = [f"--{name}" for name in FIXED_STRATEGY_FLAGS[:-1] if getattr(args, name) is not None]
@@ -238,7 +245,7 @@ def _train(args: argparse.Namespace) -> int:
     run_name = args.run_name or default_run_name(f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}")
     run_dir = create_run_dir(Path(config.training.log_root), run_name)
     print(f"run directory: {run_dir}", flush=True)
-    from cona.runner.stage_run import stage_lr
+    from cona.runner.stage_run import checkpoint_dtype, stage_lr
 
     lr = stage_lr(run_dir, config.training, strategy.gbs, 0)
     spec = StageSpec(
@@ -257,7 +264,13 @@ def _train(args: argparse.Namespace) -> int:
     topology = Topology(
         nproc_per_node=strategy.world_size, master_port=stage_master_port(args.master_port_base, spec.stage)
     )
-    with console.stage(spec) as watch:
+    from cona.engine.checkpoint import layout_dir
+    from cona.runner.run_lock import lock_directory, run_locks
+
+    with run_locks(), console.stage(spec) as watch:  # one run at a time on a checkpoint folder
+        lock_directory(run_dir, "run directory")
+        dtype = checkpoint_dtype(config.training, device_type)
+        lock_directory(layout_dir(spec.workdir, config, strategy, dtype), "checkpoint folder")
         run_stage(spec_path, spec.stage_dir, topology, device_type=device_type, quiet=True, watch=watch)
     result = StageResult.read(spec.result_path)
     print(

@@ -13,13 +13,15 @@ Crash safety comes from the order of writes: shards, JSON and the manifest go to
 ``.tmp-global_step<N>-<id>``, which rank 0 renames to ``global_step<N>`` once every rank finished; only then
 is the ``latest`` marker replaced (itself through a temporary file and a rename). A kill at any point leaves
 ``latest`` naming either the previous checkpoint or the complete new one; leftover ``.tmp-*`` entries are
-never loaded and are removed by the next save.
+never loaded and are removed by the next save of the same run (they end in ``-of-<owner>``, a digest of the
+run directory: another run's save in progress in the same folder is left alone).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
@@ -97,6 +99,8 @@ __all__ = [
 ]
 
 TMP_PREFIX = ".tmp-"
+OWNER_TAG = "-of-"
+OWNER_CHARS = 12
 # Parameter-group keys taken from the checkpoint on load; every other key (betas, eps, weight_decay from
 # the current config, and the implementation flags fused/foreach, which depend on the current device and
 # layout) stays as the current optimizer was built. The lr is set by the schedule every step anyway.
@@ -143,15 +147,18 @@ def save_checkpoint(
     config: ConaConfig,
     strategy: Strategy,
     probe: dict | None = None,
+    owner: str = "",
 ) -> Path:
     """Collective: save model and optimizer state as ``<layout_dir>/global_step<iteration>`` with its
     checksum manifest and point ``latest`` at it, with ``probe`` (a
     :class:`cona.engine.switch_check.ProbeRecord` as a dict) beside it when given. Also works without a
-    process group (one process). A failure on any rank is one :class:`CheckpointError` line with its cause."""
+    process group (one process). A failure on any rank is one :class:`CheckpointError` line with its cause.
+    ``owner`` tags the save's temporaries (:func:`tmp_owner` of the run directory): a save removes only
+    stale temporaries of its own owner, never another run's save in progress."""
     layout_dir = Path(layout_dir)
     final_dir = layout_dir / f"global_step{iteration}"
     with _save_failures(final_dir):
-        tmp_dir = layout_dir / _agree_on_tmp_name(layout_dir, iteration)
+        tmp_dir = layout_dir / _agree_on_tmp_name(layout_dir, iteration, owner)
         model_state, optim_state = model_and_optimizer_state(model_parts, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp_save(state, tmp_dir, distributed=distributed(), what=f"saving checkpoint {final_dir}")
@@ -175,7 +182,7 @@ def save_checkpoint(
             files |= {name: checksum(tmp_dir / name) for name in present_files(tmp_dir) if name not in files}
             write_manifest(tmp_dir, fields, files)  # before the rename: a published checkpoint has one
             _publish(tmp_dir, final_dir)
-            _write_marker(layout_dir / LATEST, final_dir.name)
+            _write_marker(layout_dir / LATEST, final_dir.name, owner)
     barrier()
     return final_dir
 
@@ -207,15 +214,33 @@ def _checksums_of_shards(tmp_dir: Path, final_dir: Path) -> dict[str, dict[str, 
     return {name: entry for digests, _ in everyone for name, entry in digests.items()}
 
 
-def _agree_on_tmp_name(layout_dir: Path, iteration: int) -> str:
-    """Rank 0 removes stale temporaries of earlier crashed saves, creates a fresh one and tells all."""
+def tmp_owner(run_dir: Path) -> str:
+    """The owner tag of a run's checkpoint temporaries: a digest of its resolved run directory."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:OWNER_CHARS]
+
+
+def _tmp_name(kind: str, owner: str) -> str:
+    """``.tmp-<kind>-<random>``, with ``-of-<owner>`` when the save has an owner."""
+    return f"{TMP_PREFIX}{kind}-{secrets.token_hex(4)}" + (f"{OWNER_TAG}{owner}" if owner else "")
+
+
+def _is_own_tmp(name: str, owner: str) -> bool:
+    if not name.startswith(TMP_PREFIX):
+        return False
+    return name.endswith(f"{OWNER_TAG}{owner}") if owner else OWNER_TAG not in name
+
+
+def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str:
+    """Rank 0 removes the stale temporaries of this owner's earlier crashed saves (another run's, maybe in
+    progress, stay), creates a fresh one and tells all."""
     names: list[str | None] = [None, None]  # the name, or why rank 0 could not make it
     if rank() == 0:
         try:
             layout_dir.mkdir(parents=True, exist_ok=True)
             for stale in layout_dir.glob(f"{TMP_PREFIX}*"):
-                _remove(stale)
-            names[0] = f"{TMP_PREFIX}global_step{iteration}-{secrets.token_hex(4)}"
+                if _is_own_tmp(stale.name, owner):
+                    _remove(stale)
+            names[0] = _tmp_name(f"global_step{iteration}", owner)
             (layout_dir / names[0]).mkdir()
         except OSError as err:
             names[1] = str(err)
@@ -236,7 +261,8 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
     """Rename the finished temporary into place. Saving the same iteration again (a stage that ended
     right after loading) moves the old copy aside first; only the two renames lie between."""
     if final_dir.exists():
-        aside = final_dir.with_name(f"{TMP_PREFIX}replaced-{final_dir.name}-{secrets.token_hex(4)}")
+        owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
+        aside = final_dir.with_name(_tmp_name(f"replaced-{final_dir.name}", owner))
         os.replace(final_dir, aside)
         os.replace(tmp_dir, final_dir)
         _remove(aside)
@@ -244,9 +270,9 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
         os.replace(tmp_dir, final_dir)
 
 
-def _write_marker(marker: Path, target_name: str) -> None:
+def _write_marker(marker: Path, target_name: str, owner: str = "") -> None:
     """Atomically replace a marker file with the directory name it points at."""
-    tmp = marker.with_name(f"{TMP_PREFIX}{marker.name}-{secrets.token_hex(4)}")
+    tmp = marker.with_name(_tmp_name(marker.name, owner))
     tmp.write_text(target_name + "\n")
     os.replace(tmp, marker)
 

@@ -29,6 +29,7 @@ from cona.engine.checkpoint import (
     read_checkpoint_info,
     resolve_checkpoint,
     save_checkpoint,
+    tmp_owner,
 )
 from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
@@ -212,6 +213,7 @@ def _save(
         config=spec.config,
         strategy=spec.strategy,
         probe=record.to_dict(),
+        owner=tmp_owner(spec.run_dir),
     )
 
 

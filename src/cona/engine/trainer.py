@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +28,14 @@ from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
 from cona.engine.metrics import MASKED_TOKENS, MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
 from cona.engine.probe import ProbeBatch
-from cona.engine.spec import StageSpec
+from cona.engine.session import RunnerWatch, leave_orphaned
+from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.engine.step_trace import StepTrace
 from cona.engine.train_model import PendingStepOutput, TrainingModel
 
 Batch = list[tuple[Tensor, Tensor]]
+RUNNER_GONE = "runner_gone"
+"""What :func:`switch_requested` says when the runner is gone: every rank then exits at once."""
 GNS_MIN_STEPS_PER_LINE = 2
 """Measured steps before each metrics line where the difference estimator needs two consecutive gradients
 (one where a step's pieces or micro-batches give the small batches at the same parameters)."""
@@ -83,6 +87,8 @@ class StageContext:
     """A gloo group over all ranks for host-side agreement (None: the default group is gloo already)."""
     step_trace: StepTrace | None = None
     """Records the samples and LR of every step when tests switch it on (:mod:`cona.engine.step_trace`)."""
+    runner_watch: RunnerWatch | None = field(default_factory=RunnerWatch.from_env)
+    """Rank 0's check that the runner still runs (None: no runner started this worker)."""
 
 
 @dataclass(kw_only=True)
@@ -139,7 +145,10 @@ def train_stage(ctx: StageContext, progress: Progress) -> str:
         if "first_step_done" not in ctx.timings:
             out.loss.item()  # once per stage: the milestone is the first step finished on the device
             ctx.timings["first_step_done"] = time.time()
-        switch = switch_requested(spec.switch_request_path, ctx.control_group)
+        switch = switch_requested(spec.switch_request_path, ctx.control_group, ctx.runner_watch)
+        if switch == RUNNER_GONE:
+            runner_pid = int(os.environ.get(RUNNER_PID_ENV, "0") or 0)
+            leave_orphaned(runner_pid, f"stopping training at iteration {progress.iteration}")
         ending = switch is not None or stop_rule_met(spec, progress)
         interval = _maybe_log(ctx, progress, interval, lr, force=ending)
         if spec.save_interval and progress.iteration % spec.save_interval == 0 and not ending:
@@ -158,17 +167,22 @@ def stop_rule_met(spec: StageSpec, progress: Progress) -> bool:
     return spec.max_tokens is not None and progress.consumed_tokens >= spec.max_tokens
 
 
-def switch_requested(request_path: Path, group: dist.ProcessGroup | None) -> str | None:
+def switch_requested(
+    request_path: Path, group: dist.ProcessGroup | None, runner_watch: RunnerWatch | None = None
+) -> str | None:
     """The stop reason a switch request asks for (``switch_requested``, or ``switch_in_place`` when the
-    request says ``"in_place": true``), or None without one. Rank 0 reads the request file; one broadcast
-    makes every rank agree on what it saw. The flag travels through a gloo group as a CPU tensor, so the
-    check never waits for the GPU."""
+    request says ``"in_place": true``), :data:`RUNNER_GONE` when rank 0's ``runner_watch`` found the runner
+    gone, or None. Rank 0 reads the request file; one broadcast makes every rank agree on what it saw. The
+    flag travels through a gloo group as a CPU tensor, so the check never waits for the GPU."""
     code = 0
-    if dist.get_rank() == 0 and request_path.exists():
-        code = 2 if _reads_in_place(request_path) else 1
+    if dist.get_rank() == 0:
+        if runner_watch is not None and runner_watch.runner_gone():
+            code = 3
+        elif request_path.exists():
+            code = 2 if _reads_in_place(request_path) else 1
     flag = torch.tensor([code], dtype=torch.int32)
     dist.broadcast(flag, src=0, group=group)
-    return {0: None, 1: "switch_requested", 2: "switch_in_place"}[int(flag.item())]
+    return {0: None, 1: "switch_requested", 2: "switch_in_place", 3: RUNNER_GONE}[int(flag.item())]
 
 
 def _reads_in_place(request_path: Path) -> bool:

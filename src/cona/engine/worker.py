@@ -12,7 +12,8 @@ In a session (``python -m cona.engine.worker SPEC --session DIR``, :mod:`cona.ru
 processes run one stage after another without restarting: they join the process group once, and after
 each stage drop its objects, rank 0 writes ``DIR/done-<k>.json``, and every rank waits for the runner's
 ``DIR/next-<k+1>.json``: ``{"spec": PATH, "written_at": T}`` runs that stage, ``{"stop": true}`` ends the
-session. A rank whose runner (``CONA_RUNNER_PID``) or torchrun is gone stops waiting and exits 1.
+session. A rank whose runner (``CONA_RUNNER_PID``) or torchrun is gone stops waiting and exits 1; so do
+all ranks during training, within about a second (:class:`cona.engine.session.RunnerWatch`).
 
 The process ends with ``os._exit`` after a barrier: interpreter finalisation can abort in gloo's threads
 once DTensor collectives ran (see docs: torch-native-on-cpu, gotcha 1).

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV
+from cona.engine.spec import LAUNCH_TIME_ENV, RUNNER_PID_ENV, WORKER_CONSOLE_ENV
 from cona.errors import LaunchError
+from cona.runner.run_lock import held_fds
 
 DEFAULT_MASTER_PORT_BASE = 29400
 WORKER_MODULE = "cona.engine.worker"
@@ -168,14 +169,15 @@ def clear_errors(stage_dir: Path, topology: Topology) -> None:
 def launch_env(
     env: Mapping[str, str] | None, topology: Topology, *, device_type: str, quiet: bool
 ) -> dict[str, str]:
-    """The workers' environment (:func:`worker_env` of ``env``, else of ours), with the launch time and,
-    when ``quiet``, no console lines from rank 0."""
+    """The workers' environment (:func:`worker_env` of ``env``, else of ours), with the launch time, this
+    runner's pid and, when ``quiet``, no console lines from rank 0."""
     full_env = worker_env(
         env if env is not None else os.environ,
         device_type=device_type,
         nproc_per_node=topology.nproc_per_node,
     )
     full_env[LAUNCH_TIME_ENV] = str(time.time())
+    full_env[RUNNER_PID_ENV] = str(os.getpid())  # the workers stop once this process is gone
     if quiet:
         full_env[WORKER_CONSOLE_ENV] = "0"
     return full_env
@@ -188,7 +190,9 @@ def start_torchrun(
     ``quiet``)."""
     torchrun_log.write(" ".join(command) + "\n")
     torchrun_log.flush()
-    return subprocess.Popen(command, env=env, stdout=torchrun_log if quiet else None, stderr=torchrun_log)
+    stdout = torchrun_log if quiet else None
+    # torchrun keeps the run's locks (cona.runner.run_lock) until its workers are gone, even if we die first
+    return subprocess.Popen(command, env=env, stdout=stdout, stderr=torchrun_log, pass_fds=held_fds())
 
 
 def record_pids(path: Path, topology: Topology, torchrun_pid: int, **extra: object) -> Path:

@@ -41,6 +41,7 @@ from cona.runner.online_search import Budget, FrontierSearch, PendingSwitch, Sta
 from cona.runner.online_stages import STAGES_NAME, StageRecords
 from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
+from cona.runner.run_lock import lock_directory, run_locks
 from cona.runner.stage_run import (
     Launcher,
     StageLaunch,
@@ -371,32 +372,34 @@ def run_online(
     Across nodes node 0 searches, decides and announces every stage; the other nodes run their share of
     each (:mod:`cona.runner.across_nodes`)."""
     run = args_or_run if isinstance(args_or_run, OnlineRun) else online_run_from_args(args_or_run)
-    if run.nodes.num_nodes == 1:
-        return _drive_online(run, launcher, out)
-    remote_command = cona_command(
-        run.mode_args(),
-        config=run.config,
-        nodes=run.nodes,
-        run_dir=run.run_dir,
-        workdir=run.workdir,
-        base_port=run.base_port,
-        quiet=run.quiet,
-    )
-    return run_across_nodes(
-        run_dir=run.run_dir,
-        nodes=run.nodes,
-        timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
-        world_size=run.world_size,
-        device_type=run.device_type,
-        quiet=run.quiet,
-        launcher=launcher,
-        out=out,
-        remote_command=remote_command,
-        drive=lambda coordinated: _drive_online(run, coordinated, out),
-    )
+    with run_locks():  # whatever the run locked is free again when it ends
+        if run.nodes.num_nodes == 1:
+            return _drive_online(run, launcher, out)
+        remote_command = cona_command(
+            run.mode_args(),
+            config=run.config,
+            nodes=run.nodes,
+            run_dir=run.run_dir,
+            workdir=run.workdir,
+            base_port=run.base_port,
+            quiet=run.quiet,
+        )
+        return run_across_nodes(
+            run_dir=run.run_dir,
+            nodes=run.nodes,
+            timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
+            world_size=run.world_size,
+            device_type=run.device_type,
+            quiet=run.quiet,
+            launcher=launcher,
+            out=out,
+            remote_command=remote_command,
+            drive=lambda coordinated: _drive_online(run, coordinated, out),
+        )
 
 
 def _drive_online(run: OnlineRun, launcher: Launcher, out: Callable[[str], None]) -> RunState:
+    lock_directory(run.run_dir, "run directory")  # before the run state is read: one runner at a time
     runner = _Runner(run, launcher, out)
     state = runner.open()
     if run.noise_scale_floor is not None:

@@ -40,6 +40,7 @@ from cona.runner.launch import stage_master_port
 from cona.runner.multinode import runner_command
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.run_dir import point_latest
+from cona.runner.run_lock import lock_directory, run_locks
 from cona.runner.stage_run import (
     Launcher,
     StageLaunch,
@@ -96,9 +97,10 @@ def run_chain(
     """Run (or resume) a chain to its end; returns the final run state. ``launcher`` and ``publisher`` are
     the backend's (the native engine's by default; :mod:`cona.backends.megatron_deepspeed` has its own)."""
     run = args_or_options if isinstance(args_or_options, ChainRun) else chain_run_from_args(args_or_options)
-    if run.nodes.num_nodes > 1:
-        return _run_on_nodes(run, launcher, out, publisher)
-    return _drive_chain(run, launcher, out, publisher)
+    with run_locks():  # whatever the run locked is free again when it ends
+        if run.nodes.num_nodes > 1:
+            return _run_on_nodes(run, launcher, out, publisher)
+        return _drive_chain(run, launcher, out, publisher)
 
 
 def _drive_chain(
@@ -109,6 +111,9 @@ def _drive_chain(
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
     )
     ctx = _Context(run=run, chain=chain, dtype=dtype, launcher=launcher, out=out, publisher=publisher)
+    lock_directory(run.run_dir, "run directory")  # before the run state is read: one runner at a time
+    for step in chain.steps:
+        lock_directory(ctx.layout_dir(step), "checkpoint folder")
     state = _open_run(ctx)
     if state.current is None:
         return state

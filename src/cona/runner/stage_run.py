@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import TrainingConfig
-from cona.engine.checkpoint import TRAINER_STATE_FILE, read_checkpoint_info
+from cona.engine.checkpoint import TRAINER_STATE_FILE, layout_dir, read_checkpoint_info
 from cona.engine.spec import StageSpec
 from cona.engine.switch_check import VERDICT_FILE, Verdict, read_verdict
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.lr_scaling import ScaledLR, scaled_lr
 from cona.runner.launch import WORKER_MODULE, Topology, run_stage
+from cona.runner.run_lock import lock_directory, locking
 from cona.runner.state import StageState, load_state, measured_noise_scale, state_path
 
 
@@ -70,13 +71,19 @@ def checkpoint_dtype(training: TrainingConfig, device_type: str) -> str:
 def launch_stage(launcher: Launcher, launch: StageLaunch) -> float:
     """Run one attempt of a stage and wait for it; returns the unix time it was launched.
 
-    Raises :class:`CheckpointError` before the launch when the checkpoint to load disagrees with what the
-    run state recorded for it (:func:`check_trainer_state`), and when the workers stopped because the
-    checkpoint they loaded failed switch verification (its verdict, written by rank 0 before every rank
-    stopped, says so), so the run ends with that message and not with a worker's traceback.
+    Holds the run directory's and the checkpoint folder's locks (:mod:`cona.runner.run_lock`) within the
+    run's scope. Raises :class:`CheckpointError` before the launch when the checkpoint to load disagrees
+    with what the run state recorded for it (:func:`check_trainer_state`), and when the workers stopped
+    because the checkpoint they loaded failed switch verification (its verdict, written by rank 0 before
+    every rank stopped, says so), so the run ends with that message and not with a worker's traceback.
     """
-    check_trainer_state(launch.spec.run_dir, launch.spec.load_path)
-    stage_dir = launch.spec.stage_dir
+    spec = launch.spec
+    if locking():  # within a run's scope (the run directory is held already: no-op)
+        lock_directory(spec.run_dir, "run directory")
+        dtype = checkpoint_dtype(spec.config.training, launch.device_type)
+        lock_directory(layout_dir(spec.workdir, spec.config, spec.strategy, dtype), "checkpoint folder")
+    check_trainer_state(spec.run_dir, spec.load_path)
+    stage_dir = spec.stage_dir
     (stage_dir / VERDICT_FILE).unlink(missing_ok=True)  # an earlier attempt's verdict is not this one's
     launched = time.time()
     try:
@@ -84,7 +91,7 @@ def launch_stage(launcher: Launcher, launch: StageLaunch) -> float:
     except LaunchError:
         verdict = read_verdict(stage_dir)
         if verdict is not None and not verdict.passed:
-            raise CheckpointError(refusal_message(launch.spec.stage, verdict)) from None
+            raise CheckpointError(refusal_message(spec.stage, verdict)) from None
         raise
     return launched
 

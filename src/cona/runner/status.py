@@ -13,8 +13,8 @@ line instead (``/proc``, this host only): their workers name the stage spec insi
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import socket
 import time
 from collections.abc import Sequence
@@ -27,14 +27,11 @@ from rich.panel import Panel
 from rich.table import Table
 
 from cona.engine.checkpoint import LATEST, LATEST_UNIVERSAL, STEP_DIR
-from cona.processes import signal_reaches
+from cona.processes import PROC, pid_alive
+from cona.processes import process_state as process_state  # re-exported: it lived here
 from cona.runner.launch import PIDS_GLOB
 from cona.runner.publish import read_marker
 from cona.runner.report import RunData, load_run, strategy_label
-
-PROC = Path("/proc")
-START_TOLERANCE_S = 1.0
-"""Slack between a process's start time in /proc (boot time is in whole seconds) and its recorded time."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,12 +65,13 @@ class RecordedProcesses:
 @dataclass(frozen=True, kw_only=True)
 class Processes:
     workers: tuple[int, ...] | None
-    """Worker pids of this run alive on this host, found by command line (runs without pids records);
-    None when this host cannot tell or when ``recorded`` answers."""
+    """Worker pids of this run alive on this host, found by command line (also beside pids records: a
+    killed runner's workers may outlive it and torchrun); None when this host cannot tell."""
     launchers: tuple[int, ...] = ()
     """torchrun pids of this run, found the same way."""
     recorded: tuple[RecordedProcesses, ...] = ()
-    """The newest stage's pids records, one per node; when present they are the answer."""
+    """The newest stage's pids records, one per node; when present they are the answer, with any live
+    worker added."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,9 +158,8 @@ def _step_of(path: str) -> int:
 def run_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
     """From the newest stage's pids records; by command line for a run that has none."""
     recorded = recorded_processes(run_dir, proc_root)
-    if recorded:
-        return Processes(workers=None, recorded=recorded)
-    return find_processes(run_dir, proc_root)
+    found = find_processes(run_dir, proc_root)
+    return dataclasses.replace(found, recorded=recorded) if recorded else found
 
 
 def recorded_processes(run_dir: Path, proc_root: Path = PROC) -> tuple[RecordedProcesses, ...]:
@@ -200,33 +197,6 @@ def _read_pids(path: Path, stage: int, proc_root: Path) -> RecordedProcesses | N
         else None,
         session=session,
     )
-
-
-def pid_alive(pid: int, recorded_at: float, proc_root: Path = PROC) -> bool:
-    """Whether the process recorded at ``recorded_at`` with this pid still runs on this host: signal 0
-    reaches it and, where /proc tells, it is no zombie and started no later than it was recorded (a later
-    start is another process that got the pid after ours ended)."""
-    if not signal_reaches(pid):
-        return False
-    started = process_state(pid, proc_root)
-    if started is None:
-        return True
-    state, start_time = started
-    return state != "Z" and start_time <= recorded_at + START_TOLERANCE_S
-
-
-def process_state(pid: int, proc_root: Path = PROC) -> tuple[str, float] | None:
-    """(state letter, unix start time) of a process from ``/proc``; None where /proc cannot tell."""
-    try:
-        stat = (proc_root / str(pid) / "stat").read_text()
-        boot_line = next(
-            line for line in (proc_root / "stat").read_text().splitlines() if line.startswith("btime ")
-        )
-    except (OSError, StopIteration):
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name in parentheses may hold spaces
-    ticks_per_s = os.sysconf("SC_CLK_TCK")
-    return fields[0], int(boot_line.split()[1]) + int(fields[19]) / ticks_per_s
 
 
 def find_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
@@ -347,7 +317,10 @@ def _decision_text(decision: dict[str, Any] | None) -> str:
 def _process_text(status: RunStatus) -> str:
     processes = status.processes
     if processes.recorded:
-        return _recorded_text(processes.recorded, finished=status.stage_state == "finished")
+        recorded = _recorded_text(processes.recorded, finished=status.stage_state == "finished")
+        if processes.workers:
+            return f"{recorded}; {len(processes.workers)} worker(s) alive (pids {_pids(processes.workers)})"
+        return recorded
     if processes.workers is None:
         return "unknown (no /proc on this host; the runner records no process ids)"
     if processes.workers or processes.launchers:

@@ -18,7 +18,6 @@ session and starts a new one; a run across nodes starts every stage anew (:func:
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from cona.engine.session import RUNNER_PID_ENV, SESSION_FLAG, done_marker, next_command
+from cona.engine.session import SESSION_FLAG, done_marker, next_command
 from cona.errors import LaunchError
 from cona.runner.launch import (
     WORKER_MODULE,
@@ -128,7 +127,6 @@ class WorkerSession:
             worker_args=(SESSION_FLAG, str(directory)),
         )
         env = launch_env(self._env, topology, device_type=launch.device_type, quiet=launch.quiet)
-        env[RUNNER_PID_ENV] = str(os.getpid())
         log_path = stage_dir / topology.torchrun_log
         log_handle = open(log_path, "w")  # noqa: SIM115 (open as long as the session; closed in close())
         process = start_torchrun(command, env, log_handle, quiet=launch.quiet)

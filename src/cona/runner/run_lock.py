@@ -1,0 +1,104 @@
+"""One run at a time on a run directory and on a checkpoint folder.
+
+A runner holds an exclusive ``flock`` on ``.<name>.lock`` beside each directory it writes (its run
+directory and the layout folders its checkpoints go to) for as long as the run lasts; a second run on any of
+them is refused with one line naming the holder (pid, host, when it started), which the lock file records.
+The kernel drops the lock with the last descriptor of its holder, so a killed run never blocks a rerun, and
+no stale lock needs breaking. torchrun inherits the descriptors (:func:`held_fds`), so the lock also covers
+the few seconds a killed runner's workers take to notice and stop: a rerun started at once is refused
+instead of training beside them. Within one process, locks are taken in a :func:`run_locks` scope and
+released when it ends.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from cona.errors import ConaError
+from cona.processes import running
+
+_scopes: list[dict[Path, int]] = []
+"""The locks this process holds, one dict (lock file -> descriptor) per open :func:`run_locks` scope."""
+
+
+class RunLocked(ConaError):
+    """A run directory or checkpoint folder another live run holds."""
+
+
+def lock_path(directory: Path) -> Path:
+    """``<parent>/.<name>.lock``: beside the directory, where ``--fresh`` or a prune never meets it."""
+    directory = Path(directory).resolve()
+    return directory.parent / f".{directory.name}.lock"
+
+
+@contextmanager
+def run_locks() -> Iterator[None]:
+    """A scope for :func:`lock_directory`: every lock taken inside it is released when it ends."""
+    scope: dict[Path, int] = {}
+    _scopes.append(scope)
+    try:
+        yield
+    finally:
+        _scopes.remove(scope)
+        for fd in scope.values():
+            fcntl.flock(fd, fcntl.LOCK_UN)  # also for the torchrun of a worker session that outlives it
+            os.close(fd)
+
+
+def lock_directory(directory: Path, what: str) -> None:
+    """Hold ``directory``'s lock in the innermost :func:`run_locks` scope (nothing to do when this
+    process holds it already, or outside any scope: a launcher used on its own); raises
+    :class:`RunLocked` naming the holder when another process holds it."""
+    path = lock_path(directory)
+    if not _scopes or any(path in scope for scope in _scopes):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = _read_holder(fd)
+        os.close(fd)
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+            raise RunLocked(f"cannot lock {what} {directory} ({path}): {err.strerror}") from None
+        raise RunLocked(f"{what} {directory} is in use by {holder}; wait for it to end or stop it") from None
+    _write_holder(fd)
+    _scopes[-1][path] = fd
+
+
+def locking() -> bool:
+    """Whether a :func:`run_locks` scope is open (:func:`lock_directory` then locks)."""
+    return bool(_scopes)
+
+
+def held_fds() -> tuple[int, ...]:
+    """The descriptors of every lock this process holds (for torchrun to inherit)."""
+    return tuple(fd for scope in _scopes for fd in scope.values())
+
+
+def _write_holder(fd: int) -> None:
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+
+
+def _read_holder(fd: int) -> str:
+    """The holder as one phrase: ``pid P on host H (since T)``, or its workers once P itself is gone."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode())
+        pid, host, started = int(record["pid"]), str(record["host"]), float(record["started"])
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "another process (its lock file records no holder)"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    holder = f"pid {pid} on host {host} (since {since})"
+    if host == socket.gethostname() and not running(pid):
+        return f"the workers of {holder}, which is gone (they stop within seconds)"
+    return holder

@@ -1,0 +1,26 @@
+"""A save removes only its own run's stale temporaries: another run's save in progress in the same layout
+folder (two runs of one layout in one workdir) keeps its ``.tmp-global_step*`` directory."""
+
+from __future__ import annotations
+
+from cona.engine import checkpoint as ckpt
+
+
+def test_a_save_removes_its_own_stale_temporaries_and_leaves_another_runs(tmp_path):
+    mine, theirs = ckpt.tmp_owner(tmp_path / "logs" / "a"), ckpt.tmp_owner(tmp_path / "logs" / "b")
+    assert mine != theirs and mine == ckpt.tmp_owner(tmp_path / "logs" / "x" / ".." / "a")
+    layout = tmp_path / "layout"
+    own_stale = layout / f".tmp-global_step2-0000{ckpt.OWNER_TAG}{mine}"
+    in_progress = layout / f".tmp-global_step5-1111{ckpt.OWNER_TAG}{theirs}"
+    untagged = layout / ".tmp-global_step4-2222"
+    for directory in (own_stale, in_progress, untagged):
+        directory.mkdir(parents=True)
+    (in_progress / "__0_0.distcp").write_bytes(b"shard")
+
+    name = ckpt._agree_on_tmp_name(layout, 3, mine)
+
+    assert name.startswith(".tmp-global_step3-") and name.endswith(f"{ckpt.OWNER_TAG}{mine}")
+    assert sorted(path.name for path in layout.iterdir()) == sorted([name, in_progress.name, untagged.name])
+    assert (in_progress / "__0_0.distcp").read_bytes() == b"shard"
+    ckpt._agree_on_tmp_name(layout, 6)  # a save without an owner cleans the untagged ones only
+    assert in_progress.is_dir() and not untagged.exists()
