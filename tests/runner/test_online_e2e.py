@@ -18,8 +18,9 @@ from cona.runner.state import load_state
 from cona.runner.worker_session import WorkerSession
 
 TOTAL_ITERS = 60
-IN_PLACE_ITERS = 120
-"""Long enough that the search thread decides well before the end, also on a busy machine."""
+IN_PLACE_ITERS = 200
+"""With the wider model below, long enough (seconds) that the search thread, which polls every 0.5 s,
+decides well before the end, also on a busy machine."""
 
 
 @pytest.mark.slow
@@ -107,17 +108,18 @@ def test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switc
     raw = json.loads(config_path.read_text())
     # One LR horizon for both runs (without it online mode ends the cosine at --total-iters x the initial
     # gbs, the replayed chain at its own tokens): the losses compared must differ only by the switch.
-    raw["training"].update(log_interval=1, eval_interval=100, lr_decay_tokens=4000)
+    raw["training"].update(log_interval=1, eval_interval=100, lr_decay_tokens=100_000)
+    raw["model"].update(hidden=128, seq=64)  # steps of milliseconds, not microseconds
     config_path.write_text(json.dumps(raw))
     run = OnlineRun(
         config=resolve_log_root(load_config(config_path)),
         workdir=tmp_path / "work",
         run_dir=tmp_path / "logs" / "inplace",
-        world_size=1,  # one process: every strategy has the same layout, so gbs 1 -> 2 is in place
+        world_size=1,  # one process: every strategy has the same layout, so gbs 2 -> 4 is in place
         device_type="cpu",
         system="cpu_gloo",
-        initial_gbs=1,
-        max_gbs=2,
+        initial_gbs=2,  # mbs 2: a measured step's halves give the noise scale at the same parameters
+        max_gbs=4,
         total_iters=IN_PLACE_ITERS,
         botorch=False,
         base_port=free_port_base(),
