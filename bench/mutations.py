@@ -68,6 +68,24 @@ MUTATIONS = (
         new="lr_factor=1.0,",
         tests=SAMPLE_TESTS,
     ),
+    Mutation(
+        name="marker_before_rename",
+        why="publish writes latest_universal before renaming the universal directory into place",
+        path="src/cona/runner/publish.py",
+        old="        os.replace(tmp, final)\n    write_marker(source.parent / LATEST_UNIVERSAL, final.name)",
+        new="        write_marker(source.parent / LATEST_UNIVERSAL, final.name)\n"
+        "        os.replace(tmp, final)",
+        tests=("tests/runner/test_publish_kills.py",),
+    ),
+    Mutation(
+        name="resave_deletes_old_first",
+        why="a re-save of the same iteration deletes the old copy before renaming the new one into place",
+        path="src/cona/engine/checkpoint.py",
+        old="        os.replace(final_dir, aside)\n"
+        "        os.replace(tmp_dir, final_dir)\n        _remove(aside)",
+        new="        _remove(final_dir)\n        os.replace(tmp_dir, final_dir)",
+        tests=("tests/engine/test_checkpoint_kills.py",),
+    ),
 )
 
 
