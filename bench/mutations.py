@@ -86,6 +86,14 @@ MUTATIONS = (
         new="        _remove(final_dir)\n        os.replace(tmp_dir, final_dir)",
         tests=("tests/engine/test_checkpoint_kills.py",),
     ),
+    Mutation(
+        name="switch_check_10x",
+        why="the switch check accepts a probe loss difference of 10x its tolerance",
+        path="src/cona/engine/switch_check.py",
+        old='status="passed" if finite and difference <= tolerance else "failed",',
+        new='status="passed" if finite and difference <= 10 * tolerance else "failed",',
+        tests=("tests/engine/test_switch_check.py",),
+    ),
 )
 
 
