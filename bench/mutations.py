@@ -43,6 +43,9 @@ class Mutation:
 SAMPLE_TESTS = (
     "tests/runner/test_worker_session.py::test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_the_workers",
 )
+IN_PLACE_TESTS = (
+    "tests/runner/test_online_e2e.py::test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switch",
+)
 MUTATIONS = (
     Mutation(
         name="next_window",
@@ -63,9 +66,10 @@ MUTATIONS = (
     Mutation(
         name="ignore_lr_factor",
         why="the worker ignores the stage's lr_factor (no LR scaling after a gbs change)",
-        path="src/cona/engine/worker.py",
-        old="lr_factor=spec.lr_factor,",
-        new="lr_factor=1.0,",
+        path="src/cona/engine/stage_build.py",
+        old="        config.training,\n        planned_tokens=spec.planned_tokens,\n"
+        "        lr_factor=spec.lr_factor,",
+        new="        config.training,\n        planned_tokens=spec.planned_tokens,\n        lr_factor=1.0,",
         tests=SAMPLE_TESTS,
     ),
     Mutation(
@@ -93,6 +97,25 @@ MUTATIONS = (
         old='status="passed" if finite and difference <= tolerance else "failed",',
         new='status="passed" if finite and difference <= 10 * tolerance else "failed",',
         tests=("tests/engine/test_switch_check.py",),
+    ),
+    Mutation(
+        name="in_place_old_window",
+        why="an in-place gbs switch takes its window from iteration x new gbs, not the consumed samples",
+        path="src/cona/engine/stage_build.py",
+        old="progress = dataclasses.replace(carried.progress)",
+        new="progress = dataclasses.replace(carried.progress, "
+        "consumed_samples=carried.progress.iteration * spec.strategy.gbs)",
+        tests=IN_PLACE_TESTS,
+    ),
+    Mutation(
+        name="in_place_ignore_lr_factor",
+        why="an in-place switch builds its LR schedule with lr_factor 1 (ignores the new gbs's LR scaling)",
+        path="src/cona/engine/stage_build.py",
+        old="        spec.config.training,\n        planned_tokens=spec.planned_tokens,\n"
+        "        lr_factor=spec.lr_factor,",
+        new="        spec.config.training,\n        planned_tokens=spec.planned_tokens,\n"
+        "        lr_factor=1.0,",
+        tests=IN_PLACE_TESTS,
     ),
 )
 
