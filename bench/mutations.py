@@ -99,6 +99,14 @@ MUTATIONS = (
         tests=("tests/engine/test_switch_check.py",),
     ),
     Mutation(
+        name="noise_scale_4x_low",
+        why="the switching policy reads the noise scale 4x too low",
+        path="src/cona/planner/policy.py",
+        old="    return noise.noise_scale\n",
+        new="    return noise.noise_scale / 4\n",
+        tests=("tests/planner/test_plan.py",),
+    ),
+    Mutation(
         name="in_place_old_window",
         why="an in-place gbs switch takes its window from iteration x new gbs, not the consumed samples",
         path="src/cona/engine/stage_build.py",
