@@ -85,9 +85,8 @@ MUTATIONS = (
         name="resave_deletes_old_first",
         why="a re-save of the same iteration deletes the old copy before renaming the new one into place",
         path="src/cona/engine/checkpoint.py",
-        old="        os.replace(final_dir, aside)\n"
-        "        os.replace(tmp_dir, final_dir)\n        _remove(aside)",
-        new="        _remove(final_dir)\n        os.replace(tmp_dir, final_dir)",
+        old="    if not final_dir.exists():\n        os.replace(tmp_dir, final_dir)\n",
+        new="    if True:\n        _remove(final_dir)\n        os.replace(tmp_dir, final_dir)\n",
         tests=("tests/engine/test_checkpoint_kills.py",),
     ),
     Mutation(

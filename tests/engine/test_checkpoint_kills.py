@@ -17,7 +17,15 @@ from cona.engine import checkpoint as checkpoint_module
 from cona.engine.checkpoint import LATEST, TMP_PREFIX, load_model_tensors, save_checkpoint
 from cona.strategy import Strategy
 
-STEPS = ("dcp_save", "write_manifest", "_write_json_files", "_publish", "_write_marker", "_remove")
+STEPS = (
+    "dcp_save",
+    "write_manifest",
+    "_write_json_files",
+    "_publish",
+    "_exchange",
+    "_write_marker",
+    "_remove",
+)
 
 
 def save(layout: Path, config, iteration: int, value: float) -> Path:
@@ -44,12 +52,27 @@ def old_copies(layout: Path, name: str) -> list[float]:
     return [weight_of(path) for path in layout.glob(f"{TMP_PREFIX}replaced-{name}-*") if path.is_dir()]
 
 
+def exchange_works(directory: Path) -> bool:
+    (directory / "a").mkdir()
+    (directory / "b").mkdir()
+    try:
+        return checkpoint_module._exchange(directory / "a", directory / "b")
+    finally:
+        shutil.rmtree(directory / "a")
+        shutil.rmtree(directory / "b")
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["atomic exchange", "without one"])
 @pytest.mark.parametrize("iteration", [5, 6], ids=["re-save of the same iteration", "a later iteration"])
 def test_a_save_killed_at_any_step_keeps_a_loadable_latest_and_the_next_save_succeeds(
-    tmp_path, monkeypatch, iteration
+    tmp_path, monkeypatch, iteration, exchange
 ):
     config = load_config(write_tiny_config(tmp_path))
     layout = tmp_path / "layout"
+    if exchange and not exchange_works(tmp_path):
+        pytest.skip("this filesystem has no atomic exchange of directories (renameat2 RENAME_EXCHANGE)")
+    if not exchange:
+        monkeypatch.setattr(checkpoint_module, "_exchange", lambda first, second: False)
 
     def run(killer: KillAt) -> None:
         with monkeypatch.context() as patch:
@@ -59,19 +82,21 @@ def test_a_save_killed_at_any_step_keeps_a_loadable_latest_and_the_next_save_suc
             patch.setattr(checkpoint_module, "shutil", module_proxy(shutil, killer, ("rmtree",)))
             save(layout, config, iteration, 7.0)
 
-    killed = 0
+    killed, steps = 0, set()
     for k, killer in kill_points(run):
         killed += 1
+        steps.update(killer.calls)
         where = f"killed before {killer.calls[-1]} (k={k})"
         latest = layout / (layout / LATEST).read_text().strip()
         if latest.is_dir():
             assert weight_of(latest) in {5.0, 7.0}, where
-        else:  # only between a re-save's two renames: the old copy is complete beside it
-            assert iteration == 5 and old_copies(layout, latest.name) == [5.0], where
+        else:  # only without an exchange, between a re-save's two renames: the old copy is complete beside it
+            assert not exchange and iteration == 5 and old_copies(layout, latest.name) == [5.0], where
         assert weight_of(save(layout, config, iteration, 7.0)) == 7.0  # the next save after the kill
         shutil.rmtree(layout)
         save(layout, config, 5, 5.0)
     assert killed >= 4
+    assert ("_exchange" in steps) == (iteration == 5)  # a re-save goes through the exchange (or its fallback)
     assert not list(layout.glob(f"{TMP_PREFIX}*"))
 
 

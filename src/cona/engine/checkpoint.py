@@ -19,7 +19,9 @@ never loaded and are removed by the next save.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import json
 import os
 import secrets
@@ -234,14 +236,34 @@ def _write_json_files(directory: Path, documents: dict[str, Any]) -> None:
 
 def _publish(tmp_dir: Path, final_dir: Path) -> None:
     """Rename the finished temporary into place. Saving the same iteration again (a stage that ended
-    right after loading) moves the old copy aside first; only the two renames lie between."""
-    if final_dir.exists():
-        aside = final_dir.with_name(f"{TMP_PREFIX}replaced-{final_dir.name}-{secrets.token_hex(4)}")
-        os.replace(final_dir, aside)
+    right after loading) swaps the two directories in one atomic exchange where the OS has one (Linux), so
+    ``latest`` never names a missing directory, and removes the old copy; elsewhere it moves the old copy
+    aside first (then only the two renames lie between; the old copy is complete under ``.tmp-replaced-``)."""
+    if not final_dir.exists():
         os.replace(tmp_dir, final_dir)
-        _remove(aside)
-    else:
-        os.replace(tmp_dir, final_dir)
+        return
+    if _exchange(tmp_dir, final_dir):
+        _remove(tmp_dir)  # now the old copy
+        return
+    aside = final_dir.with_name(f"{TMP_PREFIX}replaced-{final_dir.name}-{secrets.token_hex(4)}")
+    os.replace(final_dir, aside)
+    os.replace(tmp_dir, final_dir)
+    _remove(aside)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically (renameat2 with RENAME_EXCHANGE); False where the OS or filesystem has no
+    such call, an OSError for any other failure."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
 
 
 def _write_marker(marker: Path, target_name: str) -> None:
