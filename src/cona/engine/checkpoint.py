@@ -13,7 +13,8 @@ Crash safety comes from the order of writes: shards, JSON and the manifest go to
 ``.tmp-global_step<N>-<id>``, which rank 0 renames to ``global_step<N>`` once every rank finished; only then
 is the ``latest`` marker replaced (itself through a temporary file and a rename). A kill at any point leaves
 ``latest`` naming either the previous checkpoint or the complete new one; leftover ``.tmp-*`` entries are
-never loaded and are removed by the next save.
+never loaded and are removed by the next save. A re-save of an existing iteration swaps the two directories
+atomically where the OS can (:func:`_publish`).
 """
 
 from __future__ import annotations
