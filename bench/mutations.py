@@ -43,6 +43,7 @@ class Mutation:
 SAMPLE_TESTS = (
     "tests/runner/test_worker_session.py::test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_the_workers",
 )
+THROUGHPUT_TESTS = ("tests/runner/test_online_throughput.py",)
 IN_PLACE_TESTS = (
     "tests/runner/test_online_e2e.py::test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switch",
 )
@@ -71,6 +72,22 @@ MUTATIONS = (
         "        lr_factor=spec.lr_factor,",
         new="        config.training,\n        planned_tokens=spec.planned_tokens,\n        lr_factor=1.0,",
         tests=SAMPLE_TESTS,
+    ),
+    Mutation(
+        name="drop_throughput_correction",
+        why="the online search takes the raw model's throughput for a candidate (its correction dropped)",
+        path="src/cona/planner/throughput.py",
+        old="return strategy.gbs * self.seq / float(step[0])",
+        new="return strategy.gbs * self.seq / model_step_s",
+        tests=THROUGHPUT_TESTS,
+    ),
+    Mutation(
+        name="invert_throughput_correction",
+        why="the online search applies the throughput correction inverted",
+        path="src/cona/planner/throughput.py",
+        old="return strategy.gbs * self.seq / float(step[0])",
+        new="return strategy.gbs * self.seq / (model_step_s**2 / float(step[0]))",
+        tests=THROUGHPUT_TESTS,
     ),
     Mutation(
         name="marker_before_rename",
