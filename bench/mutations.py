@@ -43,6 +43,10 @@ class Mutation:
 SAMPLE_TESTS = (
     "tests/runner/test_worker_session.py::test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_the_workers",
 )
+THROUGHPUT_TESTS = ("tests/runner/test_online_throughput.py",)
+IN_PLACE_TESTS = (
+    "tests/runner/test_online_e2e.py::test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switch",
+)
 MUTATIONS = (
     Mutation(
         name="next_window",
@@ -63,10 +67,79 @@ MUTATIONS = (
     Mutation(
         name="ignore_lr_factor",
         why="the worker ignores the stage's lr_factor (no LR scaling after a gbs change)",
-        path="src/cona/engine/worker.py",
-        old="lr_factor=spec.lr_factor,",
-        new="lr_factor=1.0,",
+        path="src/cona/engine/stage_build.py",
+        old="        config.training,\n        planned_tokens=spec.planned_tokens,\n"
+        "        lr_factor=spec.lr_factor,",
+        new="        config.training,\n        planned_tokens=spec.planned_tokens,\n        lr_factor=1.0,",
         tests=SAMPLE_TESTS,
+    ),
+    Mutation(
+        name="drop_throughput_correction",
+        why="the online search takes the raw model's throughput for a candidate (its correction dropped)",
+        path="src/cona/planner/throughput.py",
+        old="return strategy.gbs * self.seq / float(step[0])",
+        new="return strategy.gbs * self.seq / model_step_s",
+        tests=THROUGHPUT_TESTS,
+    ),
+    Mutation(
+        name="invert_throughput_correction",
+        why="the online search applies the throughput correction inverted",
+        path="src/cona/planner/throughput.py",
+        old="return strategy.gbs * self.seq / float(step[0])",
+        new="return strategy.gbs * self.seq / (model_step_s**2 / float(step[0]))",
+        tests=THROUGHPUT_TESTS,
+    ),
+    Mutation(
+        name="marker_before_rename",
+        why="publish writes latest_universal before renaming the universal directory into place",
+        path="src/cona/runner/publish.py",
+        old="        os.replace(tmp, final)\n    write_marker(source.parent / LATEST_UNIVERSAL, final.name)",
+        new="        write_marker(source.parent / LATEST_UNIVERSAL, final.name)\n"
+        "        os.replace(tmp, final)",
+        tests=("tests/runner/test_publish_kills.py",),
+    ),
+    Mutation(
+        name="resave_deletes_old_first",
+        why="a re-save of the same iteration deletes the old copy before renaming the new one into place",
+        path="src/cona/engine/checkpoint.py",
+        old="    if not final_dir.exists():\n        os.replace(tmp_dir, final_dir)\n",
+        new="    if True:\n        _remove(final_dir)\n        os.replace(tmp_dir, final_dir)\n",
+        tests=("tests/engine/test_checkpoint_kills.py",),
+    ),
+    Mutation(
+        name="switch_check_10x",
+        why="the switch check accepts a probe loss difference of 10x its tolerance",
+        path="src/cona/engine/switch_check.py",
+        old='status="passed" if finite and difference <= tolerance else "failed",',
+        new='status="passed" if finite and difference <= 10 * tolerance else "failed",',
+        tests=("tests/engine/test_switch_check.py",),
+    ),
+    Mutation(
+        name="noise_scale_4x_low",
+        why="the switching policy reads the noise scale 4x too low",
+        path="src/cona/planner/policy.py",
+        old="    return noise.noise_scale\n",
+        new="    return noise.noise_scale / 4\n",
+        tests=("tests/planner/test_plan.py",),
+    ),
+    Mutation(
+        name="in_place_old_window",
+        why="an in-place gbs switch takes its window from iteration x new gbs, not the consumed samples",
+        path="src/cona/engine/stage_build.py",
+        old="progress = dataclasses.replace(carried.progress)",
+        new="progress = dataclasses.replace(carried.progress, "
+        "consumed_samples=carried.progress.iteration * spec.strategy.gbs)",
+        tests=IN_PLACE_TESTS,
+    ),
+    Mutation(
+        name="in_place_ignore_lr_factor",
+        why="an in-place switch builds its LR schedule with lr_factor 1 (ignores the new gbs's LR scaling)",
+        path="src/cona/engine/stage_build.py",
+        old="        spec.config.training,\n        planned_tokens=spec.planned_tokens,\n"
+        "        lr_factor=spec.lr_factor,",
+        new="        spec.config.training,\n        planned_tokens=spec.planned_tokens,\n"
+        "        lr_factor=1.0,",
+        tests=IN_PLACE_TESTS,
     ),
 )
 

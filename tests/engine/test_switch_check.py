@@ -71,6 +71,20 @@ def test_losses_within_float_noise_pass_and_beyond_it_fail():
     assert bf16.status == "passed"
 
 
+DOCUMENTED_RTOL = {"fp32": 2e-5, "fp16": 5e-3, "bf16": 2e-2}  # the bounds switch_check.py argues for
+
+
+@pytest.mark.parametrize("dtype", sorted(DOCUMENTED_RTOL))
+@pytest.mark.parametrize("factor", [0.95, 1.05], ids=["just below", "just above"])
+def test_a_difference_just_past_the_tolerance_fails_and_just_inside_it_passes(dtype, factor):
+    saved = dataclasses.replace(SAVED, dtype=dtype)
+    bound = DOCUMENTED_RTOL[dtype] * 4.0 + PROBE_ATOL  # relative to the larger loss: the saved one here
+    after = loaded(4.0 - factor * bound, dtype=dtype)
+    verdict = compare_probe(saved, after, checkpoint="c")
+    assert verdict.tolerance == pytest.approx(bound)
+    assert verdict.status == ("passed" if factor < 1 else "failed")
+
+
 def test_a_loss_that_is_not_finite_fails():
     assert compare_probe(SAVED, loaded(math.nan), checkpoint="c").status == "failed"
     diverged = compare_probe(dataclasses.replace(SAVED, loss=math.inf), loaded(4.0), checkpoint="c")

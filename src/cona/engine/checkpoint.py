@@ -14,7 +14,8 @@ Crash safety comes from the order of writes: shards, JSON and the manifest go to
 is the ``latest`` marker replaced (itself through a temporary file and a rename). A kill at any point leaves
 ``latest`` naming either the previous checkpoint or the complete new one; leftover ``.tmp-*`` entries are
 never loaded and are removed by the next save of the same run (they end in ``-of-<owner>``, a digest of the
-run directory: another run's save in progress in the same folder is left alone).
+run directory: another run's save in progress in the same folder is left alone). A re-save of an existing
+iteration swaps the two directories atomically where the OS can (:func:`_publish`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from cona.config import ConaConfig, ModelConfig
 from cona.engine.checkpoint_dcp import METADATA_FILE, dcp_load, dcp_save
-from cona.engine.checkpoint_files import CONFIG_FILE, TRAINER_STATE_FILE, read_dcp_metadata, verify_complete
+from cona.engine.checkpoint_files import (
+    CONFIG_FILE,
+    TRAINER_STATE_FILE,
+    exchange_paths,
+    read_dcp_metadata,
+    verify_complete,
+)
 from cona.engine.checkpoint_info import (
     LATEST,
     LATEST_UNIVERSAL,
@@ -258,16 +265,20 @@ def _write_json_files(directory: Path, documents: dict[str, Any]) -> None:
 
 
 def _publish(tmp_dir: Path, final_dir: Path) -> None:
-    """Rename the finished temporary into place. Saving the same iteration again (a stage that ended
-    right after loading) moves the old copy aside first; only the two renames lie between."""
-    if final_dir.exists():
-        owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
-        aside = final_dir.with_name(_tmp_name(f"replaced-{final_dir.name}", owner))
-        os.replace(final_dir, aside)
+    """Rename the finished temporary into place. A re-save of the same iteration swaps the two directories
+    atomically where the OS can (Linux), so ``latest`` never names a missing directory; elsewhere the old
+    copy moves aside first (complete under ``.tmp-replaced-``) and only the two renames lie between."""
+    if not final_dir.exists():
         os.replace(tmp_dir, final_dir)
-        _remove(aside)
-    else:
-        os.replace(tmp_dir, final_dir)
+        return
+    if exchange_paths(tmp_dir, final_dir):
+        _remove(tmp_dir)  # now the old copy
+        return
+    owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
+    aside = final_dir.with_name(_tmp_name(f"replaced-{final_dir.name}", owner))
+    os.replace(final_dir, aside)
+    os.replace(tmp_dir, final_dir)
+    _remove(aside)
 
 
 def _write_marker(marker: Path, target_name: str, owner: str = "") -> None:

@@ -6,6 +6,9 @@ cover it, every shard file is there at least as long as the metadata says, and C
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 from pathlib import Path
 
 import torch
@@ -63,3 +66,18 @@ def _check_shard_files(path: Path, metadata: Metadata) -> None:
         actual = shard.stat().st_size
         if actual < size:
             raise CheckpointError(f"{path}: shard file {relative} is truncated ({actual} of {size} bytes)")
+
+
+def exchange_paths(first: Path, second: Path) -> bool:
+    """Swap two paths atomically (renameat2 with RENAME_EXCHANGE); False where the OS or filesystem has no
+    such call, an OSError for any other failure."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
