@@ -58,18 +58,14 @@ def scheduled_lr(tokens: int, *, peak: float, minimum: float, warmup_tokens: int
 
 
 def assert_lr_follows_schedule(
-    steps: list[TrainedStep],
-    *,
-    seq: int,
-    base_lr: float,
-    base_min_lr: float,
-    base_gbs: int,
-    rule: str,
-    warmup_tokens: int,
-    decay_tokens: int,
+    steps: list[TrainedStep], config: dict, *, rule: str, decay_tokens: int
 ) -> None:
     """The LR every step applied equals the schedule at the tokens before it, scaled by ``rule`` at the
-    step's gbs (the minimum scaled too, as ``scale_min_lr`` does by default)."""
+    step's gbs (the minimum scaled too, as ``scale_min_lr`` does by default). ``config``: the raw
+    ``.conaconfig`` (its seq, base LRs, base gbs and warmup tokens); ``decay_tokens``: the horizon."""
+    seq, training = config["model"]["seq"], config["training"]
+    base_lr, base_min_lr, base_gbs = training["base_lr"], training["base_min_lr"], training["base_gbs"]
+    warmup_tokens = training["lr_warmup_tokens"]
     tokens = 0
     for step in steps:
         gbs = len(step.sample_ids)

@@ -162,6 +162,10 @@ def test_status_names_workers_that_outlive_their_runner_and_torchrun(tmp_path):
     path.write_text(json.dumps({**record, "runner_pid": dead.pid}))
     spec = run_dir / "stages" / "3" / "spec.json"
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(spec)])
+    deadline = time.monotonic() + 10
+    while str(spec) not in Path(f"/proc/{orphan.pid}/cmdline").read_bytes().decode(errors="replace"):
+        assert time.monotonic() < deadline, "the stand-in worker never ran"
+        time.sleep(0.01)  # until the child has exec'd: before, its command line is pytest's
     try:
         text = dict(status_lines(collect_status(run_dir)))["processes"]
     finally:

@@ -88,19 +88,10 @@ def test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_
     np.testing.assert_allclose(losses(logs / "reused"), losses(logs / "restarted"), rtol=1e-6, atol=0)
     assert len(losses(logs / "reused")) == 5
     # What the workers trained on and the LR they applied, in both: the linear rule's schedule.
-    training = raw["training"]
     for name in ("reused", "restarted"):
         trained = assert_each_sample_once_in_order(logs / name, total_samples=TOTAL_SAMPLES)
-        assert_lr_follows_schedule(
-            trained,
-            seq=raw["model"]["seq"],
-            base_lr=training["base_lr"],
-            base_min_lr=training["base_min_lr"],
-            base_gbs=training["base_gbs"],
-            rule="linear",
-            warmup_tokens=training["lr_warmup_tokens"],
-            decay_tokens=TOTAL_SAMPLES * raw["model"]["seq"],
-        )
+        decay_tokens = TOTAL_SAMPLES * raw["model"]["seq"]
+        assert_lr_follows_schedule(trained, raw, rule="linear", decay_tokens=decay_tokens)
     # One torchrun for the whole chain, gone at the end; a new one per stage without the session.
     session_pids = torchrun_pids(logs / "reused")
     assert len(set(session_pids)) == 1 and gone(session_pids[0])
