@@ -146,6 +146,37 @@ def test_failure_without_error_files_shows_the_root_cause_rank_log(tmp_path):
     assert "rank 1 failed (torchrun exit code -11)" in message and "Segmentation fault" in message
 
 
+TORCHRUN_KILLED_RANK_1 = """...
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 11671)
+  error_file: <N/A>
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_12:00:08
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 11672)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 11672
+"""
+"""torchrun's report (as torch 2.13 writes it) when rank 1 was SIGKILLed and rank 0 then failed."""
+
+
+def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection(tmp_path):
+    record = {"rank": 0, "time": 5.0, "type": "DistBackendError", "message": "Connection reset by peer"}
+    (tmp_path / "rank0.error").write_text(json.dumps({**record, "traceback": "..."}))
+    (tmp_path / "torchrun.log").write_text(TORCHRUN_KILLED_RANK_1)
+    message = describe_failure(tmp_path, 1)
+    named = f"stage {tmp_path.name}: rank 1 was killed by SIGKILL (it wrote no error"
+    assert message.startswith(named), message
+    assert "ranks [0] failed after it" in message
+    # A rank that reported its own error is named as before, whatever torchrun's root cause says.
+    (tmp_path / "rank1.error").write_text(json.dumps({**record, "rank": 1, "time": 4.0, "type": "DataError"}))
+    assert "rank 1 failed: DataError" in describe_failure(tmp_path, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_switch_request_stops_the_stage_after_the_step_with_a_checkpoint(tmp_path):

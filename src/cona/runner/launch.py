@@ -253,6 +253,16 @@ def describe_failure(stage_dir: Path, returncode: int, *, torchrun_log: str = TO
     """One message about the first rank that failed: its error if it wrote one, else the end of its log."""
     stage = stage_dir.name
     errors = _read_errors(stage_dir)
+    killed = _killed_root_cause(stage_dir / torchrun_log)
+    if killed is not None and killed[0] not in {error["rank"] for error in errors}:
+        # A rank killed by a signal writes no error; the others then fail on its lost connection and would
+        # otherwise be named as the cause.
+        rank, signal_name = killed
+        after = f"; ranks {sorted({error['rank'] for error in errors})} failed after it" if errors else ""
+        return (
+            f"stage {stage}: rank {rank} was killed by {signal_name} (it wrote no error; "
+            f"log {stage_dir / f'rank{rank}.log'}){after}"
+        )
     if errors:
         first = min(errors, key=lambda error: error["time"])
         others = sorted({error["rank"] for error in errors} - {first["rank"]})
@@ -279,6 +289,17 @@ def _read_errors(stage_dir: Path) -> list[dict]:
         if {"rank", "time", "type", "message"} <= error.keys():
             errors.append(error)
     return errors
+
+
+def _killed_root_cause(torchrun_log: Path) -> tuple[int, str] | None:
+    """(rank, signal name) when torchrun's first observed failure is a rank killed by a signal."""
+    try:
+        text = torchrun_log.read_text(errors="replace")
+    except OSError:
+        return None
+    _, _, after = text.partition("Root Cause")
+    match = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*-(\d+)[^\n]*?\((SIG[A-Z]+)\)", after, re.S)
+    return (int(match.group(1)), match.group(3)) if match else None
 
 
 def _root_cause_rank(torchrun_log: Path) -> int | None:
