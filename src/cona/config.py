@@ -202,6 +202,10 @@ class TrainingConfig:
     """Validation batches per evaluation."""
     distributed_timeout_minutes: int = 10
     """Timeout of collectives and of multi-node barriers."""
+    max_skipped_steps: int = 10
+    """Stop the run (non-zero exit) after this many consecutive steps skipped for non-finite gradients."""
+    divergence_loss_factor: float = 10.0
+    """Stop the run when a metrics line's mean loss exceeds this times the lowest one so far (0: never)."""
     log_root: str = "logs"
     """Run directories are created under this."""
     wandb_project: str | None = None
@@ -399,9 +403,12 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
         "distributed_timeout_minutes",
         "fallback_patience",
         "pipeline_virtual_stages",
+        "max_skipped_steps",
     ):
         if getattr(training, key) <= 0:
             fail(f"training.{key}", "must be positive")
+    if training.divergence_loss_factor != 0 and training.divergence_loss_factor <= 1:
+        fail("training.divergence_loss_factor", "must be above 1 (or 0: never)")
     if training.base_lr <= 0:
         fail("training.base_lr", "must be positive")
     if training.base_min_lr < 0:

@@ -35,3 +35,7 @@ class PlanError(ConaError):
 
 class LaunchError(ConaError):
     """A stage that could not be started or whose workers failed."""
+
+
+class TrainingDiverged(ConaError):
+    """The loss or the gradients left the finite or sensible range; training stopped instead of going on."""

@@ -31,6 +31,7 @@ from cona.engine.checkpoint import (
     save_checkpoint,
     tmp_owner,
 )
+from cona.engine.divergence import DivergenceWatch
 from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
 from cona.engine.parallel_dims import build_mesh, validate_layout
@@ -177,6 +178,7 @@ def build_stage(
         step_trace=step_trace_from_env(
             spec.stage_dir, rank=dist.get_rank(), dp_rank=dp_rank, stage=spec.stage
         ),
+        divergence=DivergenceWatch.from_training(config.training),
     )
     return context, progress
 

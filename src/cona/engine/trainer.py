@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
+from cona.engine.divergence import DivergenceWatch
 from cona.engine.metrics import MASKED_TOKENS, MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
 from cona.engine.probe import ProbeBatch
@@ -87,6 +88,8 @@ class StageContext:
     """A gloo group over all ranks for host-side agreement (None: the default group is gloo already)."""
     step_trace: StepTrace | None = None
     """Records the samples and LR of every step when tests switch it on (:mod:`cona.engine.step_trace`)."""
+    divergence: DivergenceWatch | None = None
+    """Stops a diverging run at a metrics line (:mod:`cona.engine.divergence`); None checks nothing."""
     runner_watch: RunnerWatch | None = field(default_factory=RunnerWatch.from_env)
     """Rank 0's check that the runner still runs (None: no runner started this worker)."""
 
@@ -268,6 +271,9 @@ def _maybe_log(
             record["eval_ppl_tokens"] = MASKED_TOKENS  # BERT's eval_ppl is over the masked tokens only
     if ctx.logger is not None:
         ctx.logger.write(record)
+    if ctx.divergence is not None:  # after the line is written: the run's last line shows why it stopped
+        steps, skipped = interval.steps, means["skipped_steps"]
+        ctx.divergence.check(iteration=progress.iteration, loss=means["loss"], steps=steps, skipped=skipped)
     return IntervalSums()  # starts its clock now: evaluation and logging are not step time
 
 
