@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,4 +92,17 @@ def _world_size(args: argparse.Namespace, device_type: str) -> int:
         import torch
 
         return torch.cuda.device_count()
-    raise ChainError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
+    first = _first_step_world_size(Path(args.chain))
+    if first is None:
+        raise ChainError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
+    return first  # the seed's form on CPU: as many processes as the chain's first step uses
+
+
+def _first_step_world_size(chain_path: Path) -> int | None:
+    """dp * tp * pp of the chain file's first step (None when the file does not say; loading the chain
+    later names what is wrong with it)."""
+    try:
+        step = json.loads(chain_path.read_text())["steps"][0]
+        return int(step.get("dp", 1)) * int(step.get("tp", 1)) * int(step.get("pp", 1))
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
