@@ -6,8 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from tests.torchrun_util import free_port
 from torch import nn
 
 from cona.config import ConaConfig, ModelConfig, TrainingConfig
@@ -128,18 +126,6 @@ def test_held_copies_survive_the_gradients_being_overwritten() -> None:
     previous.hold(b, 2.25)
     assert all(held is buffer for held, buffer in zip(previous.grads, buffers, strict=True))
     assert torch.equal(previous.grads[0], b[0]) and previous.grads[0] is not b[0]
-
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    """A 1-process gloo group in this pytest process (the engine builds its mesh on it)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def tiny_engine(gbs: int, mbs: int) -> tuple[TrainingModel, ConaConfig]:

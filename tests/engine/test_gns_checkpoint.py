@@ -8,8 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from tests.torchrun_util import free_port
 
 from cona.config import ConaConfig, ModelConfig, TrainingConfig
 from cona.engine.optim import build_optimizer, set_lr
@@ -25,16 +23,6 @@ CONFIG = ConaConfig(
     ),
     training=TrainingConfig(device="cpu", seed=11),
 )
-
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 class MarkovText:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from tests.engine.mlm_objective_worker import (
     TARGETS_PER_ROW,
     masked_batch,
@@ -18,7 +17,7 @@ from tests.engine.mlm_objective_worker import (
     run_layout,
     tiny_bert_config,
 )
-from tests.torchrun_util import free_port, run_torchrun
+from tests.torchrun_util import run_torchrun
 
 from cona.config import ConaConfig, ModelConfig, TrainingConfig
 from cona.engine.model import token_cross_entropy
@@ -29,17 +28,6 @@ from cona.strategy import Strategy
 
 WORKER = str(Path(__file__).with_name("mlm_objective_worker.py"))
 GBS = len(TARGETS_PER_ROW)
-
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    """A 1-process gloo group in this pytest process (the engine builds its mesh on it)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def check(result: dict) -> None:

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from tests.torchrun_util import free_port
 
 from cona.config import ConaConfig, ModelConfig, TrainingConfig, parse_config
 from cona.engine.parallel_dims import build_mesh
@@ -24,16 +22,6 @@ from cona.runner.run_dir import resolve_log_root
 from cona.strategy import Strategy
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def tiny_engine(gbs: int, mbs: int) -> TrainingModel:
