@@ -5,7 +5,8 @@ For each way of marking the batch dimension (``maybe``: ``torch._dynamo.maybe_ma
 automatic dynamic after a second shape), one process builds CONA's training model (whole-model compile,
 CUDA graphs) at mbs 8, takes steps, then :meth:`TrainingModel.rebatch` to mbs 16 and 32 as an in-place
 switch does, and prints the first step's seconds and the steady step time at each shape, with dynamo's
-count of compiled graphs::
+count of compiled graphs. ``VARIANT+mixorder`` leaves inductor's mix-order reductions on (torch's default;
+the engine turns them off, see :func:`cona.engine.step_modes.compile_options`)::
 
     PYTHONPATH=src python3 bench/rebatch_compile.py --size 125m --seq 512
 """
@@ -18,12 +19,17 @@ import time
 
 import torch
 
+from cona.engine import train_model
+from cona.engine.step_modes import compile_options
 from cona.strategy import Strategy
 from engine_vs_ref import engine_model, init_single_process_group, random_batch, synchronize
 
+WARM_STEPS = 3
+"""Untimed steps after the first at a shape: CUDA graph trees warm up and record a new shape's graph there."""
+
 
 def timed_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
-    """(first step s, mean of the next ``steps`` in ms)."""
+    """(first step s, mean in ms of ``steps`` steps after :data:`WARM_STEPS` more)."""
 
     def step() -> None:
         model.train_step_pending([batch], measure_gns=False)
@@ -34,6 +40,9 @@ def timed_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
     step()
     synchronize("cuda")
     first = time.perf_counter() - began
+    for _ in range(WARM_STEPS):
+        step()
+    synchronize("cuda")
     began = time.perf_counter()
     for _ in range(steps):
         step()
@@ -41,11 +50,18 @@ def timed_steps(model, optimizer, batch, steps: int) -> tuple[float, float]:
     return first, (time.perf_counter() - began) / steps * 1e3
 
 
+def mix_order_options(cuda_graphs: bool) -> dict[str, bool]:
+    """The engine's compile options with inductor's mix-order reductions left on (torch's default)."""
+    return {**compile_options(cuda_graphs), "triton.mix_order_reduction": True}
+
+
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
     torch._dynamo.reset()
-    original = torch._dynamo.maybe_mark_dynamic
-    marks = {"maybe": original, "strict": torch._dynamo.mark_dynamic, "none": lambda tensor, dim: None}
-    torch._dynamo.maybe_mark_dynamic = marks[variant]
+    original = torch._dynamo.mark_dynamic  # what the engine calls on each batch
+    marks = {"maybe": torch._dynamo.maybe_mark_dynamic, "strict": original, "none": lambda tensor, dim: None}
+    marking, _, mix = variant.partition("+")
+    torch._dynamo.mark_dynamic = marks[marking]
+    train_model.compile_options = mix_order_options if mix == "mixorder" else compile_options
     try:
         model, optimizer, _ = engine_model(args.size, args.mbs[0], args)
         row = {"variant": variant}
@@ -63,7 +79,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
     except Exception as err:  # noqa: BLE001 (a variant that cannot compile is a result)
         row = {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
     finally:
-        torch._dynamo.maybe_mark_dynamic = original
+        torch._dynamo.mark_dynamic = original
+        train_model.compile_options = compile_options
     print(json.dumps(row), flush=True)
     return row
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import signal
 import sys
 import tempfile
@@ -78,6 +79,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     parser.add_argument(
         "--patience", type=int, default=8, help="stop after this many evals without a new best"
     )
+    parser.add_argument(
+        "--stop-behind", type=float, default=1.3,
+        help="cap a fixed or ramp run at this x the best fixed run's time to target from launch (0: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--known-best-s", type=float, default=None,
+        help="the best fixed run's time to target from launch in an earlier call (for --stop-behind)",
+    )  # fmt: skip
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile (its time counts); default on for GPU presets")  # fmt: skip
     parser.add_argument(
@@ -140,7 +149,8 @@ def _int_list(flag: str, text: str | None) -> list[int]:
 
 
 def settings(args: argparse.Namespace, preset: Preset, plans: list[RunPlan]) -> dict[str, Any]:
-    keys = (*PRESET_OVERRIDES, "data_dir", "tokenizer_dir", "compile", "botorch", "min_training_s")
+    keys = (*PRESET_OVERRIDES, "data_dir", "tokenizer_dir", "compile", "botorch", "min_training_s",
+            "stop_behind", "known_best_s")  # fmt: skip
     return {
         **{key: getattr(args, key) for key in (*keys, *COMPARED_FIELDS)},
         "seq": preset.model["seq"],
@@ -170,6 +180,19 @@ def merge_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_cap(
+    plan: RunPlan, to_come: list[RunPlan], *, left_s: float, best_fixed_s: float | None, stop_behind: float
+) -> float:
+    """A run's time cap: what is left of the budget, shared in proportion to the caps of the runs still to
+    come (less a save's time); for a fixed or ramp run at most ``stop_behind`` x the best fixed run's time
+    to target so far. A run still short of the target then can be neither the best fixed run nor a ramp
+    that beats it: its ladder up to there is all it has to give."""
+    cap = min(plan.cap_s, left_s * plan.cap_s / sum(p.cap_s for p in to_come) - END_MARGIN_S)
+    if plan.kind != "online" and best_fixed_s is not None and stop_behind > 0:
+        cap = min(cap, stop_behind * best_fixed_s)
+    return cap
+
+
 def main(argv: list[str] | None = None) -> int:
     args, preset = parse_args(argv)
     if preset is None:
@@ -188,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     plans = [plan_run(name, preset, args, work) for name in args.runs]
     report: dict[str, Any] = {"settings": settings(args, preset, plans), "runs": []}
+    best_fixed_s = args.known_best_s
     for index, plan in enumerate(plans):
         left = args.budget_s - (time.time() - started)
-        # What is left, shared in proportion to the caps of the runs still to come (less a save's time).
-        cap = min(plan.cap_s, left * plan.cap_s / sum(p.cap_s for p in plans[index:]) - END_MARGIN_S)
+        cap = run_cap(
+            plan, plans[index:], left_s=left, best_fixed_s=best_fixed_s, stop_behind=args.stop_behind
+        )
         if cap < 10.0:
             print(f"time_to_target: {plan.name} skipped, {left:.0f} s of the budget left", flush=True)
             continue
@@ -204,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         if supervised.exit_code not in (0, None) and supervised.stop == "exited":
             print((plan.root / "cona.log").read_text()[-3000:], flush=True)
         report["runs"].append(row)
+        if plan.kind == "fixed" and row["time_to_target_s"] is not None:
+            best_fixed_s = min(row["time_to_target_s"], best_fixed_s or math.inf)
         write_report(args.out, report)
     print(json.dumps({k: v for k, v in report.get("summary", {}).items() if k != "ladder"}), flush=True)
     print(f"time_to_target: done in {time.time() - started:.0f} s; JSON {args.out}", flush=True)

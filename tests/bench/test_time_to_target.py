@@ -209,3 +209,22 @@ def test_a_stop_asked_for_at_a_stage_boundary_is_asked_again_of_the_next_stage(t
     assert not request.exists()
     ramp.see(record(stage=2, iteration=3, at=1010.0, gbs=8))
     assert json.loads(request.read_text())["action"] == "stop"
+
+
+def test_a_fixed_run_is_capped_behind_the_best_fixed_run_and_online_is_not(ttt, tmp_path):
+    def plan(kind: str, cap_s: float):
+        return ttt.RunPlan(name=kind, kind=kind, command=[], root=tmp_path, run_dir=tmp_path, cap_s=cap_s)
+
+    fixed, online, ramp = plan("fixed", 160.0), plan("online", 240.0), plan("ramp", 200.0)
+    shares = {"left_s": 1000.0, "best_fixed_s": None, "stop_behind": 1.3}
+    assert ttt.run_cap(fixed, [fixed, online], **shares) == 160.0  # nothing reached yet: its own cap
+    shares["best_fixed_s"] = 100.0
+    assert ttt.run_cap(fixed, [fixed], **shares) == pytest.approx(130.0)
+    assert ttt.run_cap(ramp, [ramp], **shares) == pytest.approx(130.0)
+    assert ttt.run_cap(online, [online], **shares) == 240.0
+    shares["stop_behind"] = 0.0
+    assert ttt.run_cap(fixed, [fixed], **shares) == 160.0
+    # The budget left is shared in proportion to the caps still to come, less a save's time.
+    assert ttt.run_cap(fixed, [fixed, online], left_s=400.0, best_fixed_s=None, stop_behind=1.3) == (
+        pytest.approx(400.0 * 160 / 400 - ttt.END_MARGIN_S)
+    )

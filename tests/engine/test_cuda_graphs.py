@@ -111,3 +111,25 @@ def test_graphs_only_where_a_step_is_one_whole_model_forward_and_backward() -> N
     assert not uses_cuda_graphs(dataclasses.replace(training, compile=False), one, gpu0)
     assert not uses_cuda_graphs(dataclasses.replace(training, cuda_graphs=False), one, gpu0)
     assert not uses_cuda_graphs(training, dataclasses.replace(one, tp=2), gpu0)
+
+
+@gpu
+def test_an_in_place_switch_of_mbs_compiles_no_new_graph(one_gpu_group) -> None:
+    """Batch rows x hidden x seq cross inductor's 5 Mi-element mix-order-reduction threshold between mbs 32
+    and 64 (hidden 256, seq 512): the size test there used to guard the batch and recompile at mbs 64."""
+    cfg = config(cuda_graphs=True)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden=256, seq=512))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    strategy = Strategy(dp=1, tp=1, pp=1, mbs=32, gbs=32)
+    model = build_training_model(cfg, strategy, build_mesh(strategy, "cuda"), torch.device("cuda", 0))
+    graphs = []
+    for mbs in (32, 64, 48):
+        if mbs != model.strategy.mbs:
+            model.rebatch(Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs))
+        tokens = torch.randint(0, VOCAB, (mbs, 513), generator=torch.Generator().manual_seed(mbs))
+        for step in range(2):
+            pending = model.train_step_pending([(tokens[:, :-1], tokens[:, 1:])], iteration=step + 1)
+            assert math.isfinite(pending.result().loss)
+        graphs.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    assert graphs == [graphs[0]] * 3

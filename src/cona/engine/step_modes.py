@@ -6,6 +6,7 @@ Pure decisions over the config and strategy, shared by the training model and th
 from __future__ import annotations
 
 import torch
+import torch._inductor.config  # noqa: F401 (compile_options reads it)
 
 from cona.config import TrainingConfig
 from cona.strategy import Strategy
@@ -28,6 +29,18 @@ def uses_cuda_graphs(training: TrainingConfig, strategy: Strategy, device: torch
         and compiles_whole_model(strategy)
         and strategy.micro_batches == 1
     )
+
+
+def compile_options(cuda_graphs: bool) -> dict[str, bool]:
+    """Inductor's options for the whole-model compile: CUDA graphs where they apply (what mode
+    "reduce-overhead" sets), and no mix-order reductions. Inductor fuses a LayerNorm backward's row and
+    column reductions only above 5 Mi elements, and that test guards the batch size: GPT-125M at seq 512
+    compiled for mbs 8 compiled again at the first mbs above 13 (19-31 s on the H200,
+    bench/rebatch_compile.py), so an in-place switch of mbs paid a recompile despite the dynamic batch."""
+    options = {"triton.cudagraphs": cuda_graphs}
+    if hasattr(torch._inductor.config.triton, "mix_order_reduction"):  # torch >= 2.10
+        options["triton.mix_order_reduction"] = False
+    return options
 
 
 def resolved_dtype(training: TrainingConfig, device: torch.device) -> str:

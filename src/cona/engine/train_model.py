@@ -33,7 +33,7 @@ from cona.engine.pipeline import (
     split_stage,
     stage_ids_of_rank,
 )
-from cona.engine.step_modes import compiles_whole_model, resolved_dtype, uses_cuda_graphs
+from cona.engine.step_modes import compile_options, compiles_whole_model, resolved_dtype, uses_cuda_graphs
 from cona.engine.step_noise import NoiseInputs, local_grads, split_rows
 from cona.engine.step_output import LossScaler, PendingStepOutput, StepOutput
 from cona.strategy import Strategy
@@ -82,8 +82,8 @@ class TrainingModel:
             else None
         )
         self._tied_sync = TiedEmbeddingSync(mesh, model_parts) if strategy.pp > 1 else None
-        self._compiled: dict[str | None, Callable] = {}
-        """The compiled forward per torch.compile mode, kept across in-place switches (see rebatch)."""
+        self._compiled: dict[bool, Callable] = {}
+        """The compiled forward with and without CUDA graphs, kept across in-place switches (see rebatch)."""
         self._set_batch_parts(strategy)
         self._last_norm_sqr: torch.Tensor | None = None
 
@@ -99,10 +99,10 @@ class TrainingModel:
         self.cuda_graphs = uses_cuda_graphs(self.config.training, strategy, self.device)
         self._forward_loss = self._plain_forward_loss
         if self.config.training.compiles_on(self.device.type) and compiles_whole_model(strategy):
-            mode = "reduce-overhead" if self.cuda_graphs else None
-            if mode not in self._compiled:
-                self._compiled[mode] = torch.compile(self._plain_forward_loss, mode=mode)
-            self._forward_loss = self._compiled[mode]
+            if self.cuda_graphs not in self._compiled:
+                options = compile_options(self.cuda_graphs)
+                self._compiled[self.cuda_graphs] = torch.compile(self._plain_forward_loss, options=options)
+            self._forward_loss = self._compiled[self.cuda_graphs]
         self._noise = NoiseInputs(
             self.model_parts,
             strategy=strategy,
