@@ -118,6 +118,7 @@ def conaconfig(preset: Preset, args: argparse.Namespace, *, eval_gbs: int, root:
         "vocab_file": str(tokenizer / "gpt2-vocab.json"), "merge_file": str(tokenizer / "gpt2-merges.txt"),
         "tokenizer_type": "GPT2BPETokenizer", "data_cache_path": str(root / "index-cache"),
         "log_interval": max(1, interval // 4), "eval_interval": interval,
+        "eval_every_tokens": args.eval_every_tokens,
         "eval_iters": eval_samples(preset, args.max_gbs) // preset.base_gbs, "log_root": str(root / "logs"),
         "wandb_mode": "disabled",
     }  # fmt: skip

@@ -198,6 +198,9 @@ class TrainingConfig:
     """Iterations between metrics lines."""
     eval_interval: int = 100
     """Iterations between validation evaluations."""
+    eval_every_tokens: int | None = None
+    """Tokens between evaluations, in place of ``eval_interval``: stages at another gbs (chain steps, online
+    switches) keep the same spacing in tokens, so a larger batch does not see its evaluations thin out."""
     eval_iters: int = 10
     """Validation batches per evaluation."""
     distributed_timeout_minutes: int = 10
@@ -407,6 +410,8 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
     ):
         if getattr(training, key) <= 0:
             fail(f"training.{key}", "must be positive")
+    if training.eval_every_tokens is not None and training.eval_every_tokens <= 0:
+        fail("training.eval_every_tokens", "must be positive (or null: every eval_interval iterations)")
     if training.divergence_loss_factor != 0 and training.divergence_loss_factor <= 1:
         fail("training.divergence_loss_factor", "must be above 1 (or 0: never)")
     if training.base_lr <= 0:

@@ -108,6 +108,23 @@ def test_spec_eval_settings_default_to_the_config(tmp_path):
     assert (spec.resolved_eval_interval(), spec.resolved_eval_iters()) == (7, 3)
 
 
+def test_eval_every_tokens_keeps_the_spacing_in_tokens_at_every_gbs(tmp_path):
+    spec = make_spec(tmp_path)
+    config = dataclasses.replace(
+        spec.config, training=dataclasses.replace(spec.config.training, eval_every_tokens=512)
+    )
+    intervals = [
+        make_spec(
+            tmp_path, config=config, strategy=Strategy(dp=2, tp=1, pp=1, mbs=mbs, gbs=gbs)
+        ).resolved_eval_interval()
+        for mbs, gbs in ((1, 2), (2, 8), (4, 32), (4, 64))
+    ]
+    assert intervals == [16, 4, 1, 1]  # 512 tokens at seq 16: 32 samples, at least one step apart
+    assert make_spec(tmp_path, config=config, eval_interval=7).resolved_eval_interval() == 7
+    with pytest.raises(ConfigError, match="training.eval_every_tokens"):
+        parse_config({**TINY, "training": {**TINY["training"], "eval_every_tokens": 0}})
+
+
 def test_stage_result_round_trips(tmp_path):
     result = StageResult(
         stage=2,

@@ -97,7 +97,14 @@ class StageSpec:
         return self.stage_dir / "stage_result.json"
 
     def resolved_eval_interval(self) -> int:
-        return self.eval_interval or self.config.training.eval_interval
+        """``eval_interval`` of the stage, else of the config, or its ``eval_every_tokens`` at this gbs."""
+        training = self.config.training
+        if self.eval_interval:
+            return self.eval_interval
+        if training.eval_every_tokens:
+            tokens_per_step = self.strategy.gbs * self.config.model.seq
+            return max(1, round(training.eval_every_tokens / tokens_per_step))
+        return training.eval_interval
 
     def resolved_eval_iters(self) -> int:
         return self.eval_iters or self.config.training.eval_iters
