@@ -3,11 +3,11 @@
 (a) Megatron-LM on Selene (A100 80GB), Korthikanti et al. 2022, "Reducing Activation Recomputation in
     Large Transformer Models", Table 5: iteration times with full recomputation, and with selective
     recomputation plus sequence parallelism. Shapes and layouts as in that paper (seq 2048, vocab 51200, fp16,
-    micro-batch 1, 22B: 4; no flash attention: 2022 Megatron materialised the scores). Predicted with the
-    ``a100_80g`` system file and no calibration; then leave-one-out calibration.
-(b) Our H200 measurements (``gpt_ref.py``: one H200, bf16 autocast, SDPA flash attention, torch.compile, fused
-    AdamW, no dropout, seq 1024, vocab 50304): error of ``h200_141g`` before calibration, after calibrating on
-    all six rows (in-sample), and leave-one-out (calibrated on the other five: the honest number).
+    micro-batch 1, 22B: 4). Predicted with the ``megatron-deepspeed`` profile, the ``a100_80g`` system file
+    and no calibration (target: mean |error| <= 5%, max <= 10%); leave-one-out calibration for comparison.
+(b) CONA's engine on one H200 (docs/benchmarks.md, the engine's step times with and without CUDA graphs):
+    the ``native`` profile on ``h200_141g`` before calibration (target mean <= 10%) and with leave-one-out
+    calibration (target mean <= 3%).
 (c) Optional: ``--metrics RUN/metrics.jsonl --config .conaconfig --system S`` does (b) for any run that logged
     step times. ``bench/planner_cpu_layouts.py`` runs the tiny model under several CPU layouts itself and
     prints the table with a calibration fitted on some layouts and judged on the others.
