@@ -207,18 +207,24 @@ def test_dp_traffic_by_hand_zero0_exposed_zero1_hidden_but_the_last_block():
             assert (gather + reduce) * 0.999 < exposed < gather + reduce
 
 
-def test_sequence_parallel_moves_the_same_tp_bytes_and_sends_1_over_tp_between_stages():
+def test_sequence_parallel_moves_the_same_tp_bytes_and_shards_the_pipeline_sends():
     base = Strategy(dp=1, tp=4, pp=2, mbs=2, gbs=8)
     plain = one(base)
     sp = one(dataclasses.replace(base, sequence_parallel=True))
     assert sp["tp_comm_s"] == pytest.approx(plain["tp_comm_s"])
     link = A100.intra_node
     bandwidth = link.bandwidth_gbps * 1e9 * link.efficiency
-    message = 2 * 2048 * 2048 * 2 / 4  # mbs x seq x hidden x bf16 / tp
+    # The native engine's tp ranks each send their local output: the whole activation, or 1/tp of it with
+    # sequence parallelism (Megatron's profile scatters it over tp either way).
+    message = 2 * 2048 * 2048 * 2  # mbs x seq x hidden x bf16
     send = link.latency_s + message / bandwidth
+    sp_send = link.latency_s + message / 4 / bandwidth
     tied_gradient = 4 * 50304 * 2048 / 4  # fp32 gradient of this tp rank's embedding rows
     tied_sync = 2 * (link.latency_s + tied_gradient / 2 / bandwidth)  # all-reduce between 2 stages
     assert plain["pp_p2p_s"] == pytest.approx(2 * 4 * send + tied_sync)  # fwd and bwd send per micro-batch
+    assert sp["pp_p2p_s"] == pytest.approx(2 * 4 * sp_send + tied_sync)
+    megatron = predict(GPT3_XL, base, A100, backend="megatron-deepspeed").row(0)
+    assert megatron["pp_p2p_s"] == pytest.approx(2 * 4 * sp_send + tied_sync)
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ class KnownModel:
         self.memory_limit_gib = memory_limit_gib
         self.calls: list[int] = []
 
-    def __call__(self, model, strategies, system, *, dtype="bf16", calibration=None):
+    def __call__(self, model, strategies, system, *, dtype="bf16", calibration=None, backend="native"):
         self.calls.append(len(strategies))
         time = (
             1.0

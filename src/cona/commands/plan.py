@@ -24,6 +24,7 @@ from cona.planner.plan import (
     target_progress,
 )
 from cona.planner.policy import DEFAULT_HYSTERESIS, PolicySettings
+from cona.planner.profiles import BACKENDS
 from cona.planner.systems import System, load_system
 from cona.planner.throughput import ThroughputEstimator, estimator_from_step_times
 from cona.planner.trace import Trace, read_trace
@@ -74,6 +75,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
     )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="the backend whose profile predicts the strategies (default: the trace's, else native)",
+    )
     parser.set_defaults(func=_run)
 
 
@@ -88,8 +95,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_gbs < initial_gbs:
         raise PlanError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
     dtype = args.dtype or config.training.dtype
-    estimator, calibration_note = _estimator(config, trace, system, gpus, dtype)
+    backend = args.backend or trace.backend
+    estimator, calibration_note = _estimator(config, trace, system, gpus, dtype, backend)
     search = SearchSettings(
+        backend=backend,
         system=system,
         n_gpus=gpus,
         dtype=dtype,
@@ -156,7 +165,7 @@ def _switch_cost(args: argparse.Namespace, trace: Trace) -> float:
 
 
 def _estimator(
-    config: ConaConfig, trace: Trace, system: System, gpus: int, dtype: str
+    config: ConaConfig, trace: Trace, system: System, gpus: int, dtype: str, backend: str
 ) -> tuple[ThroughputEstimator, str]:
     """Online mode's throughput estimator on the trace's step times, when they were measured on the GPU
     count planned for: the strategies the trace trained are taken at their measured rates, the others
@@ -167,7 +176,7 @@ def _estimator(
     if trace.world_size != gpus:
         return empty, f"uncalibrated (the trace ran on {trace.world_size} processes, the plan is for {gpus})"
     estimator = estimator_from_step_times(
-        list(trace.timed), config.model, system, seq=config.model.seq, dtype=dtype
+        list(trace.timed), config.model, system, seq=config.model.seq, dtype=dtype, backend=backend
     )
     shape = estimator.shape
     fit = (

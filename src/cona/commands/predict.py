@@ -8,6 +8,7 @@ import json
 from cona.config import RECOMPUTE, TrainingConfig, load_config
 from cona.errors import PlanError
 from cona.planner.perf_model import Prediction, predict
+from cona.planner.profiles import BACKENDS
 from cona.planner.systems import System, load_system
 from cona.strategy import Strategy
 
@@ -20,6 +21,7 @@ TIME_KEYS = (
     "dp_comm_exposed_s",
     "optimizer_s",
     "overhead_s",
+    "host_bound_s",
 )
 MEMORY_KEYS = ("memory_gib", "weights_gib", "grads_gib", "optimizer_gib", "activations_gib")
 
@@ -73,6 +75,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
     )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="native",
+        help="the backend whose profile predicts the step: native (default) or megatron-deepspeed",
+    )
     parser.add_argument("--json", action="store_true", help="print one flat JSON object")
     parser.set_defaults(func=_run)
 
@@ -82,9 +90,9 @@ def _run(args: argparse.Namespace) -> int:
     system = load_system(args.system)
     strategy = _strategy(args, config.training)
     dtype = args.dtype or config.training.dtype
-    prediction = predict(config.model, strategy, system, dtype=dtype)
+    prediction = predict(config.model, strategy, system, dtype=dtype, backend=args.backend)
     if args.json:
-        print(json.dumps(_flat(prediction, strategy, system, system.resolve_dtype(dtype))))
+        print(json.dumps(_flat(prediction, strategy, system, system.resolve_dtype(dtype), args.backend)))
     else:
         _print_table(prediction, strategy, system)
     return 0
@@ -117,10 +125,11 @@ def _strategy(args: argparse.Namespace, training: TrainingConfig) -> Strategy:
     )
 
 
-def _flat(prediction: Prediction, strategy: Strategy, system: System, dtype: str) -> dict:
+def _flat(prediction: Prediction, strategy: Strategy, system: System, dtype: str, backend: str) -> dict:
     row = prediction.row(0)
     flat = {
         "system": system.name,
+        "backend": backend,
         "dtype": dtype,
         "dp": strategy.dp,
         "tp": strategy.tp,
@@ -152,7 +161,7 @@ def _print_table(prediction: Prediction, strategy: Strategy, system: System) -> 
     table.add_column("s", justify="right")
     table.add_column("memory per GPU", justify="left")
     table.add_column("GiB", justify="right")
-    memory_keys = (*MEMORY_KEYS, "reserved_gib", "gpu_memory_gib", "")
+    memory_keys = (*MEMORY_KEYS, "reserved_gib", "gpu_memory_gib", "", "")
     for time_key, memory_key in zip(TIME_KEYS, memory_keys, strict=True):
         table.add_row(
             time_key.removesuffix("_s"),

@@ -12,6 +12,7 @@ import numpy as np
 
 from cona.config import load_config
 from cona.errors import PlanError
+from cona.planner.profiles import BACKENDS
 from cona.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ TIME_TERMS = (
     ("dp_comm_exposed_s", "DP comm"),
     ("optimizer_s", "optimizer"),
     ("overhead_s", "overhead"),
+    ("host_bound_s", "host"),
 )
 """The parts of the predicted iteration time, as (Prediction field, column heading); they sum to it."""
 
@@ -61,6 +63,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--allow-cross-node-tp", action="store_true", help="let tensor parallelism span nodes"
     )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="native",
+        help="the backend whose profile predicts the steps: native (default) or megatron-deepspeed",
+    )
     parser.set_defaults(func=_run)
 
 
@@ -88,6 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         options=options,
         dtype=config.training.dtype,
         top_k=max(args.top, EXPLAIN_POOL),
+        backend=args.backend,
         **extra,
     )
     seconds = time.perf_counter() - started
@@ -95,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         "model": config.model.name,
         "config": str(config.path),
         "system": system.name,
+        "backend": args.backend,
         "gpus": args.gpus,
         "gbs": args.gbs,
         "method": result.method,

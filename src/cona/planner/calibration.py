@@ -62,16 +62,24 @@ def fit_calibration(
     system: System,
     dtype: str = "bf16",
     *,
-    flash_attention: bool = True,
+    flash_attention: bool | None = None,
+    backend: str = "native",
 ) -> Calibration:
-    """Fit the three factors to ``(strategy, measured step seconds)`` pairs of one model."""
+    """Fit the three factors to ``(strategy, measured step seconds)`` pairs of one model, as ``backend``
+    runs it."""
     if not measured:
         raise PlanError("calibration needs at least one measured strategy")
     strategies = StrategyArray.from_strategies([strategy for strategy, _ in measured])
 
     def predicted(calibration: Calibration) -> np.ndarray:
         return predict(
-            model, strategies, system, dtype=dtype, calibration=calibration, flash_attention=flash_attention
+            model,
+            strategies,
+            system,
+            dtype=dtype,
+            calibration=calibration,
+            flash_attention=flash_attention,
+            backend=backend,
         ).iteration_time_s
 
     return fit_factors(predicted, [seconds for _, seconds in measured])

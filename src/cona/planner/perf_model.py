@@ -16,6 +16,7 @@ check. Formulas and their sources are in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -25,27 +26,18 @@ from cona.config import ModelConfig
 from cona.errors import PlanError
 from cona.planner import flops
 from cona.planner.flops import ModelShape, model_shape
+from cona.planner.profiles import BackendProfile, backend_profile
+from cona.planner.step_compute import DTYPE_BYTES, FULL_RECOMPUTE, SELECTIVE_RECOMPUTE, StepTerms
 from cona.planner.systems import System, all_gather_time, all_reduce_time, group_bandwidth
-from cona.strategy import RECOMPUTE_CODES, SCHEDULE_CODES, Strategy, StrategyArray
+from cona.strategy import SCHEDULE_CODES, Strategy, StrategyArray
 
 if TYPE_CHECKING:
     from cona.planner.calibration import Calibration
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2.0**30
-FLASH_BACKWARD_FACTOR = 2.5
-"""A flash-attention backward recomputes the scores: 5 matmuls against the forward's 2."""
-BLOCK_KERNELS = 6
-"""Fused elementwise kernels of one block's forward (2 norms, 2 bias-dropout-adds, activation, softmax):
-the memory efficiency is looked up at the traffic of one of them."""
-LOSS_BYTES_PER_LOGIT_EXTRA = 16
-"""The loss casts logits to fp32 and back: write fp32, read it (softmax), write and read its gradient."""
-FULL_RECOMPUTE, SELECTIVE_RECOMPUTE = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"]
 GPIPE = SCHEDULE_CODES["gpipe"]
 GRAD_REDUCE_BYTES = 4.0
 """Gradients are kept and reduced in fp32 (FSDP2 reduce_dtype, the ZeRO-0 all-reduce of fp32 grads)."""
-ADAM_BYTES_PER_PARAM = 28.0
-"""Adam reads parameter, gradient, m and v and writes parameter, m and v, all fp32."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +55,8 @@ class Prediction:
     optimizer_s: np.ndarray
     overhead_s: np.ndarray
     """Calibrated fixed cost per micro-batch times the micro-batches (zero without calibration)."""
+    host_bound_s: np.ndarray
+    """Host dispatch beyond the device's work: ``max(0, host - device)`` (the step is the larger)."""
     weights_gib: np.ndarray
     grads_gib: np.ndarray
     optimizer_gib: np.ndarray
@@ -85,16 +79,22 @@ def predict(
     *,
     dtype: str = "bf16",
     calibration: Calibration | None = None,
-    flash_attention: bool = True,
+    flash_attention: bool | None = None,
+    backend: str | BackendProfile = "native",
 ) -> Prediction:
-    """Predict every strategy of ``strategies`` (PlanError if one is impossible for the model)."""
+    """Predict every strategy of ``strategies`` (PlanError if one is impossible for the model) as
+    ``backend`` (a name of :data:`cona.planner.profiles.BACKENDS`, or a profile) runs them;
+    ``flash_attention`` overrides the profile's attention kernel."""
     shape = model_shape(model)
     array = StrategyArray.from_strategies([strategies]) if isinstance(strategies, Strategy) else strategies
     _refuse_invalid(shape, array)
     used_dtype = system.resolve_dtype(dtype)
     if used_dtype not in DTYPE_BYTES:
         raise PlanError(f"dtype {used_dtype} is not modelled; use one of {', '.join(DTYPE_BYTES)}")
-    return _Step(shape, array, system, used_dtype, flash_attention, calibration).prediction()
+    profile = backend if isinstance(backend, BackendProfile) else backend_profile(backend)
+    if flash_attention is not None and flash_attention != profile.flash_attention:
+        profile = dataclasses.replace(profile, flash_attention=flash_attention)
+    return _Step(shape, array, system, used_dtype, profile, calibration).prediction()
 
 
 def invalid_reasons(model: ModelConfig | ModelShape, strategy: Strategy) -> list[str]:
@@ -159,110 +159,15 @@ def _refuse_invalid(shape: ModelShape, strategies: StrategyArray) -> None:
         raise PlanError(f"impossible strategy {strategy.short()}: {reasons}")
 
 
-class _Step:
+class _Step(StepTerms):
     """The terms of one iteration for every strategy (arrays); built once per predict call."""
-
-    def __init__(
-        self,
-        shape: ModelShape,
-        s: StrategyArray,
-        system: System,
-        dtype: str,
-        flash: bool,
-        calibration: Calibration | None,
-    ) -> None:
-        self.shape, self.system, self.flash = shape, system, flash
-        self.e = DTYPE_BYTES[dtype]
-        self.matrix_peak = system.gpu.matrix_tflops[dtype] * 1e12
-        self.vector_peak = system.gpu.vector_tflops[dtype] * 1e12
-        corrected = calibration is not None
-        self.compute_scale = 1.0 / calibration.compute_efficiency if corrected else 1.0
-        self.comm_scale = 1.0 / calibration.comm_efficiency if corrected else 1.0
-        self.overhead_per_microbatch = calibration.overhead_s if corrected else 0.0
-        f = lambda a: np.asarray(a, dtype=float)  # noqa: E731
-        self.dp, self.tp, self.pp, self.mbs = f(s.dp), f(s.tp), f(s.pp), f(s.mbs)
-        self.m = f(s.gbs) / (self.mbs * self.dp)
-        self.v = f(s.virtual_stages)
-        # With dp = 1 the engine applies no data-parallel wrapper: every ZeRO stage is plain replication.
-        self.zero = np.where(s.dp > 1, s.zero_stage, 0)
-        self.recompute, self.schedule = s.recompute, s.pipeline_schedule
-        self.sp = np.asarray(s.sequence_parallel, dtype=bool) & (self.tp > 1)
-        self.tokens = self.mbs * shape.seq
-        self.layers = np.ceil(shape.layers / self.pp)
-        self.gbs_tokens = f(s.gbs) * shape.seq
-
-    # ---- compute -------------------------------------------------------------------------------------------
-    def _matmul_time(self, flops_per_token: np.ndarray) -> np.ndarray:
-        total = flops_per_token * self.tokens
-        efficiency = self.system.gpu.matrix_efficiency(total / 1e9)
-        return self.compute_scale * total / (self.matrix_peak * efficiency)
-
-    def _memory_time(self, nbytes: np.ndarray, flops: np.ndarray | float = 0, kernels: int = 1) -> np.ndarray:
-        """Memory-bound kernels: bytes at the bandwidth, or their arithmetic at the vector rate if slower."""
-        gpu = self.system.gpu
-        efficiency = gpu.memory_efficiency(nbytes / kernels / 1e6)
-        seconds = np.maximum(nbytes / (gpu.memory_gbps * 1e9), flops / self.vector_peak)
-        return self.compute_scale * seconds / efficiency
-
-    def block_times(self) -> dict[str, np.ndarray]:
-        """Forward, backward and recompute seconds of one block for one micro-batch (no communication)."""
-        shape = self.shape
-        gemm_fw = sum(self._matmul_time(g.flops_per_token()) for g in flops.block_gemms(shape, self.tp))
-        attention_flops = flops.attention_flops_per_token(shape, self.tp, causal_skip=self.flash)
-        attention_fw = self._matmul_time(attention_flops)
-        backward_factor = FLASH_BACKWARD_FACTOR if self.flash else 2.0
-        attention_bw = self._matmul_time(backward_factor * attention_flops)
-        work = flops.block_elementwise_work(shape, self.tp, self.sp, self.e, flash_attention=self.flash)
-        tokens = self.tokens
-        elementwise_fw = self._memory_time(tokens * work.main_bytes, tokens * work.main_flops, BLOCK_KERNELS)
-        scores_fw = self._memory_time(tokens * work.score_bytes, tokens * work.score_flops, kernels=2)
-        forward = gemm_fw + attention_fw + elementwise_fw + scores_fw
-        backward = 2.0 * gemm_fw + attention_bw + 2.0 * (elementwise_fw + scores_fw)
-        # Selective recompute redoes the attention core; a flash kernel already does so inside its backward.
-        selective = 0.0 if self.flash else attention_fw + scores_fw
-        recompute = np.select(
-            [self.recompute == FULL_RECOMPUTE, self.recompute == SELECTIVE_RECOMPUTE],
-            [forward, np.broadcast_to(selective, forward.shape)],
-            0.0,
-        )
-        return {"forward": forward, "backward": backward, "recompute": recompute}
-
-    def head_time(self) -> np.ndarray:
-        """Embedding, final norm, LM head and loss for one micro-batch (forward and backward)."""
-        shape = self.shape
-        head_flops = flops.lm_head_flops_per_token(shape, self.tp)
-        matmul = 3.0 * self._matmul_time(head_flops)
-        logits_bytes = shape.vocab / self.tp * (4 * self.e + LOSS_BYTES_PER_LOGIT_EXTRA) * self.tokens
-        embedding_bytes = 6.0 * shape.hidden * self.e * self.tokens  # lookup, final norm, their backward
-        return (
-            matmul
-            + self._memory_time(logits_bytes, kernels=4)
-            + self._memory_time(embedding_bytes, kernels=4)
-        )
-
-    # ---- communication -------------------------------------------------------------------------------------
-    def tp_comm_per_block(self) -> np.ndarray:
-        """Exposed TP collectives of one block and micro-batch: 4 all-reduces (or AG + RS pairs), +2 with
-        full recompute. A ring reduce-scatter plus all-gather costs what one all-reduce does."""
-        activation = self.tokens * self.shape.hidden * self.e
-        bandwidth, latency = group_bandwidth(self.system, self.tp, np.ones_like(self.tp))
-        one = np.where(
-            self.sp,
-            2.0 * all_gather_time(activation, self.tp, bandwidth, latency),
-            all_reduce_time(activation, self.tp, bandwidth, latency),
-        )
-        count = 4.0 + 2.0 * (self.recompute == FULL_RECOMPUTE)
-        return self.comm_scale * count * one
-
-    def tp_comm_head(self) -> np.ndarray:
-        """The embedding's forward all-reduce and the LM head input's backward all-reduce."""
-        activation = self.tokens * self.shape.hidden * self.e
-        bandwidth, latency = group_bandwidth(self.system, self.tp, np.ones_like(self.tp))
-        return self.comm_scale * 2.0 * all_reduce_time(activation, self.tp, bandwidth, latency)
 
     def p2p_time(self) -> np.ndarray:
         """Pipeline sends on the critical path: one forward and one backward per micro-batch and chunk."""
-        message = self.tokens * self.shape.hidden * self.e / self.tp
+        # Megatron scatters the activation over the tp ranks; the native engine's ranks each send their local
+        # output: the whole activation, or its sequence shard with sequence parallelism.
+        split = self.profile.pp_scatter | self.sp
+        message = self.tokens * self.shape.hidden * self.e / np.where(split, self.tp, 1.0)
         bandwidth, latency = group_bandwidth(self.system, self.pp, self.tp * self.dp)
         one = latency + message / bandwidth
         return self.comm_scale * np.where(self.pp > 1, 2.0 * self.m * self.v * one, 0.0)
@@ -312,9 +217,9 @@ class _Step:
         return self.comm_scale * np.where((self.pp > 1) & self.shape.tied_embeddings, sync, 0.0)
 
     def optimizer_time(self) -> np.ndarray:
-        """Adam on the fp32 parameters of this GPU's share: read p, g, m, v and write p, m, v (28 bytes)."""
+        """The step's passes over this GPU's share of the parameters (clipping, Adam; the profile's bytes)."""
         sharded = np.where(self.zero >= 1, self.dp, 1.0)
-        return self._memory_time(self.stage_params() / sharded * ADAM_BYTES_PER_PARAM, kernels=8)
+        return self.memory_time(self.stage_params() / sharded * self.profile.step_param_bytes, kernels=8)
 
     # ---- memory --------------------------------------------------------------------------------------------
     def memory_gib(self) -> dict[str, np.ndarray]:
@@ -373,7 +278,7 @@ class _Step:
         overhead = self.m * self.overhead_per_microbatch
         block = self.block_times()
         block_compute = block["forward"] + block["backward"] + block["recompute"]
-        tp_block = self.tp_comm_per_block()
+        tp_block = self.tp_comm_per_block(block)
         head = self.head_time()
         compute = self.m * (self.layers * block_compute + head)
         tp_comm = self.m * (self.layers * tp_block + self.tp_comm_head())
@@ -384,7 +289,9 @@ class _Step:
         window_bw = self.layers * (block["backward"] + block["recompute"])
         dp_exposed = np.where(self.dp > 1, self.dp_comm_exposed(window_fw, window_bw), 0.0)
         optimizer = self.optimizer_time()
-        total = compute + tp_comm + bubble + p2p + dp_exposed + optimizer + overhead
+        device = compute + tp_comm + bubble + p2p + dp_exposed + optimizer
+        host_bound = np.maximum(self.host_time() - device, 0.0)
+        total = device + host_bound + overhead
         memory = self.memory_gib()
         memory_total = sum(memory.values())
         oom = memory_total + self.system.gpu.reserved_gib > self.system.gpu.memory_gib
@@ -397,6 +304,7 @@ class _Step:
             dp_comm_exposed_s=dp_exposed,
             optimizer_s=optimizer,
             overhead_s=np.broadcast_to(overhead, total.shape),
+            host_bound_s=host_bound,
             memory_gib=memory_total,
             oom=oom,
             tokens_per_s=self.gbs_tokens / total,

@@ -173,6 +173,8 @@ class SearchSettings:
     options: SpaceOptions | None = None
     calibration: Calibration | None = None
     botorch: bool = True
+    backend: str = "native"
+    """The backend whose profile predicts the strategies (:data:`cona.planner.profiles.BACKENDS`)."""
     estimator: ThroughputEstimator | None = None
     """The trace's measured throughputs and the shape fitted on them (as online mode uses them): the
     model's top strategies are re-ranked by it, and a measured one is taken at its measured rate."""
@@ -194,6 +196,7 @@ def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Cand
         dtype=search.dtype,
         calibration=None if search.estimator is not None else search.calibration,
         top_k=1 if search.estimator is None else RERANKED,
+        backend=search.backend,
     )
     if search.estimator is None:
         return Candidate(

@@ -13,8 +13,9 @@ neighbouring strategies) that catches where the GP was confidently wrong.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -88,10 +89,12 @@ def exhaustive_search(
     dtype: str = "bf16",
     calibration: Calibration | None = None,
     top_k: int = 10,
+    backend: str = "native",
 ) -> SearchResult:
-    """Evaluate every strategy of the space in one vectorised model call and rank those that fit."""
+    """Evaluate every strategy of the space in one vectorised model call and rank those that fit, as
+    ``backend`` (:data:`cona.planner.profiles.BACKENDS`) would run them."""
     space = enumerate_strategies(model, n_gpus, gbs, gpus_per_node=system.gpus_per_node, options=options)
-    prediction = predict(model, space, system, dtype=dtype, calibration=calibration)
+    prediction = predict(model, space, system, dtype=dtype, calibration=calibration, backend=backend)
     fits = np.flatnonzero(~prediction.oom)
     if len(fits) == 0:
         _raise_nothing_fits(system, n_gpus, gbs, prediction.memory_gib)
@@ -120,6 +123,7 @@ def bayesian_search(
     ei_stop_fraction: float = EI_STOP_FRACTION,
     max_gp_updates: int = MAX_GP_UPDATES,
     max_local_rounds: int = MAX_LOCAL_ROUNDS,
+    backend: str = "native",
 ) -> SearchResult:
     """BoTorch search over the same space, then a local refinement; deterministic for a given ``seed``.
 
@@ -136,9 +140,12 @@ def bayesian_search(
         )
     space = enumerate_strategies(model, n_gpus, gbs, gpus_per_node=system.gpus_per_node, options=options)
     observed = _Observations()
+    predicted = functools.partial(
+        _predict_for, model, system=system, dtype=dtype, calibration=calibration, backend=backend
+    )
 
     def evaluate(index: int) -> None:
-        row = predict(model, space.select(np.array([index])), system, dtype=dtype, calibration=calibration)
+        row = predicted(space.select(np.array([index])))
         observed.add(index, float(row.iteration_time_s[0]), float(row.memory_gib[0]), bool(row.oom[0]))
 
     rng = np.random.default_rng(seed)
@@ -161,7 +168,7 @@ def bayesian_search(
             evaluate(proposal)
     global_evaluations = len(observed.indices)
     refine_locally(space, observed, evaluate, max_local_rounds)
-    result = _ranked_result(model, system, space, observed, dtype, calibration, top_k, n_gpus, gbs)
+    result = _ranked_result(predicted, system, space, observed, top_k, n_gpus, gbs)
     return dataclasses.replace(result, refinement_evaluations=len(observed.indices) - global_evaluations)
 
 
@@ -339,13 +346,16 @@ def encode(strategies: StrategyArray) -> np.ndarray:
     return (columns - low) / np.where(span > 0, span, 1.0)
 
 
+def _predict_for(model: ModelConfig, strategies: StrategyArray, **settings) -> Prediction:
+    """:func:`predict` with the strategies second, for binding everything else once."""
+    return predict(model, strategies, settings.pop("system"), **settings)
+
+
 def _ranked_result(
-    model: ModelConfig,
+    predicted: Callable[[StrategyArray], Prediction],
     system: System,
     space: StrategyArray,
     observed: _Observations,
-    dtype: str,
-    calibration: Calibration | None,
     top_k: int,
     n_gpus: int,
     gbs: int,
@@ -357,7 +367,7 @@ def _ranked_result(
     order = np.lexsort((memory[fits], times[fits]))[:top_k]
     best = space.select(indices[fits][order])
     # One vectorised call for the winners' full prediction rows (already evaluated: not counted again).
-    prediction = predict(model, best, system, dtype=dtype, calibration=calibration)
+    prediction = predicted(best)
     return SearchResult(
         method="bayesian",
         candidates=best,

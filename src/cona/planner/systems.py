@@ -79,6 +79,9 @@ class System:
     """Per node: all of the node's GPUs share it (its NICs together)."""
     train_dtype: str | None = None
     """The dtype this system always trains in, whatever is asked (a CPU trains in fp32); None: as asked."""
+    asynchronous_dispatch: bool = True
+    """The host queues kernels ahead of an accelerator, so a step takes the longer of the host's dispatch
+    and the device's work; false for a CPU, which runs what it dispatches (no separate host floor)."""
     comment: str = ""
     sources: tuple[str, ...] = ()
 
@@ -124,7 +127,9 @@ def _read_json(text: str, where: str) -> Any:
 def parse_system(raw: Any, *, source: str) -> System:
     """Validate a decoded system file; every error names the file and the key."""
     reader = _Reader(source)
-    top = reader.section(raw, "", ("name", "comment", "sources", "gpu", "network", "train_dtype"))
+    top = reader.section(
+        raw, "", ("name", "comment", "sources", "gpu", "network", "train_dtype", "asynchronous_dispatch")
+    )
     gpu_raw = reader.section(
         top.get("gpu"),
         "gpu",
@@ -158,6 +163,9 @@ def parse_system(raw: Any, *, source: str) -> System:
     dtype = top.get("train_dtype")
     if dtype is not None and dtype not in gpu.matrix_tflops:
         raise PlanError(f"system {source}: train_dtype {dtype!r} has no gpu.matrix_tflops entry")
+    asynchronous = top.get("asynchronous_dispatch", True)
+    if not isinstance(asynchronous, bool):
+        raise PlanError(f"system {source}: asynchronous_dispatch must be true or false")
     sources = top.get("sources", [])
     if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
         raise PlanError(f"system {source}: sources must be a list of strings")
@@ -168,6 +176,7 @@ def parse_system(raw: Any, *, source: str) -> System:
         intra_node=reader.link(net_raw, "network.intra_node"),
         inter_node=reader.link(net_raw, "network.inter_node"),
         train_dtype=dtype,
+        asynchronous_dispatch=asynchronous,
         comment=str(top.get("comment", "")),
         sources=tuple(sources),
     )

@@ -229,11 +229,19 @@ class ThroughputEstimator:
 
 
 def model_step_seconds(
-    model: ModelConfig | ModelShape, strategies: Sequence[Strategy], system: System, dtype: str = "bf16"
+    model: ModelConfig | ModelShape,
+    strategies: Sequence[Strategy],
+    system: System,
+    dtype: str = "bf16",
+    *,
+    backend: str = "native",
 ) -> np.ndarray:
-    """The raw (uncalibrated) model's step seconds of each strategy: what :class:`StepShape` corrects."""
+    """The raw (uncalibrated) model's device seconds per step of each strategy: what :class:`StepShape`
+    corrects. The model's own host-dispatch floor is left out: the shape fits the host floor of the measured
+    run itself (the prior's floor under it would only flatten what it fits)."""
     array = StrategyArray.from_strategies(list(strategies))
-    return predict(model, array, system, dtype=dtype).iteration_time_s
+    prediction = predict(model, array, system, dtype=dtype, backend=backend)
+    return prediction.iteration_time_s - prediction.host_bound_s
 
 
 def estimator_from_step_times(
@@ -244,12 +252,13 @@ def estimator_from_step_times(
     seq: int,
     dtype: str = "bf16",
     source: str = "trace",
+    backend: str = "native",
 ) -> ThroughputEstimator:
     """An estimator from ``(strategy, measured step seconds)`` pairs (a trace's timed rows, say)."""
     estimator = ThroughputEstimator(seq=seq)
     if not measured:
         return estimator
-    model_s = model_step_seconds(model, [s for s, _ in measured], system, dtype)
+    model_s = model_step_seconds(model, [s for s, _ in measured], system, dtype, backend=backend)
     points = [
         Point(
             strategy=strategy,

@@ -54,6 +54,8 @@ class Trace:
     switch_costs_s: tuple[float, ...] = ()
     """Measured costs of the stage changes in the trace."""
     world_size: int | None = None
+    backend: str = "native"
+    """The backend that trained the run (its rows' ``backend`` field; the native engine writes none)."""
     source: str = "<trace>"
 
     def estimate(self, index: int) -> NoiseScaleEstimate | None:
@@ -114,6 +116,7 @@ def read_trace(path: str | Path, *, training: TrainingConfig, min_samples: int =
         timed=timed,
         switch_costs_s=_switch_costs(plain),
         world_size=None if first is None else int(first["dp"]) * int(first["tp"]) * int(first["pp"]),
+        backend=str(next((row["backend"] for row in plain if row.get("backend")), "native")),
         source=str(metrics),
     )
 

@@ -129,6 +129,7 @@ class MetricsRecorder:
         gbs = int(values.get("gbs", strategy.gbs))
         step_time = values["step_time_ms"] / 1000.0 if "step_time_ms" in values else math.nan
         return {
+            "backend": "megatron-deepspeed",  # the planner predicts this run with that backend's profile
             "stage": self.stage,
             "iteration": iteration,
             "consumed_samples": int(values["consumed_samples"]),
