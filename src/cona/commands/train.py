@@ -62,8 +62,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--master-port-base",
         type=int,
-        default=DEFAULT_MASTER_PORT_BASE,
-        help="stage N rendezvous on port BASE+N (default %(default)s)",
+        default=None,
+        help="stage N rendezvous on port BASE+N (default: on one node torchrun picks a free port for every "
+        f"stage; across nodes {DEFAULT_MASTER_PORT_BASE})",
     )
     parser.add_argument(
         "--quiet",
