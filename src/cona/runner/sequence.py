@@ -136,6 +136,7 @@ def _run_on_nodes(
     return run_across_nodes(
         run_dir=run.run_dir,
         nodes=run.nodes,
+        base_port=run.base_port,
         timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
         world_size=run.world_size,
         device_type=run.device_type,
