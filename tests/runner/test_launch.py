@@ -14,9 +14,12 @@ from cona.config import load_config, parse_config
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
 from cona.runner.launch import (
+    ANY_FREE_PORT,
+    DEFAULT_MASTER_PORT_BASE,
     Topology,
     check_port_free,
     describe_failure,
+    resolve_port_base,
     run_stage,
     stage_master_port,
     torchrun_command,
@@ -55,6 +58,21 @@ def test_torchrun_command_names_topology_and_worker(tmp_path):
     }
     assert command[-3:] == ["-m", "cona.engine.worker", str(tmp_path / "spec.json")]
     assert topology.world_size == 12
+
+
+def test_without_a_port_torchrun_picks_a_free_one_on_one_node_only(tmp_path):
+    topology = Topology(nproc_per_node=2, master_port=stage_master_port(None, 3))
+    command = torchrun_command(tmp_path / "spec.json", topology, python="python")
+    assert command[3:7] == ["--standalone", "--nproc-per-node", "2", "--max-restarts"]
+    assert not any(arg.startswith(("--master", "--nnodes", "--node-rank")) for arg in command)
+    with pytest.raises(LaunchError, match="across 2 nodes needs an explicit master port"):
+        Topology(nproc_per_node=2, master_port=ANY_FREE_PORT, nnodes=2)
+
+
+def test_the_port_base_is_explicit_when_given_or_across_nodes():
+    assert resolve_port_base(31000, 1) == 31000 and resolve_port_base(31000, 2) == 31000
+    assert resolve_port_base(None, 2) == DEFAULT_MASTER_PORT_BASE
+    assert resolve_port_base(None, 1) is None
 
 
 def test_worker_env_shares_cores_and_hides_gpus_on_cpu():

@@ -1,9 +1,10 @@
-"""Multi-node placement (hostfile, flags, Slurm), the file protocol between the nodes' runners, and the ssh
+"""Multi-node placement (hostfile, flags, Slurm), the store protocol between the nodes' runners, and the ssh
 command line. Everything here runs in one process; tests/runner/test_multinode_e2e.py runs real nodes."""
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 from pathlib import Path
 
@@ -226,18 +227,26 @@ def test_slurm_conflicts_are_refused(no_scontrol, flags, env, message):
         resolve_placement(flags, full)
 
 
-# ---------------------------------------------------------------- the file protocol between the runners
+# ---------------------------------------------------------------- the store protocol between the runners
 
 TWO_NODES = NodePlacement(num_nodes=2, gpus_per_node=2, hosts=("h0", "h1"))
 FOLLOWER = NodePlacement(num_nodes=2, gpus_per_node=2, node_rank=1, hosts=("h0", "h1"))
 
 
+@pytest.fixture
+def port() -> int:
+    """A port for the runners' store, free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class Follower(threading.Thread):
     """Node 1's runner in a thread, recording the stages it ran (or the error it stopped with)."""
 
-    def __init__(self, run_dir: Path, *, fail_stage: int | None = None, timeout_s: float = 5.0):
+    def __init__(self, port: int, *, fail_stage: int | None = None, timeout_s: float = 5.0):
         super().__init__(daemon=True)
-        self.run_dir, self.fail_stage, self.timeout_s = run_dir, fail_stage, timeout_s
+        self.port, self.fail_stage, self.timeout_s = port, fail_stage, timeout_s
         self.ran: list[tuple[int, str, int]] = []
         self.error: Exception | None = None
 
@@ -249,16 +258,16 @@ class Follower(threading.Thread):
 
     def run(self):
         try:
-            follow(self.run_dir, FOLLOWER, timeout_s=self.timeout_s, run_local=self.run_local, out=print)
+            follow(FOLLOWER, port=self.port, timeout_s=self.timeout_s, run_local=self.run_local, out=print)
         except LaunchError as err:
             self.error = err
 
 
-def test_nodes_agree_on_every_stage_and_node_0_waits_for_every_report(tmp_path):
-    follower = Follower(tmp_path)
+def test_nodes_agree_on_every_stage_and_node_0_waits_for_every_report(tmp_path, port):
+    follower = Follower(port)
     follower.start()
     lines: list[str] = []
-    with Coordinator(tmp_path, TWO_NODES, timeout_s=5.0, out=lines.append) as coordinator:
+    with Coordinator(TWO_NODES, port=port, timeout_s=5.0, out=lines.append) as coordinator:
         for stage in (1, 2):
             coordinator.run_stage(stage, tmp_path / f"spec{stage}.json", 29400 + stage, lambda watch: watch())
             assert (stage, f"spec{stage}.json", 29400 + stage) in follower.ran  # it reported leaving
@@ -268,12 +277,12 @@ def test_nodes_agree_on_every_stage_and_node_0_waits_for_every_report(tmp_path):
     assert lines == ["all 2 nodes joined: h0, h1"]
 
 
-def test_a_failing_node_stops_every_node_and_is_named(tmp_path):
-    follower = Follower(tmp_path, fail_stage=2)
+def test_a_failing_node_stops_every_node_and_is_named(tmp_path, port):
+    follower = Follower(port, fail_stage=2)
     follower.start()
     with (
         pytest.raises(LaunchError, match=r"stage 2: node 1 \(h1\) failed: stage 2: rank 3 failed: Runtime"),
-        Coordinator(tmp_path, TWO_NODES, timeout_s=5.0, out=print) as coordinator,
+        Coordinator(TWO_NODES, port=port, timeout_s=5.0, out=print) as coordinator,
     ):
         coordinator.run_stage(1, tmp_path / "spec1.json", 29401, lambda watch: watch())
 
@@ -286,12 +295,12 @@ def test_a_failing_node_stops_every_node_and_is_named(tmp_path):
     assert "rank 3 failed" in str(follower.error)
 
 
-def test_node_0_abort_stops_the_other_nodes(tmp_path):
-    follower = Follower(tmp_path)
+def test_node_0_abort_stops_the_other_nodes(tmp_path, port):
+    follower = Follower(port)
     follower.start()
     with (
         pytest.raises(LaunchError, match="stage 1: rank 0 failed"),
-        Coordinator(tmp_path, TWO_NODES, timeout_s=5.0, out=print) as coordinator,
+        Coordinator(TWO_NODES, port=port, timeout_s=5.0, out=print) as coordinator,
     ):
 
         def local(watch):
@@ -302,27 +311,27 @@ def test_node_0_abort_stops_the_other_nodes(tmp_path):
     assert "node 0 (h0) stopped the run: stage 1: rank 0 failed: DataError" in str(follower.error)
 
 
-def test_a_node_that_never_starts_is_named_after_the_timeout(tmp_path):
+def test_a_node_that_never_starts_is_named_after_the_timeout(port):
     with (
         pytest.raises(LaunchError, match=r"node 1 \(h1\) did not start within 2 s .* --node-rank"),
-        Coordinator(tmp_path, TWO_NODES, timeout_s=2.0, out=print),
+        Coordinator(TWO_NODES, port=port, timeout_s=2.0, out=print),
     ):
         pass
 
 
-def test_a_node_whose_report_never_comes_is_named(tmp_path):
-    follower = Follower(tmp_path, timeout_s=30.0)
+def test_a_node_whose_report_never_comes_is_named(tmp_path, port):
+    follower = Follower(port, timeout_s=30.0)
     follower.run_local = lambda stage, spec_path, port, watch: threading.Event().wait(60)  # hangs
     follower.start()
     with (
         pytest.raises(LaunchError, match=r"stage 1: node 1 \(h1\) did not report leaving training within"),
-        Coordinator(tmp_path, TWO_NODES, timeout_s=2.0, out=print) as coordinator,
+        Coordinator(TWO_NODES, port=port, timeout_s=2.0, out=print) as coordinator,
     ):
         coordinator.run_stage(1, tmp_path / "spec1.json", 29401, lambda watch: None)
 
 
-def test_a_follower_without_node_0_is_told_so(tmp_path):
-    follower = Follower(tmp_path, timeout_s=1.0)
+def test_a_follower_without_node_0_is_told_so(port):
+    follower = Follower(port, timeout_s=1.0)
     follower.run()
     assert "node 0 (h0) did not gather the nodes within" in str(follower.error)
 

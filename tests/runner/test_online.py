@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from chain_fakes import FakeEngine, chain_run, write_tiny_config
-from test_train_cli import write_tiny_setup
+from test_train_cli import free_port_base, write_tiny_setup
 
 from cona.cli import main
 from cona.commands.demo import demo_config, demo_system
@@ -311,7 +311,7 @@ def test_the_demo_config_is_valid_and_does_not_depend_on_the_cwd(tmp_path, monke
 def test_an_online_run_across_two_nodes_runs_each_stage_on_both(tmp_path):
     """Node 0 searches and decides; node 1's runner starts its share of every stage node 0 announces."""
     node0 = NodePlacement(num_nodes=2, gpus_per_node=2, hosts=("h0", "h1"))
-    run = tiny_online_run(tmp_path, nodes=node0)
+    run = tiny_online_run(tmp_path, nodes=node0, base_port=free_port_base())  # the runners' store's port
     follower_run = dataclasses.replace(run, nodes=dataclasses.replace(node0, node_rank=1))
     followed: list[StageLaunch] = []
     follower = threading.Thread(target=run_online, args=(follower_run,), kwargs={"launcher": followed.append})

@@ -38,10 +38,18 @@ METRIC_FIELDS = {
 
 
 def free_port_base() -> int:
-    """A base port whose stage-1 port (base + 1) is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1] - 1
+    """A base port that is free right now, as is its stage-1 port (base + 1): a run across nodes hosts
+    the runners' store on the base itself."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = sock.getsockname()[1] - 1
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", base))
+            except OSError:
+                continue
+        return base
 
 
 def write_tiny_setup(directory: Path) -> Path:

@@ -62,8 +62,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--master-port-base",
         type=int,
-        default=DEFAULT_MASTER_PORT_BASE,
-        help="stage N rendezvous on port BASE+N (default %(default)s)",
+        default=None,
+        help="stage N rendezvous on port BASE+N (default: on one node torchrun picks a free port for every "
+        f"stage; across nodes {DEFAULT_MASTER_PORT_BASE})",
     )
     parser.add_argument(
         "--quiet",
@@ -245,7 +246,10 @@ def _train_run(args: argparse.Namespace) -> int:
     run_name = args.run_name or default_run_name(f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}")
     run_dir = create_run_dir(Path(config.training.log_root), run_name)
     print(f"run directory: {run_dir}", flush=True)
+    from cona.runner.run_tracker import wandb_notice
     from cona.runner.stage_run import checkpoint_dtype, stage_lr
+
+    print(wandb_notice(config.training, run_name), flush=True)  # a fixed run has no decisions to track
 
     lr = stage_lr(run_dir, config.training, strategy.gbs, 0)
     spec = StageSpec(

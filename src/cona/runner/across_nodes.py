@@ -2,10 +2,11 @@
 
 A chain, an online run and a fixed strategy differ only in how node 0 decides its stages (a chain file, the
 online search, one stage). What every node does is the same (:mod:`cona.runner.multinode_sync`): node 0's
-runner wraps its stage launcher so that each stage is announced to the other nodes' runners, which start
-their share of its workers, and the checkpoint is published only once every node reported leaving training.
-The other nodes therefore never need the mode's decision logic, only the stage specs node 0 writes to the
-shared run directory: :func:`run_across_nodes` takes node 0's driver as a function of the launcher.
+runner hosts the runners' store on the port base and wraps its stage launcher so that each stage is
+announced there to the other nodes' runners, which start their share of its workers, and the checkpoint is
+published only once every node reported leaving training. The other nodes therefore never need the mode's
+decision logic, only the stage specs node 0 writes to the shared run directory: :func:`run_across_nodes`
+takes node 0's driver as a function of the launcher.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from cona.engine.spec import StageSpec
 from cona.runner.launch import Topology
 from cona.runner.multinode import NodePlacement, RemoteRunners
 from cona.runner.multinode_sync import Coordinator, follow
+from cona.runner.runners_store import store_port
 from cona.runner.stage_run import Launcher, StageLaunch
 from cona.runner.state import RunState, load_state
 
@@ -40,6 +42,7 @@ def run_across_nodes(
     *,
     run_dir: Path,
     nodes: NodePlacement,
+    base_port: int | None,
     timeout_s: float,
     world_size: int,
     device_type: str,
@@ -50,7 +53,9 @@ def run_across_nodes(
     drive: Callable[[Launcher], RunState],
 ) -> RunState:
     """Node 0: ``drive(coordinated_launcher)`` (starting the other runners over ssh unless ``--no-ssh``);
-    node r > 0: run every stage node 0 announces until it says the run ended, then return the run state."""
+    node r > 0: run every stage node 0 announces until it says the run ended, then return the run state.
+    The runners agree through a store on ``base_port`` itself (stage N's torchrun uses ``base_port + N``)."""
+    port = store_port(base_port)
     if nodes.node_rank > 0:
 
         def run_local(stage: int, spec_path: Path, port: int, watch: Callable[[], None]) -> None:
@@ -65,14 +70,14 @@ def run_across_nodes(
                 )
             )
 
-        follow(run_dir, nodes, timeout_s=timeout_s, run_local=run_local, out=out)
+        follow(nodes, port=port, timeout_s=timeout_s, run_local=run_local, out=out)
         return load_state(run_dir)
     remote = (
         RemoteRunners(nodes, list(remote_command), cwd=Path.cwd(), env=os.environ, out=out)
         if nodes.ssh
         else None
     )
-    with Coordinator(run_dir, nodes, timeout_s=timeout_s, out=out, remote=remote) as coordinator:
+    with Coordinator(nodes, port=port, timeout_s=timeout_s, out=out, remote=remote) as coordinator:
 
         def coordinated(launch: StageLaunch) -> None:
             coordinator.run_stage(

@@ -12,7 +12,7 @@ from pathlib import Path
 from cona.config import ConaConfig, TrainingConfig, load_config
 from cona.errors import ChainError
 from cona.runner.across_nodes import node_topology
-from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology, resolve_port_base
 from cona.runner.multinode import NodePlacement, resolve_placement
 from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
 
@@ -29,7 +29,8 @@ class ChainRun:
     world_size: int
     device_type: str
     """``cpu`` or ``cuda``; decides the checkpoint dtype directory (CPU trains in fp32)."""
-    base_port: int = DEFAULT_MASTER_PORT_BASE
+    base_port: int | None = DEFAULT_MASTER_PORT_BASE
+    """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
     fresh: bool = False
     """Discard the run directory's state and start the chain over."""
     quiet: bool = False
@@ -62,7 +63,7 @@ def chain_run_from_args(args: argparse.Namespace) -> ChainRun:
         if nodes.num_nodes > 1
         else _world_size(args, device_type),
         device_type=device_type,
-        base_port=getattr(args, "master_port_base", None) or DEFAULT_MASTER_PORT_BASE,
+        base_port=resolve_port_base(getattr(args, "master_port_base", None), nodes.num_nodes),
         fresh=bool(getattr(args, "fresh", False)),
         quiet=bool(getattr(args, "quiet", False)),
         nodes=nodes,

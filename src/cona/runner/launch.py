@@ -31,6 +31,10 @@ from cona.errors import LaunchError
 from cona.runner.run_lock import held_fds
 
 DEFAULT_MASTER_PORT_BASE = 29400
+"""The port base of a run across nodes without ``--master-port-base`` (every node must know the ports before
+any of them starts). On one node, without the flag, torchrun picks a free port for every stage."""
+ANY_FREE_PORT = 0
+"""A topology's master port when torchrun is to pick a free one (``--standalone``; one node only)."""
 WORKER_MODULE = "cona.engine.worker"
 TORCHRUN_LOG = "torchrun.log"
 PIDS_FILE = "pids.json"
@@ -47,9 +51,15 @@ class Topology:
 
     nproc_per_node: int
     master_port: int
+    """The rendezvous port; :data:`ANY_FREE_PORT` lets torchrun pick one (one node only)."""
     master_addr: str = "127.0.0.1"
     nnodes: int = 1
     node_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.master_port == ANY_FREE_PORT and self.nnodes > 1:
+            # the other nodes' torchruns could not learn a port picked here
+            raise LaunchError(f"a run across {self.nnodes} nodes needs an explicit master port")
 
     @property
     def world_size(self) -> int:
@@ -69,9 +79,21 @@ class Topology:
         return PIDS_FILE if self.node_rank == 0 else f"pids.node{self.node_rank}.json"
 
 
-def stage_master_port(base_port: int, stage: int) -> int:
+def resolve_port_base(flag_value: int | None, num_nodes: int) -> int | None:
+    """The run's port base: ``--master-port-base`` when given; across nodes the default base; on one node
+    None, for a free port picked by torchrun at every stage (fixed ports collided with other users' runs
+    on a shared host)."""
+    if flag_value is not None:
+        return flag_value
+    return DEFAULT_MASTER_PORT_BASE if num_nodes > 1 else None
+
+
+def stage_master_port(base_port: int | None, stage: int) -> int:
     """The rendezvous port of a stage: ``base + stage``, so consecutive stages never reuse a port that the
-    previous one's sockets may still hold (the seed derives it from ``step_num`` the same way)."""
+    previous one's sockets may still hold (the seed derives it from ``step_num`` the same way); without a
+    base, :data:`ANY_FREE_PORT`."""
+    if base_port is None:
+        return ANY_FREE_PORT
     port = base_port + stage
     if not 1024 <= port <= 65535:
         raise LaunchError(f"master port {port} (base {base_port} + stage {stage}) is outside 1024..65535")
@@ -79,7 +101,8 @@ def stage_master_port(base_port: int, stage: int) -> int:
 
 
 def check_port_free(port: int, addr: str = "") -> None:
-    """Refuse a port something already listens on (torchrun would otherwise fail after a long wait)."""
+    """Refuse a port something already listens on (torchrun would otherwise fail after a long wait);
+    :data:`ANY_FREE_PORT` always passes."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store does
         try:
@@ -90,6 +113,14 @@ def check_port_free(port: int, addr: str = "") -> None:
             ) from None
 
 
+def pick_free_port(addr: str = "") -> int:
+    """A port free now, for a launcher that cannot pick one itself (DeepSpeed's); another process may
+    still take it before the launcher binds it, which torchrun's ``--standalone`` avoids."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((addr, 0))
+        return sock.getsockname()[1]
+
+
 def torchrun_command(
     spec_path: Path,
     topology: Topology,
@@ -98,14 +129,20 @@ def torchrun_command(
     python: str = sys.executable,
     worker_args: Sequence[str] = (),
 ) -> list[str]:
-    """``python -m torch.distributed.run ... -m <worker_module> SPEC [worker_args]`` for this node."""
+    """``python -m torch.distributed.run ... -m <worker_module> SPEC [worker_args]`` for this node; with
+    :data:`ANY_FREE_PORT`, ``--standalone`` (a rendezvous store on a port the OS picks, on localhost)."""
+    if topology.master_port == ANY_FREE_PORT:
+        rendezvous = ["--standalone"]
+    else:
+        rendezvous = [
+            "--nnodes", str(topology.nnodes),
+            "--node-rank", str(topology.node_rank),
+            "--master-addr", topology.master_addr,
+            "--master-port", str(topology.master_port),
+        ]  # fmt: skip
     return [
-        python, "-m", "torch.distributed.run",
-        "--nnodes", str(topology.nnodes),
-        "--node-rank", str(topology.node_rank),
+        python, "-m", "torch.distributed.run", *rendezvous,
         "--nproc-per-node", str(topology.nproc_per_node),
-        "--master-addr", topology.master_addr,
-        "--master-port", str(topology.master_port),
         "--max-restarts", "0",
         "-m", worker_module, str(spec_path), *worker_args,
     ]  # fmt: skip

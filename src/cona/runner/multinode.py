@@ -5,9 +5,9 @@
 the ``SLURM_*`` variables, give a :class:`NodePlacement`. Node 0 is the master's host; the other hosts take
 ranks 1, 2, ... in hostfile order.
 
-**Start.** Every node runs the same command; the runners agree on every stage boundary through files on the
-shared filesystem (:mod:`cona.runner.multinode_sync`). Without ``--no-ssh`` node 0 starts the other runners
-over ssh (:class:`RemoteRunners`).
+**Start.** Every node runs the same command; the runners agree on every stage boundary through a store
+node 0's runner hosts (:mod:`cona.runner.multinode_sync`). Without ``--no-ssh`` node 0 starts the other
+runners over ssh (:class:`RemoteRunners`).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from cona.runner.online_stages import STAGES_NAME, StageRecords
 from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
 from cona.runner.run_lock import lock_directory, run_locks
+from cona.runner.run_tracker import RunTracker
 from cona.runner.stage_run import (
     Launcher,
     StageLaunch,
@@ -94,6 +95,8 @@ class _Runner:
         """Whether a switch that keeps the layout can keep the state in the workers (a session)."""
         self.handed_over: int | None = None
         """The stage whose state the session's workers hold in memory for the next stage."""
+        self.run_tracker = RunTracker.off()
+        """CONA's decisions and switches for TensorBoard/W&B (opened once the run has a stage to train)."""
 
     # --- run state -------------------------------------------------------------------------------------
 
@@ -237,6 +240,7 @@ class _Runner:
                 metrics_offset=_size(spec.metrics_path),
                 out=self.out,
                 print_stays=not self.run.quiet,  # quiet mode: stage lines, switches and stops only
+                run_tracker=self.run_tracker,
             )
             search.start()
             try:
@@ -286,6 +290,10 @@ class _Runner:
                 f"stage {stage.step_num} -> {stage.step_num + 1}: {request['action']}{how} to "
                 f"{target.strategy.short()} at iteration {stage.last_iteration}"
             )
+            self.run_tracker.switch(
+                stage=stage.step_num + 1, iteration=stage.last_iteration or 0, action=request["action"],
+                strategy=target.strategy.short(), reason=request["reason"], in_place=in_place,
+            )  # fmt: skip
         request_path.unlink()
         return state
 
@@ -387,6 +395,7 @@ def run_online(
         return run_across_nodes(
             run_dir=run.run_dir,
             nodes=run.nodes,
+            base_port=run.base_port,
             timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
             world_size=run.world_size,
             device_type=run.device_type,
@@ -409,8 +418,9 @@ def _drive_online(run: OnlineRun, launcher: Launcher, out: Callable[[str], None]
         )
     if state.current is not None:
         memory = runner.memory(state)
-        while state.current is not None:
-            state, memory = runner.run_stage(state, memory)
+        with RunTracker.open(run.config.training, run.run_dir.name, out) as runner.run_tracker:
+            while state.current is not None:
+                state, memory = runner.run_stage(state, memory)
     chain = realized_chain(state, runner.records.entries)
     (run.run_dir / REALIZED_NAME).write_text(json.dumps(chain, indent=1) + "\n")
     print_summary(run.run_dir, state, runner.records.entries, target_ppl=run.target_ppl, out=out)

@@ -13,7 +13,7 @@ from cona.config import ConaConfig, load_config
 from cona.errors import ConaError
 from cona.runner.chain import content_digest
 from cona.runner.chain_options import PLACEMENT_FLAGS
-from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, resolve_port_base
 from cona.runner.multinode import NodePlacement, resolve_placement
 from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
 
@@ -34,7 +34,8 @@ class OnlineRun:
     total_tokens: int | None = None
     target_ppl: float | None = None
     botorch: bool = True
-    base_port: int = DEFAULT_MASTER_PORT_BASE
+    base_port: int | None = DEFAULT_MASTER_PORT_BASE
+    """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
     fresh: bool = False
     quiet: bool = False
     policy_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -131,7 +132,7 @@ def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
         total_tokens=total_tokens,
         target_ppl=target_ppl,
         botorch=not getattr(args, "no_botorch", False),
-        base_port=getattr(args, "master_port_base", None) or DEFAULT_MASTER_PORT_BASE,
+        base_port=resolve_port_base(getattr(args, "master_port_base", None), nodes.num_nodes),
         fresh=bool(getattr(args, "fresh", False)),
         quiet=bool(getattr(args, "quiet", False)),
         nodes=nodes,

@@ -40,6 +40,7 @@ from cona.planner.policy import (
 )
 from cona.runner.frontier import FrontierSearch
 from cona.runner.jsonl_tail import JsonlTail
+from cona.runner.run_tracker import RunTracker
 from cona.strategy import Strategy
 
 DECISIONS_NAME = "decisions.jsonl"
@@ -119,10 +120,12 @@ class StageSearch:
         metrics_offset: int = 0,
         out: Callable[[str], None] = print,
         print_stays: bool = True,
+        run_tracker: RunTracker | None = None,
     ) -> None:
         """``print_stays``: also say some "stay" decisions on ``out`` (switches and stops always are; every
-        decision is in decisions.jsonl). Off in quiet mode."""
+        decision is in decisions.jsonl). Off in quiet mode. ``run_tracker`` gets every decision too."""
         self.run_dir, self.stage, self.launched_at = run_dir, stage, launched_at
+        self.run_tracker = run_tracker if run_tracker is not None else RunTracker.off()
         self.print_stays = print_stays
         self.settings, self.policy_state, self.tracker = settings, policy_state, tracker
         self.frontier, self.budget, self.pending, self.out = frontier, budget, pending, out
@@ -268,6 +271,7 @@ class StageSearch:
             record["noise_scale_floor"] = self.noise_scale_floor
         with open(self.run_dir / DECISIONS_NAME, "a") as handle:
             handle.write(json.dumps(record) + "\n")
+        self.run_tracker.decision(record)
         self._evaluations += 1
         if decision.action == "stay" and (not self.print_stays or (self._evaluations - 1) % PRINT_EVERY_STAY):
             return  # decisions.jsonl has every evaluation; the console every switch and some stays

@@ -41,6 +41,7 @@ from cona.runner.multinode import runner_command
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.run_dir import point_latest
 from cona.runner.run_lock import lock_directory, run_locks
+from cona.runner.run_tracker import RunTracker
 from cona.runner.stage_run import (
     Launcher,
     StageLaunch,
@@ -77,6 +78,7 @@ class _Context:
     launcher: Launcher
     out: Callable[[str], None]
     publisher: Publisher = publish
+    run_tracker: RunTracker = dataclasses.field(default_factory=RunTracker.off)
 
     def layout_dir(self, step: ChainStep) -> Path:
         return self.run.workdir / layout_relpath(self.run.config, step, self.dtype)
@@ -117,8 +119,10 @@ def _drive_chain(
     state = _open_run(ctx)
     if state.current is None:
         return state
-    for step in chain.steps:
-        state = _run_step(ctx, state, step)
+    with RunTracker.open(run.config.training, run.run_dir.name, out) as run_tracker:
+        ctx = dataclasses.replace(ctx, run_tracker=run_tracker)
+        for step in chain.steps:
+            state = _run_step(ctx, state, step)
     last = state.stages[-1]
     out(
         f"run {run.run_dir.name} finished: {len(chain.steps)} stages, iteration {last.last_iteration}, "
@@ -136,6 +140,7 @@ def _run_on_nodes(
     return run_across_nodes(
         run_dir=run.run_dir,
         nodes=run.nodes,
+        base_port=run.base_port,
         timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
         world_size=run.world_size,
         device_type=run.device_type,
@@ -190,6 +195,11 @@ def _train(ctx: _Context, state: RunState, step: ChainStep) -> RunState:
     if stage.status == "pending":
         stage = _plan_stage(ctx, state, step)
         state = ctx.save(state, stage)
+        if step.step_num > 1:  # planned once: one event per switch, also across a resume
+            ctx.run_tracker.switch(
+                stage=step.step_num, iteration=stage.start_iteration or 0, action="chain step",
+                strategy=step.strategy(ctx.run.config).short(), reason=f"step {step.step_num} of the chain",
+            )  # fmt: skip
     spec = _stage_spec(ctx, stage, step)
     result, launched = finished_result(stage, spec.result_path), None
     if result is None:

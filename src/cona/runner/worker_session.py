@@ -7,7 +7,8 @@ with ``--session DIR`` (:mod:`cona.engine.worker`; ``DIR`` is ``<run_dir>/sessio
 each later stage through ``DIR/next-<k>.json``; the workers answer ``DIR/done-<k>.json`` once the stage
 saved, wrote its result and dropped its objects. The switch still goes through the checkpoint (save,
 publish, load under the new layout, verification): only the processes and their default process group are
-kept, with the port of the session's first stage.
+kept, with the port of the session's first stage (the free port its torchrun picked, unless the run has a
+``--master-port-base``).
 
 Every stage of a session gets its own ``stages/<N>/pids.json`` naming the same torchrun pid (with
 ``"session"``: the directory), completed with ``"ended"`` and return code 0 once the stage is done, so

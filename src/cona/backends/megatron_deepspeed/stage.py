@@ -52,7 +52,7 @@ from cona.engine.optim import lr_schedule
 from cona.engine.spec import StageResult, StageSpec
 from cona.engine.switch_check import Verdict, write_verdict
 from cona.errors import LaunchError
-from cona.runner.launch import check_port_free
+from cona.runner.launch import ANY_FREE_PORT, check_port_free, pick_free_port
 from cona.runner.stage_run import StageLaunch, checkpoint_dtype
 from cona.strategy import Strategy
 
@@ -154,10 +154,13 @@ class MdsBackend:
             json.dumps(ds_config(strategy, spec.config.training, self.device_type), indent=1) + "\n"
         )
         topology = launch.topology
-        check_port_free(topology.master_port)  # else the launch fails only after its minutes of start-up
+        port = topology.master_port
+        if port == ANY_FREE_PORT:
+            port = pick_free_port()  # the deepspeed launcher has no port 0 of its own
+        check_port_free(port)  # else the launch fails only after its minutes of start-up
         placement = LaunchPlacement(
             processes_per_node=topology.nproc_per_node,
-            master_port=topology.master_port,
+            master_port=port,
             master_addr=topology.master_addr or "127.0.0.1",
         )
         command = launcher_command(

@@ -1,0 +1,150 @@
+"""CONA's own signals in the trackers (issue 20.5): the online decisions' noise scale, efficiency and
+predicted against measured throughput, and one event per switch, read back from TensorBoard's event files;
+the line that says whether W&B is on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from chain_fakes import TINY_CONFIG, FakeEngine, chain_run, seed_shaped_chain
+from test_online import StreamingEngine, tiny_online_run
+from test_sequence import setup_run
+
+from cona.config import parse_config
+from cona.runner.online import run_online
+from cona.runner.online_search import DECISIONS_NAME
+from cona.runner.run_tracker import RunTracker, decision_scalars, wandb_notice
+from cona.runner.sequence import run_chain
+
+tensorboard = pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.util import tensor_util  # noqa: E402
+
+
+def read_events(directory: Path) -> EventAccumulator:
+    return EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+
+
+def event_texts(events: EventAccumulator) -> list[tuple[int, str]]:
+    return [
+        (event.step, tensor_util.make_ndarray(event.tensor_proto).item().decode())
+        for event in events.Tensors("cona/events/text_summary")
+    ]
+
+
+def with_tensorboard(run, directory: Path):
+    training = dataclasses.replace(run.config.training, tensorboard_dir=str(directory))
+    return dataclasses.replace(run, config=dataclasses.replace(run.config, training=training))
+
+
+def test_the_wandb_line_says_why_it_is_off():
+    training = load_config_from({"wandb_mode": "offline"})
+    assert wandb_notice(training, "r") == (
+        "W&B is off: training.wandb_project is not set "
+        "(training.wandb_mode 'offline' alone does not turn it on)"
+    )
+    disabled = load_config_from({"wandb_mode": "disabled", "wandb_project": "p"})
+    assert (
+        wandb_notice(disabled, "r")
+        == "W&B is off: training.wandb_mode is 'disabled' (training.wandb_project 'p')"
+    )
+    on = load_config_from({"wandb_mode": "offline", "wandb_project": "p"})
+    assert wandb_notice(on, "r").startswith("W&B: project p, mode offline;") and "run r-cona" in wandb_notice(
+        on, "r"
+    )
+
+
+def load_config_from(training: dict):
+    """The tiny config's training section with ``training``'s keys set."""
+    raw = {**TINY_CONFIG, "training": {**TINY_CONFIG["training"], **training}}
+    return parse_config(raw, source=None).training
+
+
+def test_decision_scalars_follow_the_record_and_skip_unknowns():
+    record = {
+        "iteration": 7,
+        "noise_scale": 120.0,
+        "noise_scale_ema": None,
+        "current": {"efficiency": 0.8, "measured_tokens_per_s": 900.0},
+        "candidate": None,
+        "current_predicted_tokens_per_s": 1000.0,
+        "predicted_over_measured": float("inf"),
+    }
+    assert decision_scalars(record) == {
+        "cona/noise_scale": 120.0,
+        "cona/efficiency": 0.8,
+        "cona/measured_tokens_per_s": 900.0,
+        "cona/predicted_tokens_per_s": 1000.0,
+    }
+
+
+def test_an_online_run_logs_its_decisions_and_each_switch_to_tensorboard(tmp_path):
+    board = tmp_path / "tb"
+    run = with_tensorboard(tiny_online_run(tmp_path), board)
+    lines: list[str] = []
+    engine = StreamingEngine()
+    state = run_online(run, launcher=engine, out=lines.append)
+    assert [launch.spec.strategy.gbs for launch in engine.launches] == [2, 4]  # one switch
+    assert sum(line.startswith("W&B is off: training.wandb_project is not set") for line in lines) == 1
+
+    events = read_events(board / run.run_dir.name)
+    decisions = [json.loads(line) for line in (run.run_dir / DECISIONS_NAME).read_text().splitlines()]
+    known = [d for d in decisions if d["noise_scale"] is not None]
+    assert known, "the fake stream measures a noise scale"
+    logged = {event.step: event.value for event in events.Scalars("cona/noise_scale")}
+    assert logged == pytest.approx({d["iteration"]: d["noise_scale"] for d in known})
+    for tag, key in (
+        ("cona/measured_tokens_per_s", "measured_tokens_per_s"),
+        ("cona/efficiency", "efficiency"),
+    ):
+        values = {event.step: event.value for event in events.Scalars(tag)}
+        expected = {d["iteration"]: d["current"][key] for d in decisions if d["current"][key] is not None}
+        assert values == pytest.approx(expected) and values, tag
+    predicted = {event.step: event.value for event in events.Scalars("cona/predicted_tokens_per_s")}
+    assert predicted == pytest.approx(
+        {d["iteration"]: d["current_predicted_tokens_per_s"] for d in decisions}
+    )
+
+    switch_at = state.stage(1).last_iteration
+    ((step, text),) = event_texts(events)
+    new = engine.launches[1].spec.strategy.short()
+    assert (
+        step == switch_at
+        and text.startswith("stage 1 -> 2: switch")
+        and f"to {new} at iteration {switch_at}: " in text
+    )
+    assert [(event.step, event.value) for event in events.Scalars("cona/stage")] == [(switch_at, 2.0)]
+
+
+def test_a_chain_logs_one_event_per_step_to_the_next_strategy(tmp_path):
+    setup_run(tmp_path, seed_shaped_chain(3))
+    board = tmp_path / "tb"
+    run = with_tensorboard(chain_run(tmp_path, tmp_path / "chain.json"), board)
+    lines: list[str] = []
+    state = run_chain(run, launcher=FakeEngine(), out=lines.append)
+    texts = event_texts(read_events(board / run.run_dir.name))
+    starts = [state.stage(number).start_iteration for number in (2, 3)]
+    assert [step for step, _ in texts] == starts
+    assert [text.split(":")[0] for _, text in texts] == ["stage 1 -> 2", "stage 2 -> 3"] and all(
+        "chain step to dp4/tp1/pp1" in text for _, text in texts
+    )
+
+    # the rerun of a finished chain logs no switch again (nor does a resume: a stage is planned once)
+    run_chain(run, launcher=FakeEngine(), out=lines.append)
+    assert len(event_texts(read_events(board / run.run_dir.name))) == 2
+
+
+def test_the_runner_writes_its_own_wandb_run_beside_the_workers(tmp_path):
+    pytest.importorskip("wandb")
+    training = load_config_from(
+        {"wandb_project": "cona-test", "wandb_mode": "offline", "wandb_dir": str(tmp_path / "wandb")}
+    )
+    lines: list[str] = []
+    with RunTracker.open(training, "run/1", lines.append) as tracker:
+        tracker.decision({"iteration": 3, "noise_scale": 50.0, "current": {"efficiency": 0.5}})
+        tracker.switch(stage=2, iteration=3, action="switch", strategy="dp4/tp1/pp1 mbs2 gbs8", reason="wins")
+    assert lines == [wandb_notice(training, "run/1")]
+    assert list((tmp_path / "wandb").rglob("offline-run-*-run-1-cona"))
