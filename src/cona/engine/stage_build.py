@@ -34,7 +34,7 @@ from cona.engine.checkpoint import (
 from cona.engine.divergence import DivergenceWatch
 from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
-from cona.engine.parallel_dims import build_mesh, validate_layout
+from cona.engine.parallel_dims import build_mesh
 from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
 from cona.engine.spec import StageSpec
 from cona.engine.step_trace import step_trace_from_env
@@ -138,7 +138,6 @@ def build_stage(
 ) -> tuple[StageContext, Progress]:
     """Mesh, model, optimizer, data and LR schedule of this rank, resumed from ``spec.load_path``."""
     config, strategy = spec.config, spec.strategy
-    validate_layout(config.model, config.training, strategy, world_size=dist.get_world_size())
     mesh = build_mesh(strategy, device.type)
     model = build_training_model(config, strategy, mesh, device)
     optimizer = build_optimizer(model.model_parts, config.training)

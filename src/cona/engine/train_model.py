@@ -24,7 +24,6 @@ from cona.config import ConaConfig
 from cona.engine import gns
 from cona.engine.model import GPT, init_weights, parameter_seed, token_cross_entropy
 from cona.engine.objective import loss_token_count, micro_batch_share, summed_token_cross_entropy
-from cona.engine.parallel_dims import validate_layout
 from cona.engine.parallelize import GradAllReducer, match_grad_placements, parallelize_gpt
 from cona.engine.pipeline import (
     PipelineRunner,
@@ -372,9 +371,8 @@ class TrainingModel:
 def build_training_model(
     config: ConaConfig, strategy: Strategy, mesh: DeviceMesh, device: torch.device
 ) -> TrainingModel:
-    """Build this rank's parts on meta, parallelise, materialise on ``device``, initialise from the seed."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    validate_layout(config.model, config.training, strategy, world_size=world)
+    """Build this rank's parts on meta, parallelise, materialise on ``device``, initialise from the seed.
+    The layout is not checked here: the worker checks it once, when the stage spec arrives."""
     dtype = resolved_dtype(config.training, device)
     stage_ids = stage_ids_of_rank(strategy, mesh.get_local_rank("pp"))
     compile_blocks = config.training.compiles_on(device.type) and not compiles_whole_model(strategy)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from cona.config import ConaConfig
+from cona.engine.parallel_dims import validate_layout
 from cona.engine.session import SESSION_FLAG, next_stage, release_stage_memory
 from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV, StageResult, StageSpec
 from cona.engine.stage_build import (
@@ -103,6 +104,9 @@ def run_stage(
     """Build (or continue in place), resume, train and save one stage; rank 0 writes ``stage_result.json``.
     Returns the result and, when the stage hands its state over to the session's next stage (an in-place
     switch), that state; otherwise the stage's mesh groups are destroyed at the end."""
+    # The one layout check of a worker: where the strategy arrives (built fresh or continued in place).
+    config = spec.config
+    validate_layout(config.model, config.training, spec.strategy, world_size=dist.get_world_size())
     verdict = None
     if spec.continue_in_place:
         context, progress = continue_in_place(carried, spec, console=console, timings=timings)
