@@ -193,9 +193,10 @@ def _save(
     *,
     milestones: dict[str, float] | None = None,
 ) -> Path:
-    """Collective save of the stage's state at ``at`` (trainer_state as the engine contract lists it), with
-    the probe loss of the state saved, which whoever loads it verifies (any later stage may load it under
-    another layout). ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
+    """Collective save of the stage's state at ``at`` (``trainer_state``: the progress counters
+    :meth:`Progress.from_trainer_state` reads back, the stage, the seed and the LR schedule), with the probe
+    loss of the state saved, which whoever loads it verifies (any later stage may load it under another
+    layout). ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
     record = measure_probe(model, probe, iteration=at.iteration)
     if milestones is not None:
         milestones["probe_done"] = time.time()

@@ -52,7 +52,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class TrainingModel:
-    """This rank's model parts plus everything a training step needs (see the engine contract)."""
+    """This rank's model parts plus everything a training step needs; the trainer drives it through
+    ``train_step_pending``, ``clip_grad_norm_pending``, ``optimizer_step_pending`` and ``eval_loss``, the
+    worker through ``probe_loss`` (switch verification) and ``rebatch`` (an in-place switch)."""
 
     def __init__(
         self,
@@ -371,7 +373,8 @@ class TrainingModel:
 def build_training_model(
     config: ConaConfig, strategy: Strategy, mesh: DeviceMesh, device: torch.device
 ) -> TrainingModel:
-    """Build this rank's parts on meta, parallelise, materialise on ``device``, initialise from the seed.
+    """Build this rank's parts on meta, parallelise, materialise on ``device``, initialise every parameter
+    from ``training.seed`` and its name.
     The layout is not checked here: the worker checks it once, when the stage spec arrives."""
     dtype = resolved_dtype(config.training, device)
     stage_ids = stage_ids_of_rank(strategy, mesh.get_local_rank("pp"))

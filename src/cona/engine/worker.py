@@ -15,8 +15,8 @@ each stage drop its objects, rank 0 writes ``DIR/done-<k>.json``, and every rank
 session. A rank whose runner (``CONA_RUNNER_PID``) or torchrun is gone stops waiting and exits 1; so do
 all ranks during training, within about a second (:class:`cona.engine.session.RunnerWatch`).
 
-The process ends with ``os._exit`` after a barrier: interpreter finalisation can abort in gloo's threads
-once DTensor collectives ran (see docs: torch-native-on-cpu, gotcha 1).
+The process ends with ``os._exit`` after a barrier: once DTensor collectives ran on gloo, interpreter
+finalisation can abort inside gloo's threads, so no rank goes through it.
 """
 
 from __future__ import annotations

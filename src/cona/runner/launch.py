@@ -71,7 +71,8 @@ class Topology:
 
 def stage_master_port(base_port: int, stage: int) -> int:
     """The rendezvous port of a stage: ``base + stage``, so consecutive stages never reuse a port that the
-    previous one's sockets may still hold (the seed derives it from ``step_num`` the same way)."""
+    previous one's sockets may still hold (the original CONA scripts derive it from ``step_num`` the same
+    way)."""
     port = base_port + stage
     if not 1024 <= port <= 65535:
         raise LaunchError(f"master port {port} (base {base_port} + stage {stage}) is outside 1024..65535")
