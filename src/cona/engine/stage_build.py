@@ -37,9 +37,10 @@ from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
 from cona.engine.parallel_dims import build_mesh
 from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
 from cona.engine.spec import StageSpec
+from cona.engine.step_modes import resolved_dtype
 from cona.engine.step_trace import step_trace_from_env
 from cona.engine.switch_check import ProbeRecord, Verdict, compare_probe, write_verdict
-from cona.engine.train_model import TrainingModel, build_training_model, resolved_dtype
+from cona.engine.train_model import TrainingModel, build_training_model
 from cona.engine.trainer import Progress, StageContext, fixed_eval_batches
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.flops import training_flops_per_token
