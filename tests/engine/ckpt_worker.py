@@ -382,7 +382,7 @@ def main() -> None:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    # Skip interpreter teardown: gloo threads can abort it (torch-native-on-cpu.md, gotcha 1).
+    # Skip interpreter teardown: gloo threads can abort it (as cona.engine.worker does, see its docstring).
     sys.stdout.flush()
     if dist.is_initialized():
         dist.barrier()

@@ -142,7 +142,7 @@ def main() -> None:
     sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (see torch-native-on-cpu.md)
+    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (as cona.engine.worker does)
 
 
 if __name__ == "__main__":

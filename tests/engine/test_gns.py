@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
+from tests.engine.tiny import tiny_engine
 from torch import nn
 
-from cona.config import ConaConfig, ModelConfig, TrainingConfig
+from cona.config import ConaConfig
 from cona.engine.gns import MicroBatchNormMeter, PreviousGradient, difference_estimate, is_tied
 from cona.engine.model import GPT, init_weights
-from cona.engine.parallel_dims import build_mesh
 from cona.engine.step_noise import NoiseInputs, split_rows
-from cona.engine.train_model import LossScaler, TrainingModel, build_training_model, token_cross_entropy
+from cona.engine.train_model import LossScaler, token_cross_entropy
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.strategy import Strategy
 
@@ -128,17 +128,6 @@ def test_held_copies_survive_the_gradients_being_overwritten() -> None:
     assert torch.equal(previous.grads[0], b[0]) and previous.grads[0] is not b[0]
 
 
-def tiny_engine(gbs: int, mbs: int) -> tuple[TrainingModel, ConaConfig]:
-    config = ConaConfig(
-        model=ModelConfig(
-            layers=2, hidden=32, heads=2, seq=8, vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0
-        ),
-        training=TrainingConfig(device="cpu", seed=3),
-    )
-    strategy = Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=gbs)
-    return build_training_model(config, strategy, build_mesh(strategy, "cpu"), torch.device("cpu")), config
-
-
 def token_batches(
     config: ConaConfig, rows: int, mbs: int, seed: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -156,7 +145,8 @@ def plain_gns_sqr(config: ConaConfig, inputs: torch.Tensor, targets: torch.Tenso
 
 
 def test_engine_reports_micro_batch_norms_with_accumulation(one_process_group) -> None:
-    engine, config = tiny_engine(gbs=4, mbs=2)
+    engine = tiny_engine(gbs=4, mbs=2)
+    config = engine.config
     batches = token_batches(config, 4, 2, seed=0)
     out = engine.train_step_pending(batches).result()
     per_micro = [plain_gns_sqr(config, *batch)[0] for batch in batches]
@@ -168,7 +158,8 @@ def test_engine_reports_micro_batch_norms_with_accumulation(one_process_group) -
 
 def test_engine_pairs_consecutive_steps_with_one_sample(one_process_group) -> None:
     """mbs = 1 on one rank cannot be split: the difference estimator pairs two consecutive steps."""
-    engine, config = tiny_engine(gbs=1, mbs=1)
+    engine = tiny_engine(gbs=1, mbs=1)
+    config = engine.config
     first_batch, second_batch = token_batches(config, 1, 1, seed=1)[0], token_batches(config, 1, 1, seed=2)[0]
     first = engine.train_step_pending([first_batch]).result()
     assert math.isnan(first.gns_small_sqr) and math.isnan(first.gns_big_sqr)
@@ -187,7 +178,8 @@ def test_engine_pairs_consecutive_steps_with_one_sample(one_process_group) -> No
 def test_a_measured_single_micro_batch_step_runs_as_halves(one_process_group) -> None:
     """gbs = mbs on one rank: the measured step accumulates two halves, so both norms are of this step's
     parameters; loss and gradient are those of the unsplit (unmeasured) step."""
-    engine, config = tiny_engine(gbs=4, mbs=4)
+    engine = tiny_engine(gbs=4, mbs=4)
+    config = engine.config
     (batch,) = token_batches(config, 4, 4, seed=7)
     unsplit = engine.train_step_pending([batch], measure_gns=False).result()
     unsplit_grads = [p.grad.clone() for p in engine.model_parts[0].parameters()]
@@ -200,7 +192,8 @@ def test_a_measured_single_micro_batch_step_runs_as_halves(one_process_group) ->
     assert split.gns_small_sqr == pytest.approx(sum(halves) / 2, rel=1e-5)
     assert split.gns_big_sqr == pytest.approx(plain_gns_sqr(config, *batch)[0], rel=1e-5)
     assert not engine._noise.meter._handles  # unmeasured steps run no hook
-    odd, odd_config = tiny_engine(gbs=3, mbs=3)  # odd mbs: thirds, one row each
+    odd = tiny_engine(gbs=3, mbs=3)  # odd mbs: thirds, one row each
+    odd_config = odd.config
     assert odd.train_step_pending(token_batches(odd_config, 3, 3, seed=8)).result().gns_small_batch == 1
 
 
@@ -230,7 +223,8 @@ def test_halves_recover_a_planted_noise_scale_with_gbs_equal_to_mbs() -> None:
 
 
 def test_clip_and_optimizer_step(one_process_group) -> None:
-    engine, config = tiny_engine(gbs=4, mbs=2)
+    engine = tiny_engine(gbs=4, mbs=2)
+    config = engine.config
     batches = token_batches(config, 4, 2, seed=4)
     optimizer = torch.optim.SGD([p for part in engine.model_parts for p in part.parameters()], lr=0.5)
     first = engine.train_step_pending(batches).result()
@@ -260,7 +254,8 @@ def test_loss_scaler_backs_off_and_grows() -> None:
 
 def test_fp16_loss_scaling_unscales_and_skips_overflow(one_process_group) -> None:
     """The scaler's path, driven on CPU: a scaled step equals the unscaled one; an overflow is skipped."""
-    engine, config = tiny_engine(gbs=4, mbs=2)
+    engine = tiny_engine(gbs=4, mbs=2)
+    config = engine.config
     batches = token_batches(config, 4, 2, seed=5)
     reference = engine.train_step_pending(batches).result()
     reference_norm = engine.clip_grad_norm_pending(0.0).item()
@@ -280,7 +275,8 @@ def test_fp16_loss_scaling_unscales_and_skips_overflow(one_process_group) -> Non
 
 
 def test_gns_can_be_switched_off(one_process_group) -> None:
-    engine, config = tiny_engine(gbs=4, mbs=2)
+    engine = tiny_engine(gbs=4, mbs=2)
+    config = engine.config
     batches = token_batches(config, 4, 2, seed=6)
     measured = engine.train_step_pending(batches).result()
     norm = engine.clip_grad_norm_pending(0.0).item()

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from tests.engine.tiny import tiny_config
 
-from cona.config import ConaConfig, ModelConfig, TrainingConfig
 from cona.engine.optim import build_optimizer, set_lr
 from cona.engine.parallel_dims import build_mesh
 from cona.engine.train_model import TrainingModel, build_training_model
@@ -17,12 +17,7 @@ from cona.planner.efficiency import NoiseScaleTracker, two_batch_estimate
 from cona.strategy import Strategy
 
 VOCAB, SEQ = 64, 16
-CONFIG = ConaConfig(
-    model=ModelConfig(
-        layers=2, hidden=32, heads=2, seq=SEQ, vocab_size=VOCAB, attention_dropout=0.0, hidden_dropout=0.0
-    ),
-    training=TrainingConfig(device="cpu", seed=11),
-)
+CONFIG = tiny_config(seq=SEQ, seed=11)
 
 
 class MarkovText:

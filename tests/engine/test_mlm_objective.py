@@ -17,14 +17,11 @@ from tests.engine.mlm_objective_worker import (
     run_layout,
     tiny_bert_config,
 )
+from tests.engine.tiny import tiny_config, tiny_engine
 from tests.torchrun_util import run_torchrun
 
-from cona.config import ConaConfig, ModelConfig, TrainingConfig
 from cona.engine.model import token_cross_entropy
 from cona.engine.objective import loss_token_count, micro_batch_share
-from cona.engine.parallel_dims import build_mesh
-from cona.engine.train_model import build_training_model
-from cona.strategy import Strategy
 
 WORKER = str(Path(__file__).with_name("mlm_objective_worker.py"))
 GBS = len(TARGETS_PER_ROW)
@@ -54,14 +51,7 @@ def test_every_micro_batch_split_computes_the_global_masked_mean(one_process_gro
 
 def test_gpt_loss_is_still_the_mean_of_micro_batch_means(one_process_group) -> None:
     """Every target counts: the share n / N is exactly 1 / (mbs * seq), so L_k is the micro-batch mean."""
-    config = ConaConfig(
-        model=ModelConfig(
-            layers=2, hidden=32, heads=2, seq=12, vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0
-        ),
-        training=TrainingConfig(device="cpu", seed=3),
-    )
-    strategy = Strategy(dp=1, tp=1, pp=1, mbs=3, gbs=6)
-    engine = build_training_model(config, strategy, build_mesh(strategy, "cpu"), torch.device("cpu"))
+    engine = tiny_engine(gbs=6, mbs=3, config=tiny_config(seq=12))
     tokens = torch.randint(0, 64, (6, 13), generator=torch.Generator().manual_seed(0))
     batches = list(zip(tokens[:, :-1].split(3), tokens[:, 1:].split(3), strict=True))
     out = engine.train_step_pending(batches).result()

@@ -12,27 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.engine.tiny import TINY_MODEL, tiny_engine
 
-from cona.config import ConaConfig, ModelConfig, TrainingConfig, parse_config
-from cona.engine.parallel_dims import build_mesh
+from cona.config import parse_config
 from cona.engine.spec import StageSpec
-from cona.engine.train_model import PendingStepOutput, TrainingModel, build_training_model
+from cona.engine.train_model import PendingStepOutput
 from cona.engine.trainer import IntervalSums, Progress, gns_due
 from cona.runner.run_dir import resolve_log_root
 from cona.strategy import Strategy
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def tiny_engine(gbs: int, mbs: int) -> TrainingModel:
-    config = ConaConfig(
-        model=ModelConfig(
-            layers=2, hidden=32, heads=2, seq=8, vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0
-        ),
-        training=TrainingConfig(device="cpu", seed=3),
-    )
-    strategy = Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=gbs)
-    return build_training_model(config, strategy, build_mesh(strategy, "cpu"), torch.device("cpu"))
 
 
 def batches(rows: int, mbs: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -110,7 +99,7 @@ def test_interval_means_skip_non_finite_gns_inputs() -> None:
 
 def stage_spec(tmp_path: Path, log_interval: int, **stop) -> StageSpec:
     raw = {
-        "model": {"name": "gpt-tiny", "layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab_size": 300},
+        "model": TINY_MODEL,
         "training": {"device": "cpu", "log_interval": log_interval, "eval_interval": 1000},
     }
     config = resolve_log_root(parse_config(raw, source=tmp_path / ".conaconfig"))

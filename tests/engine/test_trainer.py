@@ -9,6 +9,7 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
+from tests.engine.tiny import TINY_MODEL
 
 from cona.config import parse_config
 from cona.engine.metrics import (
@@ -27,7 +28,7 @@ from cona.runner.run_dir import resolve_log_root
 from cona.strategy import Strategy
 
 TINY = {
-    "model": {"name": "gpt-tiny", "layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab_size": 300},
+    "model": TINY_MODEL,
     "training": {"device": "cpu", "base_gbs": 8, "log_interval": 2, "eval_interval": 4, "eval_iters": 2},
 }
 

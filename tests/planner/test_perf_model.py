@@ -125,10 +125,11 @@ def test_vectorised_prediction_equals_one_at_a_time():
 def test_impossible_strategies_are_refused_in_one_line():
     for strategy, reason in (
         (Strategy(dp=1, tp=3, pp=1, mbs=1, gbs=1), "tp=3 does not divide heads=16"),
-        (Strategy(dp=1, tp=1, pp=5, mbs=1, gbs=5), "does not divide layers=24"),
+        (Strategy(dp=1, tp=1, pp=32, mbs=1, gbs=32), r"layers=24 is fewer than pp\*virtual_stages=32"),
+        (Strategy(dp=1, tp=1, pp=4, mbs=1, gbs=2), "1f1b needs at least pp=4 micro-batches"),
         (Strategy(dp=3, tp=1, pp=1, mbs=2, gbs=8), "gbs=8 is not a multiple"),
-        (Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=1, zero_stage=4), "zero_stage=4"),
-        (Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=1, virtual_stages=2), "needs pipeline_schedule"),
+        (Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=1, zero_stage=4), "zero_stage 4"),
+        (Strategy(dp=1, tp=1, pp=2, mbs=1, gbs=2, virtual_stages=2), "needs the interleaved_1f1b schedule"),
     ):
         with pytest.raises(PlanError, match=reason) as info:
             one(strategy)

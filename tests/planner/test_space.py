@@ -166,3 +166,11 @@ def test_filter_by_memory_keeps_exactly_what_fits():
     expected = int((~predict(GPT_175B, strategies, a100).oom).sum())
     assert 0 < len(fitting) == expected < len(strategies)
     assert not predict(GPT_175B, fitting, a100).oom.any()
+
+
+def test_tp_must_divide_the_key_value_heads_too():
+    # 8 heads but 2 key/value heads: tp 4 and 8 divide the heads, yet a rank must hold whole key/value heads.
+    gqa = ModelConfig(layers=8, hidden=128, heads=8, kv_heads=2, seq=64, vocab_size=256)
+    strategies = enumerate_strategies(gqa, 8, 16, gpus_per_node=8, options=ONLY_LAYOUT)
+    assert set(strategies.tp.tolist()) == {1, 2}
+    assert valid_mask(gqa, strategies).all()

@@ -52,7 +52,8 @@ def tiny_layout(tp: int, pp: int, dp: int) -> str:
 
 
 def seed_shaped_chain(iters: int = 3) -> dict:
-    """The seed's three-stage shape on 4 processes: dp2/pp2 gbs 8 -> dp4 gbs 16 -> dp4 gbs 32."""
+    """The three-stage shape of examples/gpt/chain_config.json on 4 processes: dp2/pp2 gbs 8 -> dp4
+    gbs 16 -> dp4 gbs 32."""
     return {
         "steps": [
             {

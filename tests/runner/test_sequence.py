@@ -168,7 +168,8 @@ def test_options_from_the_command_line(tmp_path):
         ).world_size
         == 4
     )
-    # The seed's form, no --gpus: on CPU the chain's first step says how many processes (dp * tp * pp).
+    # The original CONA command line, no --gpus: on CPU the chain's first step says how many processes
+    # (dp * tp * pp).
     first = json.loads((tmp_path / "chain.json").read_text())["steps"][0]
     seed_form = chain_run_from_args(argparse.Namespace(**{**vars(args), "gpus": None}))
     assert seed_form.world_size == first.get("dp", 1) * first.get("tp", 1) * first.get("pp", 1)

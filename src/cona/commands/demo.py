@@ -1,10 +1,12 @@
-"""``cona demo [--out DIR] [--gpus N]``: the README's first command, the main job on the demo text.
+"""``cona demo [--out DIR] [--data DIR] [--gpus N]``: the README's first command, the main job on the demo
+text.
 
-It does not depend on the directory it is started from: the config is embedded here (the tiny GPT of
-``examples/tiny/.conaconfig``), its data paths point at the project's ``data/demo`` (obtained first when
-missing), and it is written into the demo's own directory ``<out>/<UTC time>/`` together with the logs
-and checkpoints. The job is online strategy chaining (:mod:`cona.runner.online`): 4 CPU worker processes,
-or one per GPU when GPUs are visible.
+The config is embedded here (the tiny GPT of ``examples/tiny/.conaconfig``); its data paths point at
+``--data`` (default: a checkout's ``data/demo`` when started from the checkout, else ``demo/`` in the user
+data directory, ``$XDG_DATA_HOME/cona`` or ``~/.local/share/cona``: :func:`cona.data.demo.default_demo_dir`),
+obtained there first when missing; it is written into the demo's own directory ``<out>/<UTC time>/``
+together with the logs and checkpoints. The job is online strategy chaining (:mod:`cona.runner.online`):
+4 CPU worker processes, or one per GPU when GPUs are visible.
 """
 
 from __future__ import annotations
@@ -15,11 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import cona
 from cona.errors import ConaError
 
-PROJECT_ROOT = Path(cona.__file__).resolve().parents[2]
-"""The checkout cona is installed from (editable install: src/cona/__init__.py -> the project root)."""
 CPU_PROCESSES = 4
 
 DEMO_MODEL: dict[str, Any] = {
@@ -69,8 +68,16 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        default=PROJECT_ROOT / "runs" / "demo",
-        help="where the demo's runs go (default: %(default)s)",
+        default=Path("runs") / "demo",
+        help="where the demo's runs go (default: %(default)s in the current directory)",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the demo data's directory, obtained there when missing (default: ./data/demo when it exists, "
+        "as in a checkout, else $XDG_DATA_HOME/cona/demo or ~/.local/share/cona/demo)",
     )
     parser.add_argument(
         "--gpus", type=int, default=None, help="processes: default the GPU count, or 4 CPU processes"
@@ -112,7 +119,7 @@ def _demo(args: argparse.Namespace) -> int:
     processes = args.gpus if args.gpus is not None else (gpus_visible or CPU_PROCESSES)
     if processes < 1:
         raise ConaError(f"cona demo --gpus: must be at least 1, got {processes}")
-    data_dir = PROJECT_ROOT / "data" / "demo"
+    data_dir = _demo_data_dir(args.data)
     _ensure_demo_data(data_dir)
     run_root = (args.out / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")).resolve()
     run_root.mkdir(parents=True, exist_ok=False)
@@ -166,6 +173,12 @@ def _online_args(config_path: Path, run_root: Path, processes: int, system: str)
         system=system,
         **DEMO_ONLINE,
     )
+
+
+def _demo_data_dir(given: Path | None) -> Path:
+    from cona.data.demo import default_demo_dir
+
+    return (given if given is not None else default_demo_dir()).expanduser().absolute()
 
 
 def _ensure_demo_data(data_dir: Path) -> None:

@@ -43,6 +43,24 @@ TINY_VOCAB_SIZE = 4096
 """The tiny example's vocabulary: a multiple of 128 (make_vocab_size_divisible_by), so nothing is padded."""
 COMPLETE_MARKER = ".complete"
 PREPROCESS_WORKERS = 2
+CHECKOUT_DEMO_DIR = Path("data") / "demo"
+"""Where ``scripts/install.sh`` puts the demo data in a checkout (relative to the project root)."""
+
+
+def user_data_dir() -> Path:
+    """CONA's per-user data directory, as the XDG base-directory rules place it: ``$XDG_DATA_HOME/cona``
+    (an absolute ``XDG_DATA_HOME`` only, as the rules say), else ``~/.local/share/cona``."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".local" / "share"
+    return root / "cona"
+
+
+def default_demo_dir(cwd: Path | None = None) -> Path:
+    """Where ``cona demo`` keeps its data when ``--data`` is not given: ``data/demo`` of the checkout it is
+    started from when that exists (what ``scripts/install.sh`` made), else ``demo/`` in the user data
+    directory. Nothing depends on where the package is installed, so a wheel install works too."""
+    checkout = (cwd if cwd is not None else Path.cwd()) / CHECKOUT_DEMO_DIR
+    return checkout if checkout.exists() else user_data_dir() / "demo"
 
 
 @dataclass(frozen=True, kw_only=True)

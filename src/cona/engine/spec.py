@@ -18,11 +18,11 @@ from cona.strategy import Strategy
 
 SPEC_VERSION = 1
 LAUNCH_TIME_ENV = "CONA_LAUNCH_TIME"
+"""Environment variable in which the runner passes the unix time it started the stage's processes."""
 RUNNER_PID_ENV = "CONA_RUNNER_PID"
 """The runner's pid: its workers stop (during training and between a session's stages) once it is gone."""
 WORKER_CONSOLE_ENV = "CONA_WORKER_CONSOLE"
 """Set to 0 by the runner when its own console shows the metrics: rank 0 then prints no per-interval lines."""
-"""Environment variable in which the runner passes the unix time it started the stage's processes."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,12 +34,13 @@ from cona.engine.checkpoint import (
 from cona.engine.divergence import DivergenceWatch
 from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
-from cona.engine.parallel_dims import build_mesh, validate_layout
+from cona.engine.parallel_dims import build_mesh
 from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
 from cona.engine.spec import StageSpec
+from cona.engine.step_modes import resolved_dtype
 from cona.engine.step_trace import step_trace_from_env
 from cona.engine.switch_check import ProbeRecord, Verdict, compare_probe, write_verdict
-from cona.engine.train_model import TrainingModel, build_training_model, resolved_dtype
+from cona.engine.train_model import TrainingModel, build_training_model
 from cona.engine.trainer import Progress, StageContext, fixed_eval_batches
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.flops import training_flops_per_token
@@ -138,7 +139,6 @@ def build_stage(
 ) -> tuple[StageContext, Progress]:
     """Mesh, model, optimizer, data and LR schedule of this rank, resumed from ``spec.load_path``."""
     config, strategy = spec.config, spec.strategy
-    validate_layout(config.model, config.training, strategy, world_size=dist.get_world_size())
     mesh = build_mesh(strategy, device.type)
     model = build_training_model(config, strategy, mesh, device)
     optimizer = build_optimizer(model.model_parts, config.training)
@@ -194,9 +194,10 @@ def _save(
     *,
     milestones: dict[str, float] | None = None,
 ) -> Path:
-    """Collective save of the stage's state at ``at`` (trainer_state as the engine contract lists it), with
-    the probe loss of the state saved, which whoever loads it verifies (any later stage may load it under
-    another layout). ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
+    """Collective save of the stage's state at ``at`` (``trainer_state``: the progress counters
+    :meth:`Progress.from_trainer_state` reads back, the stage, the seed and the LR schedule), with the probe
+    loss of the state saved, which whoever loads it verifies (any later stage may load it under another
+    layout). ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
     record = measure_probe(model, probe, iteration=at.iteration)
     if milestones is not None:
         milestones["probe_done"] = time.time()

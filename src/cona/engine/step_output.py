@@ -1,4 +1,4 @@
-"""What a training step reports: :class:`StepOutput` (Python numbers, the engine contract) and
+"""What a training step reports: :class:`StepOutput` (Python numbers, what the trainer logs) and
 :class:`PendingStepOutput` (the same numbers still on the device), and fp16's dynamic loss scaler."""
 
 from __future__ import annotations

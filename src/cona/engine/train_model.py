@@ -24,7 +24,6 @@ from cona.config import ConaConfig
 from cona.engine import gns
 from cona.engine.model import GPT, init_weights, parameter_seed, token_cross_entropy
 from cona.engine.objective import loss_token_count, micro_batch_share, summed_token_cross_entropy
-from cona.engine.parallel_dims import validate_layout
 from cona.engine.parallelize import GradAllReducer, match_grad_placements, parallelize_gpt
 from cona.engine.pipeline import (
     PipelineRunner,
@@ -44,7 +43,6 @@ __all__ = [
     "StepOutput",
     "TrainingModel",
     "build_training_model",
-    "resolved_dtype",
     "token_cross_entropy",
 ]
 
@@ -53,7 +51,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class TrainingModel:
-    """This rank's model parts plus everything a training step needs (see the engine contract)."""
+    """This rank's model parts plus everything a training step needs: the trainer runs the ``*_pending`` steps
+    and ``eval_loss``, the worker ``probe_loss`` (switch verification) and ``rebatch`` (in-place switch)."""
 
     def __init__(
         self,
@@ -85,7 +84,7 @@ class TrainingModel:
         self._compiled: dict[bool, Callable] = {}
         """The compiled forward with and without CUDA graphs, kept across in-place switches (see rebatch)."""
         self._set_batch_parts(strategy)
-        self._last_norm_sqr: torch.Tensor | None = None
+        self._last_norm_sqr: torch.Tensor | None = None  # of the gradients held now; None: none held
 
     def _set_batch_parts(self, strategy: Strategy) -> None:
         """What depends on the micro-batch count: the pipeline schedule, CUDA graphs (single micro-batch
@@ -156,8 +155,8 @@ class TrainingModel:
             raise ValueError(
                 f"train_step got {n_micro} micro-batches, the strategy has {self.strategy.micro_batches}"
             )
-        for param in self._unique_params():
-            param.grad = None
+        if self._last_norm_sqr is not None:  # the last step's gradients, which no optimizer step consumed
+            self._drop_grads()
         if self.cuda_graphs:  # the last step's graph outputs are dead: the replay may reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
         scale = self.scaler.scale
@@ -278,7 +277,7 @@ class TrainingModel:
         ``max_norm``, by exactly 1 elsewhere (a no-op on the values), so no host decision is needed.
         """
         if self._last_norm_sqr is None:
-            raise RuntimeError("clip_grad_norm_ called before train_step")
+            raise RuntimeError("clip_grad_norm_pending called before train_step_pending")
         norm = self._last_norm_sqr.double().sqrt()
         if max_norm > 0:
             clips = torch.isfinite(norm) & (norm > max_norm)
@@ -288,15 +287,15 @@ class TrainingModel:
         return norm
 
     def optimizer_step_pending(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Step unless the gradients are not finite (fp16 overflow: then also lower the loss scale);
-        whether it stepped, as a device bool tensor.
+        """Step unless the gradients are not finite (fp16 overflow: then also lower the loss scale), then drop
+        the gradients (a next step without this one drops them first); whether it stepped, as a device bool.
 
         With an optimizer that takes ``found_inf`` (fused AdamW, as GradScaler uses it) the skip happens in
         its kernel and nothing waits for the device; otherwise (CPU, foreach on DTensor shards) and under
         fp16 (whose loss scale needs the answer) the finiteness is read on the host.
         """
         if self._last_norm_sqr is None:
-            raise RuntimeError("optimizer_step called before train_step")
+            raise RuntimeError("optimizer_step_pending called before train_step_pending")
         finite = torch.isfinite(self._last_norm_sqr)
         if self._skips_on_device(optimizer):
             optimizer.found_inf = (~finite).float()
@@ -306,10 +305,16 @@ class TrainingModel:
                 del optimizer.found_inf
         elif bool(finite.item()):
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self._drop_grads()
         if self.scaler.enabled:
             self.scaler.update(found_inf=not bool(finite.item()))
         return finite
+
+    def _drop_grads(self) -> None:
+        """The one place gradients are zeroed (set to None, which frees them); see optimizer_step_pending."""
+        for param in self._unique_params():
+            param.grad = None
+        self._last_norm_sqr = None
 
     def _skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
         return (
@@ -372,9 +377,8 @@ class TrainingModel:
 def build_training_model(
     config: ConaConfig, strategy: Strategy, mesh: DeviceMesh, device: torch.device
 ) -> TrainingModel:
-    """Build this rank's parts on meta, parallelise, materialise on ``device``, initialise from the seed."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    validate_layout(config.model, config.training, strategy, world_size=world)
+    """Build this rank's parts on meta, parallelise, materialise on ``device``, initialise each parameter
+    from ``training.seed`` and its name (the worker checked the layout before: ``worker.run_stage``)."""
     dtype = resolved_dtype(config.training, device)
     stage_ids = stage_ids_of_rank(strategy, mesh.get_local_rank("pp"))
     compile_blocks = config.training.compiles_on(device.type) and not compiles_whole_model(strategy)

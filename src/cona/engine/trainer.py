@@ -237,8 +237,7 @@ def _step(
         micro_batches, iteration=progress.iteration, measure_gns=measure_gns
     )
     grad_norm = ctx.model.clip_grad_norm_pending(spec.config.training.clip_grad)
-    stepped = ctx.model.optimizer_step_pending(ctx.optimizer)
-    ctx.optimizer.zero_grad(set_to_none=True)
+    stepped = ctx.model.optimizer_step_pending(ctx.optimizer)  # which also drops the gradients
     if ctx.step_trace is not None:
         lrs = [group["lr"] for group in ctx.optimizer.param_groups]
         ctx.step_trace.record(iteration=progress.iteration + 1, micro_batches=sample_ids, lrs=lrs)

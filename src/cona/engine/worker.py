@@ -15,8 +15,8 @@ each stage drop its objects, rank 0 writes ``DIR/done-<k>.json``, and every rank
 session. A rank whose runner (``CONA_RUNNER_PID``) or torchrun is gone stops waiting and exits 1; so do
 all ranks during training, within about a second (:class:`cona.engine.session.RunnerWatch`).
 
-The process ends with ``os._exit`` after a barrier: interpreter finalisation can abort in gloo's threads
-once DTensor collectives ran (see docs: torch-native-on-cpu, gotcha 1).
+The process ends with ``os._exit`` after a barrier: once DTensor collectives ran on gloo, interpreter
+finalisation can abort inside gloo's threads, so no rank goes through it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from cona.config import ConaConfig
+from cona.engine.parallel_dims import validate_layout
 from cona.engine.session import SESSION_FLAG, next_stage, release_stage_memory
 from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV, StageResult, StageSpec
 from cona.engine.stage_build import (
@@ -103,6 +104,9 @@ def run_stage(
     """Build (or continue in place), resume, train and save one stage; rank 0 writes ``stage_result.json``.
     Returns the result and, when the stage hands its state over to the session's next stage (an in-place
     switch), that state; otherwise the stage's mesh groups are destroyed at the end."""
+    # The one layout check of a worker: where the strategy arrives (built fresh or continued in place).
+    config = spec.config
+    validate_layout(config.model, config.training, spec.strategy, world_size=dist.get_world_size())
     verdict = None
     if spec.continue_in_place:
         context, progress = continue_in_place(carried, spec, console=console, timings=timings)

@@ -24,6 +24,7 @@ import numpy as np
 
 from cona.config import ModelConfig
 from cona.errors import PlanError
+from cona.layout_rules import LayoutSizes, layout_failures, layout_mask
 from cona.planner import flops
 from cona.planner.flops import ModelShape, model_shape
 from cona.planner.profiles import BackendProfile, backend_profile
@@ -98,55 +99,14 @@ def predict(
 
 
 def invalid_reasons(model: ModelConfig | ModelShape, strategy: Strategy) -> list[str]:
-    """Why ``strategy`` cannot run ``model`` (empty when it can)."""
-    shape = model_shape(model)
-    positive = ("dp", "tp", "pp", "mbs", "gbs", "virtual_stages")
-    reasons = [
-        f"{key}={getattr(strategy, key)} must be positive" for key in positive if getattr(strategy, key) < 1
-    ]
-    if reasons:
-        return reasons
-    tp, pp, v = strategy.tp, strategy.pp, strategy.virtual_stages
-    sizes = [("heads", shape.heads), ("ffn_hidden", shape.ffn), ("padded vocab", shape.vocab)]
-    sizes += [("kv_heads", shape.kv_heads)] if shape.kv_heads != shape.heads else []
-    reasons += [f"tp={tp} does not divide {key}={size}" for key, size in sizes if size % tp]
-    if shape.layers % (pp * v):
-        reasons.append(f"pp={pp} x virtual_stages={v} does not divide layers={shape.layers}")
-    if strategy.gbs % (strategy.mbs * strategy.dp):
-        reasons.append(f"gbs={strategy.gbs} is not a multiple of mbs={strategy.mbs} x dp={strategy.dp}")
-    if strategy.zero_stage not in (0, 1, 2, 3):
-        reasons.append(f"zero_stage={strategy.zero_stage} is not one of 0, 1, 2, 3")
-    if v > 1 and (strategy.pipeline_schedule != "interleaved_1f1b" or pp == 1):
-        reasons.append(f"virtual_stages={v} needs pipeline_schedule interleaved_1f1b and pp > 1")
-    if v > 1 and strategy.micro_batches % pp:
-        reasons.append(
-            f"interleaved 1F1B needs the micro-batches ({strategy.micro_batches}) to be a multiple of pp"
-        )
-    if strategy.sequence_parallel and shape.seq % tp:
-        reasons.append(f"sequence parallelism needs tp={tp} to divide seq={shape.seq}")
-    return reasons
+    """Why the engine cannot train ``strategy`` on ``model`` (empty when it can; :mod:`cona.layout_rules`)."""
+    return layout_failures(LayoutSizes.of_shape(model_shape(model)), strategy)
 
 
 def valid_mask(model: ModelConfig | ModelShape, strategies: StrategyArray) -> np.ndarray:
-    """Which strategies can run ``model`` (vectorised; :func:`invalid_reasons` says why one cannot)."""
-    shape = model_shape(model)
-    s = strategies
-    positive = (s.dp >= 1) & (s.tp >= 1) & (s.pp >= 1) & (s.mbs >= 1) & (s.gbs >= 1) & (s.virtual_stages >= 1)
-    tp, pp, v = np.maximum(s.tp, 1), np.maximum(s.pp, 1), np.maximum(s.virtual_stages, 1)
-    per_rank = np.maximum(s.mbs * s.dp, 1)
-    ok = (
-        positive
-        & (shape.layers % (pp * v) == 0)
-        & (s.gbs % per_rank == 0)
-        & np.isin(s.zero_stage, (0, 1, 2, 3))
-    )
-    for size in (shape.heads, shape.kv_heads, shape.ffn, shape.vocab):
-        ok &= size % tp == 0
-    interleaved = v > 1
-    ok &= ~interleaved | ((s.pipeline_schedule == SCHEDULE_CODES["interleaved_1f1b"]) & (pp > 1))
-    ok &= ~interleaved | ((s.gbs // per_rank) % pp == 0)
-    ok &= ~np.asarray(s.sequence_parallel, dtype=bool) | (shape.seq % tp == 0)
-    return ok
+    """Which strategies the engine can train on ``model`` (vectorised :mod:`cona.layout_rules`;
+    :func:`invalid_reasons` says why one cannot)."""
+    return layout_mask(LayoutSizes.of_shape(model_shape(model)), strategies)
 
 
 def _refuse_invalid(shape: ModelShape, strategies: StrategyArray) -> None:

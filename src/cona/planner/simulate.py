@@ -38,7 +38,7 @@ class HostBound:
 
 @dataclass(frozen=True, kw_only=True)
 class MeasurementNoise:
-    """Log-normal sigmas of what the policy reads (0: exact), and the seed."""
+    """Log-normal sigmas of what the policy reads (0: exact), and the seed of their random draws."""
 
     noise_scale_sigma: float = 0.3
     throughput_sigma: float = 0.03

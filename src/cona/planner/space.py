@@ -1,13 +1,15 @@
-"""Every valid parallel strategy for a model on N GPUs at one global batch size (vectorised with numpy).
+"""Every parallel strategy the planner proposes for a model on N GPUs at one gbs (vectorised with numpy).
 
-A strategy is valid when ``dp * tp * pp = N``; tp divides the attention heads, the FFN width and the padded
-vocabulary (each rank holds whole heads, FFN columns and vocabulary rows); pp divides the layers (equal
-stages); ``gbs`` is a multiple of ``mbs * dp`` with at least ``pp`` micro-batches (fewer leave pipeline stages
-idle for the whole step); tp stays within a node unless ``allow_cross_node_tp`` (its all-reduces sit on the
-critical path of every layer). Interleaved 1F1B with ``v`` virtual stages needs ``v`` to divide the layers per
-stage and, as in Megatron-LM, the micro-batch count to be a multiple of ``pp``. Sequence parallelism needs
-``tp > 1`` and tp to divide the sequence. With ``dp = 1`` every ZeRO stage is the same thing, so only the
-lowest one is listed.
+Every strategy proposed is one the engine can train (:mod:`cona.layout_rules`, applied to the whole space
+at the end): ``dp * tp * pp = N``, tp divides the heads, key/value heads, FFN width and padded vocabulary
+(and, with sequence parallelism, the sequence), ``gbs`` is a multiple of ``mbs * dp``. The space is
+narrower than those rules on purpose: pp divides the layers (equal stages: the engine also runs uneven
+ones, but the slowest stage sets the pace), every schedule gets at least ``pp`` micro-batches (fewer leave
+pipeline stages idle for the whole step), and interleaved 1F1B with ``v`` virtual stages needs ``v`` to
+divide the layers per stage and, as in Megatron-LM, the micro-batch count to be a multiple of ``pp``. tp
+stays within a node unless ``allow_cross_node_tp`` (its all-reduces sit on the critical path of every
+layer). Sequence parallelism is only listed with ``tp > 1``, and with ``dp = 1`` only the lowest ZeRO stage
+(the others are the same thing there).
 
 The space is built as a product of small option arrays followed by boolean masks, never as a Python loop over
 the product, so 4096 GPUs cost milliseconds.
@@ -22,6 +24,7 @@ import numpy as np
 
 from cona.config import ModelConfig
 from cona.errors import PlanError
+from cona.layout_rules import LayoutSizes, layout_mask, tensor_parallel_fits
 from cona.planner.perf_model import predict
 from cona.planner.systems import System
 from cona.strategy import RECOMPUTE_CODES, SCHEDULE_CODES, StrategyArray
@@ -87,16 +90,10 @@ def enumerate_strategies(
     columns = _product(
         columns, "sequence_parallel", np.asarray(sorted(set(options.sequence_parallel)), dtype=bool)
     )
-    sp_ok = ~columns["sequence_parallel"] | ((columns["tp"] > 1) & (model.seq % columns["tp"] == 0))
-    columns = _keep(columns, sp_ok)
-    if len(columns["dp"]) == 0:
-        raise PlanError(
-            f"no valid strategy for {n_gpus} GPUs at gbs {gbs} with these options: sequence "
-            "parallelism was required but no tp > 1 divides the sequence length"
-        )
+    columns = _keep(columns, ~columns["sequence_parallel"] | (columns["tp"] > 1))
     interleaved = columns["virtual_stages"] > 1
     schedule = np.where(interleaved, SCHEDULE_CODES["interleaved_1f1b"], SCHEDULE_CODES["1f1b"])
-    return StrategyArray(
+    strategies = StrategyArray(
         dp=columns["dp"],
         tp=columns["tp"],
         pp=columns["pp"],
@@ -108,6 +105,13 @@ def enumerate_strategies(
         pipeline_schedule=schedule.astype(np.int64),
         virtual_stages=columns["virtual_stages"],
     )
+    strategies = strategies.select(layout_mask(LayoutSizes.of_config(model), strategies, n_gpus))
+    if len(strategies) == 0:
+        raise PlanError(
+            f"no valid strategy for {n_gpus} GPUs at gbs {gbs} with these options: sequence "
+            "parallelism was required but no tp > 1 divides the sequence length"
+        )
+    return strategies
 
 
 def _check_inputs(n_gpus: int, gbs: int, gpus_per_node: int) -> None:
@@ -124,11 +128,7 @@ def _layouts(
 ) -> dict[str, np.ndarray]:
     """Valid (dp, tp, pp, mbs) rows, with their micro-batch count."""
     degrees = divisors(n_gpus)
-    tp = degrees[
-        (model.heads % degrees == 0)
-        & (model.ffn_size % degrees == 0)
-        & (model.padded_vocab_size % degrees == 0)
-    ]
+    tp = degrees[tensor_parallel_fits(LayoutSizes.of_config(model), degrees)]
     if not options.allow_cross_node_tp:
         tp = tp[gpus_per_node % tp == 0]
     pp = degrees[model.layers % degrees == 0]
@@ -148,8 +148,8 @@ def _layouts(
         raise PlanError(
             f"no valid strategy for {n_gpus} GPUs at gbs {gbs}: gbs must be a multiple of mbs x dp with at "
             f"least pp micro-batches, where dp x tp x pp = {n_gpus}, tp divides heads={model.heads} (and the "
-            f"FFN width, the padded vocabulary{node_rule}) and pp divides layers={model.layers}; try a gbs "
-            f"that is a multiple of {n_gpus}"
+            f"key/value heads, the FFN width, the padded vocabulary{node_rule}) and pp divides "
+            f"layers={model.layers}; try a gbs that is a multiple of {n_gpus}"
         )
     columns["micro_batches"] = gbs // (columns["mbs"] * columns["dp"])
     return columns

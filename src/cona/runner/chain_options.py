@@ -96,7 +96,7 @@ def _world_size(args: argparse.Namespace, device_type: str) -> int:
     first = _first_step_world_size(Path(args.chain))
     if first is None:
         raise ChainError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
-    return first  # the seed's form on CPU: as many processes as the chain's first step uses
+    return first  # the original CONA command line (no --gpus) on CPU: the first step's dp*tp*pp
 
 
 def _first_step_world_size(chain_path: Path) -> int | None:

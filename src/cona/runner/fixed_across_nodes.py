@@ -13,14 +13,10 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cona.config import ConaConfig
 from cona.runner.run_dir import check_run_name
 from cona.strategy import Strategy
-
-if TYPE_CHECKING:
-    pass
 
 CHAIN_NAME = "fixed_strategy_chain.json"
 

@@ -1,22 +1,21 @@
-"""The online search's frontier: the best engine-valid strategy of a global batch size and the throughput the
-decisions should expect of it (:class:`cona.planner.throughput.ThroughputEstimator` over the run's measured
-points)."""
+"""The online search's frontier: the best strategy of a global batch size (every one the planner proposes is
+engine-valid: :mod:`cona.layout_rules`) and the throughput the decisions should expect of it
+(:class:`cona.planner.throughput.ThroughputEstimator` over the run's measured points)."""
 
 from __future__ import annotations
 
 from cona.config import ConaConfig
-from cona.errors import ConaError, PlanError
+from cona.errors import PlanError
 from cona.planner.plan import space_options
 from cona.planner.policy import Candidate
 from cona.planner.search import bayesian_search, exhaustive_search
 from cona.planner.systems import System
 from cona.planner.throughput import Point, ThroughputEstimator, model_step_seconds
-from cona.runner.chain import validate_layout
 from cona.strategy import Strategy
 
 
 class FrontierSearch:
-    """The best engine-valid strategy of a gbs and its expected throughput: the search ranks by the raw model
+    """The best strategy of a gbs and its expected throughput: the search ranks by the raw model
     (cached per gbs: the model does not change), then its top strategies are re-ranked by the run's
     :class:`ThroughputEstimator` (measured where measured, else the model corrected in shape on every
     measured point)."""
@@ -70,7 +69,7 @@ class FrontierSearch:
         )
 
     def _search(self, gbs: int) -> list[tuple[Strategy, float]]:
-        """The model's ``top_k`` engine-valid strategies of ``gbs`` with their raw model step seconds."""
+        """The model's ``top_k`` strategies of ``gbs`` with their raw model step seconds."""
         run = bayesian_search if self.botorch else exhaustive_search
         try:
             result = run(
@@ -84,12 +83,8 @@ class FrontierSearch:
             )
         except PlanError:
             return []  # nothing valid or fitting at this gbs: the frontier skips it
-        found = []
-        for row in range(len(result.candidates)):
-            strategy = result.candidates[row]
-            try:
-                validate_layout(self.config, strategy, self.n_gpus)
-            except ConaError:
-                continue  # the model's space is wider than what the engine trains
-            found.append((strategy, float(result.prediction.iteration_time_s[row])))
-        return found
+        # Every candidate of the space is one the engine trains (the space applies cona.layout_rules).
+        return [
+            (result.candidates[row], float(result.prediction.iteration_time_s[row]))
+            for row in range(len(result.candidates))
+        ]

@@ -90,8 +90,8 @@ def resolve_port_base(flag_value: int | None, num_nodes: int) -> int | None:
 
 def stage_master_port(base_port: int | None, stage: int) -> int:
     """The rendezvous port of a stage: ``base + stage``, so consecutive stages never reuse a port that the
-    previous one's sockets may still hold (the seed derives it from ``step_num`` the same way); without a
-    base, :data:`ANY_FREE_PORT`."""
+    previous one's sockets may still hold (the original CONA scripts derive it from ``step_num`` the same
+    way); without a base, :data:`ANY_FREE_PORT`."""
     if base_port is None:
         return ANY_FREE_PORT
     port = base_port + stage
