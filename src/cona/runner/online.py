@@ -17,7 +17,6 @@ stages.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -35,7 +34,7 @@ from cona.runner.in_place import replay_in_place
 from cona.runner.launch import stage_master_port
 from cona.runner.multinode import cona_command
 from cona.runner.online_memory import Memory, resumed_memory
-from cona.runner.online_options import OnlineRun, online_run_from_args
+from cona.runner.online_options import OnlineRun
 from cona.runner.online_report import print_summary, realized_chain
 from cona.runner.online_search import Budget, FrontierSearch, PendingSwitch, StageOutcome, StageSearch
 from cona.runner.online_stages import STAGES_NAME, StageRecords
@@ -362,7 +361,7 @@ def _size(path: Path) -> int:
 
 
 def run_online(
-    args_or_run: argparse.Namespace | OnlineRun,
+    run: OnlineRun,
     *,
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
@@ -371,7 +370,6 @@ def run_online(
 
     Across nodes node 0 searches, decides and announces every stage; the other nodes run their share of
     each (:mod:`cona.runner.across_nodes`)."""
-    run = args_or_run if isinstance(args_or_run, OnlineRun) else online_run_from_args(args_or_run)
     with run_locks():  # whatever the run locked is free again when it ends
         if run.nodes.num_nodes == 1:
             return _drive_online(run, launcher, out)

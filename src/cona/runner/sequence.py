@@ -17,7 +17,6 @@ The load path of a stage is ``latest_universal`` of the previous stage's layout 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from cona.runner.chain import (
     load_chain,
     planned_tokens,
 )
-from cona.runner.chain_options import ChainRun, chain_run_from_args, stage_topology
+from cona.runner.chain_options import ChainRun, stage_topology
 from cona.runner.launch import stage_master_port
 from cona.runner.multinode import runner_command
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
@@ -88,7 +87,7 @@ class _Context:
 
 
 def run_chain(
-    args_or_options: argparse.Namespace | ChainRun,
+    run: ChainRun,
     *,
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
@@ -96,7 +95,6 @@ def run_chain(
 ) -> RunState:
     """Run (or resume) a chain to its end; returns the final run state. ``launcher`` and ``publisher`` are
     the backend's (the native engine's by default; :mod:`cona.backends.megatron_deepspeed` has its own)."""
-    run = args_or_options if isinstance(args_or_options, ChainRun) else chain_run_from_args(args_or_options)
     with run_locks():  # whatever the run locked is free again when it ends
         if run.nodes.num_nodes > 1:
             return _run_on_nodes(run, launcher, out, publisher)
