@@ -202,6 +202,7 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
         from cona.backends.megatron_deepspeed.run import refuse_online
 
         refuse_online()
+    _refuse_switch_in_place(args)
     others = _given(args, FIXED_STRATEGY_FLAGS[:-1])
     if others:
         raise ConaError(
@@ -263,14 +264,22 @@ def _refuse_for_one_stage(args: argparse.Namespace, *, across_nodes: bool) -> No
     """What a single fixed stage cannot take, and the fixed strategy's flags it needs."""
     if args.fresh and not across_nodes:  # one fixed stage always starts a new run directory
         raise ConaError("cona train: --fresh goes with --chain, online mode or a run across nodes")
-    for name in ("restart_workers", "switch_in_place"):  # one stage: there is nothing to switch
-        if getattr(args, name, False):
-            raise ConaError(f"cona train: --{name.replace('_', '-')} goes with --chain or online mode")
+    if getattr(args, "restart_workers", False):  # one stage: there is nothing to restart
+        raise ConaError("cona train: --restart-workers goes with --chain or online mode")
+    _refuse_switch_in_place(args)
     missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
     if missing:
         raise ConaError(
             f"cona train: missing {', '.join(missing)} (a fixed strategy needs --dp --tp --pp "
             f"--gbs --mbs --iters --workdir)"
+        )
+
+
+def _refuse_switch_in_place(args: argparse.Namespace) -> None:
+    if getattr(args, "switch_in_place", False):
+        raise ConaError(
+            "cona train: --switch-in-place goes with --chain (online mode switches in place whenever the "
+            "layout stays and the workers are kept)"
         )
 
 
