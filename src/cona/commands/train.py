@@ -75,6 +75,14 @@ def register(subparsers) -> None:
         action="store_true",
         help="only stage start/finish/switch lines and errors (no live progress)",
     )
+    _add_chain_flags(parser)
+    _add_online_flags(parser)
+    _add_multi_node_flags(parser)
+    _add_backend_flags(parser)
+    parser.set_defaults(func=_train)
+
+
+def _add_chain_flags(parser: argparse.ArgumentParser) -> None:
     chain = parser.add_argument_group("strategy chain")
     chain.add_argument(
         "--chain",
@@ -99,10 +107,6 @@ def register(subparsers) -> None:
         help="start new worker processes for every stage of a chain or online run (by default consecutive "
         "stages on one node reuse the processes; the switch still saves and loads the checkpoint)",
     )
-    _add_online_flags(parser)
-    _add_multi_node_flags(parser)
-    _add_backend_flags(parser)
-    parser.set_defaults(func=_train)
 
 
 def _add_backend_flags(parser: argparse.ArgumentParser) -> None:

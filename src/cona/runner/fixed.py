@@ -1,8 +1,10 @@
-"""One fixed strategy on one node (``cona train --dp .. --iters N --workdir W``): one stage, no run state.
+"""One fixed strategy on one node (``cona train --dp .. --iters N --workdir W``): a one-stage chain.
 
-The run directory is new (named by the UTC time and the layout unless ``--run-name`` names it), the stage
-spec is written, and ``dp*tp*pp`` workers start under torchrun; the last line says where it stopped and
-saved. Across nodes the same strategy runs as a one-stage chain (:mod:`cona.runner.fixed_across_nodes`).
+The run directory is new (named by the UTC time and the layout unless ``--run-name`` names it); the strategy
+is written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage driver as
+every chain is (:func:`cona.runner.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun; the last
+line says where it stopped and saved. The Megatron-DeepSpeed backend runs its fixed mode the same way; across
+nodes the run name is the strategy's, so that every node agrees on it (:mod:`cona.runner.fixed_across_nodes`).
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ from typing import TYPE_CHECKING
 
 from cona.config import ConaConfig
 from cona.engine.spec import StageResult, StageSpec
-from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology, run_stage, stage_master_port
-from cona.runner.run_dir import create_run_dir, default_run_name, stage_dir
+from cona.runner.chain_options import ChainRun
+from cona.runner.fixed_across_nodes import fixed_chain, write_chain
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.run_dir import create_run_dir, default_run_name
 from cona.strategy import Strategy
 
 if TYPE_CHECKING:
     from cona.runner.console import RunConsole
+
+FIXED_CHAIN_NAME = "fixed_chain.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,36 +53,33 @@ class FixedRun:
         return run_dir
 
 
-def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
-    """Train the one stage to ``run.iters`` and print where it stopped; returns its result."""
-    from cona.engine.checkpoint import layout_dir
-    from cona.runner.run_lock import lock_directory, run_locks
-    from cona.runner.stage_run import checkpoint_dtype, stage_lr
-
-    config, strategy = run.config, run.strategy
-    run_dir = run.new_run_dir()
-    lr = stage_lr(run_dir, config.training, strategy.gbs, 0)
-    spec = StageSpec(
-        run_dir=run_dir,
-        config=config,
-        strategy=strategy,
-        stage=1,
+def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
+    """The fixed run as the chain of one initial step, written to ``<run_dir>/fixed_chain.json``."""
+    chain_path = run_dir / FIXED_CHAIN_NAME
+    write_chain(chain_path, fixed_chain(run.strategy, run.iters))
+    return ChainRun(
+        chain_path=chain_path,
+        config=run.config,
         workdir=run.workdir,
-        target_iteration=run.iters,
-        planned_tokens=run.iters * strategy.gbs * config.model.seq,
-        # the base LR is the one of training.base_gbs; at another gbs it is scaled as a chain scales it
-        lr_factor=lr.lr_factor,
-        min_lr_factor=lr.min_lr_factor,
+        run_dir=run_dir,
+        world_size=run.strategy.world_size,
+        device_type=run.device_type,
+        base_port=run.base_port,
+        quiet=run.quiet,
     )
-    spec_path = spec.write(stage_dir(run_dir, spec.stage) / "spec.json")
-    topology = Topology(
-        nproc_per_node=strategy.world_size, master_port=stage_master_port(run.base_port, spec.stage)
+
+
+def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
+    """Train the one stage to ``run.iters`` through the stage driver and print where it stopped; returns
+    its result."""
+    from cona.runner.sequence import run_chain  # imports torch
+    from cona.runner.stage_run import torchrun_launcher
+
+    run_dir = run.new_run_dir()
+    run_chain(
+        one_stage_chain(run, run_dir), launcher=console.launcher(torchrun_launcher), out=console.message
     )
-    with run_locks(), console.stage(spec) as watch:  # one run at a time on a checkpoint folder
-        lock_directory(run_dir, "run directory")
-        dtype = checkpoint_dtype(config.training, run.device_type)
-        lock_directory(layout_dir(spec.workdir, config, strategy, dtype), "checkpoint folder")
-        run_stage(spec_path, spec.stage_dir, topology, device_type=run.device_type, quiet=True, watch=watch)
+    spec = StageSpec.read(run_dir / "stages" / "1" / "spec.json")
     result = StageResult.read(spec.result_path)
     print(
         f"stage {result.stage} {result.reason} at iteration {result.last_iteration} "

@@ -11,7 +11,6 @@ checkout, and the config keys :func:`.commands.check_supported` names.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 
@@ -22,14 +21,13 @@ from cona.backends.megatron_deepspeed.universal import check_reshardable
 from cona.errors import ChainError, ConfigError
 from cona.runner.chain import load_chain, planned_iterations
 from cona.runner.chain_options import ChainRun
-from cona.runner.fixed import FixedRun
+from cona.runner.fixed import FixedRun, one_stage_chain
 from cona.runner.sequence import run_chain
 from cona.runner.stage_run import checkpoint_dtype
 from cona.runner.state import RunState
 from cona.strategy import Strategy
 
 BACKEND_NAME = "megatron-deepspeed"
-FIXED_CHAIN_NAME = "fixed_chain.json"
 
 
 def refuse_online() -> None:
@@ -45,23 +43,8 @@ def train_fixed(run: FixedRun, env: MdsEnvironment, *, node_flags: Sequence[str]
     directory. ``node_flags``: the multi-node flags given, which this backend refuses."""
     if node_flags:
         raise ConfigError(f"{', '.join(node_flags)}: the Megatron-DeepSpeed backend runs on one node for now")
-    strategy = run.strategy
-    check_supported(run.config, strategy, run.device_type)  # before the run directory is made
-    run_dir = run.new_run_dir()
-    chain_path = run_dir / FIXED_CHAIN_NAME
-    step = {"step_num": 1, "dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp, "gbs": strategy.gbs}
-    step.update({"mbs": strategy.mbs, "train_iters": run.iters, "is_initial": True})
-    chain_path.write_text(json.dumps({"steps": [step]}, indent=1) + "\n")
-    chain = ChainRun(
-        chain_path=chain_path,
-        config=run.config,
-        workdir=run.workdir,
-        run_dir=run_dir,
-        world_size=strategy.world_size,
-        device_type=run.device_type,
-        base_port=run.base_port,
-        quiet=run.quiet,
-    )
+    check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
+    chain = one_stage_chain(run, run.new_run_dir())
     return run_mds_chain(chain, env)
 
 
