@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cona.config import ConaConfig
-from cona.runner.across_nodes import node_topology
-from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 from cona.runner.multinode import NodePlacement
 
 
@@ -35,8 +34,3 @@ class ChainRun:
     """A step that keeps the previous step's layout continues the state in the workers' memory (when the
     launcher keeps its workers, see :mod:`cona.runner.worker_session`) instead of saving, publishing and
     loading a checkpoint; a layout change always goes through the checkpoint and its verification."""
-
-
-def stage_topology(run: ChainRun, port: int) -> Topology:
-    """This node's part of every stage: all processes, or one node's share of a multi-node run."""
-    return node_topology(run.nodes, run.world_size, port)
