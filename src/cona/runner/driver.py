@@ -183,21 +183,15 @@ class StageDriver:
         publisher: Publisher,
         out: Callable[[str], None],
     ) -> None:
-        self.run, self.schedule, self.launcher, self.publisher, self.out = (
-            run,
-            schedule,
-            launcher,
-            publisher,
-            out,
-        )
+        self.run, self.schedule, self.out = run, schedule, out
+        self.launcher, self.publisher = launcher, publisher
         self.dtype = checkpoint_dtype(run.config.training, run.device_type)
         self.handed_over: int | None = None
         """The stage whose state the session's workers hold in memory for the next stage."""
 
     def drive(self) -> RunState:
-        lock_directory(
-            self.run.run_dir, "run directory"
-        )  # before the run state is read: one runner at a time
+        # before the run state is read: one runner at a time
+        lock_directory(self.run.run_dir, "run directory")
         state = self.schedule.open()
         while (current := state.current) is not None:
             state = self.drive_stage(state, current.step_num)

@@ -188,7 +188,6 @@ class OnlineSchedule:
         return False  # an online stage hands over in place only when its switch request says so
 
     def recorded_result(self, stage: StageState, result_path: Path) -> StageResult | None:
-        self.outcome = None
         return saved_result(stage, result_path)
 
     def check_result(self, stage: StageState, result: StageResult, spec: StageSpec) -> None:
