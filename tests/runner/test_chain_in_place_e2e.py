@@ -98,3 +98,13 @@ def test_switch_in_place_goes_with_a_chain(capsys):
     for mode in (["--dp", "2"], ["--gpus", "2"]):
         assert main(["train", "--switch-in-place", *mode]) == 2
         assert "cona train: --switch-in-place goes with --chain" in capsys.readouterr().err
+
+
+def test_switch_in_place_needs_the_workers_kept_between_stages(tmp_path, capsys):
+    config = write_config_and_data(tmp_path)
+    chain = write_chain(tmp_path / "chain.json", STEPS)
+    assert train(tmp_path, config, chain, "restarted", "--switch-in-place", "--restart-workers") == 2
+    assert "--switch-in-place needs the worker processes kept from one stage to the next" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "logs" / "restarted").exists()  # refused before anything started

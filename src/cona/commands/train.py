@@ -1,12 +1,13 @@
-"""``cona train --dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``: one fixed strategy, one stage.
+"""``cona train``: one fixed strategy (``--dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``), a
+chain (``--chain FILE``) or online search (``--gpus N`` alone).
 
-The layout is checked before anything is launched; then the run directory is made (and printed on the
-first line), the stage spec written, and ``dp*tp*pp`` workers started under torchrun (CPU processes with
-gloo, or one per GPU with NCCL). ``--chain FILE`` runs a chain of strategies
-(cona.runner.sequence); ``--gpus`` alone runs online search. Every mode also runs across nodes (--num-nodes,
---hostfile; cona.runner.across_nodes): a fixed strategy there runs as a one-stage chain.
-``--backend megatron-deepspeed --repo-path PATH`` (``--repo-path`` alone implies it) runs the fixed
-and chain modes through a Megatron-DeepSpeed checkout (cona.backends.megatron_deepspeed).
+The flags become a typed run description (:mod:`cona.commands.train_runs`) and nothing below this module
+sees them; every mode then runs through the one stage driver (:mod:`cona.runner.driver`): a chain from its
+file (:mod:`cona.runner.sequence`; a fixed strategy is a one-stage chain, its layout checked before anything
+is launched), online mode from the policy (:mod:`cona.runner.online`). Every mode also runs across nodes
+(--num-nodes, --hostfile; :mod:`cona.runner.across_nodes`). ``--backend megatron-deepspeed --repo-path PATH``
+(``--repo-path`` alone implies it) runs the fixed and chain modes through a Megatron-DeepSpeed checkout
+(:mod:`cona.backends.megatron_deepspeed`).
 """
 
 from __future__ import annotations

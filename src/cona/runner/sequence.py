@@ -70,7 +70,13 @@ def run_chain(
 
 
 def _in_place(run: ChainRun, launcher: Launcher) -> bool:
-    return run.switch_in_place and keeps_workers(launcher)
+    """``--switch-in-place``, refused where the stages do not share their worker processes."""
+    if run.switch_in_place and not keeps_workers(launcher):
+        raise ChainError(
+            "--switch-in-place needs the worker processes kept from one stage to the next: one node, the "
+            "native backend and no --restart-workers"
+        )
+    return run.switch_in_place
 
 
 class ChainSchedule:
