@@ -36,10 +36,10 @@ from cona.backends.megatron_deepspeed.environment import (
     resolve_environment,
 )
 from cona.backends.megatron_deepspeed.run import run_mds_chain
+from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.config import load_config
 from cona.engine.optim import lr_schedule
 from cona.errors import ChainError, CheckpointError, LaunchError
-from cona.runner.chain_options import chain_run_from_args
 from cona.runner.launch import check_port_free
 from cona.strategy import Strategy
 

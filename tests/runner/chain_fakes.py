@@ -205,8 +205,8 @@ def _kill_self(*_args, **_kwargs):
 
 def install_kill_point(point: str, engine: FakeEngine) -> None:
     """Arrange for this process to die at ``point`` (stage 2 for the engine's points, else after stage 1)."""
+    import cona.runner.driver as driver_module  # the driver saves every move of the run state
     import cona.runner.publish as publish_module
-    import cona.runner.sequence as sequence_module
 
     if point in ("training", "save"):
         engine.kill_at = point
@@ -229,14 +229,14 @@ def install_kill_point(point: str, engine: FakeEngine) -> None:
 
         publish_module._remove_dir = rename_then_die
     elif point == "between_stages":  # stage 1 recorded done, stage 2 not planned yet
-        real_save = sequence_module.save_state
+        real_save = driver_module.save_state
 
         def save_then_die(run_dir, state):
             real_save(run_dir, state)
             if state.stage(1).status == "done":
                 _kill_self()
 
-        sequence_module.save_state = save_then_die
+        driver_module.save_state = save_then_die
     else:
         raise ValueError(f"unknown kill point {point!r}")
 

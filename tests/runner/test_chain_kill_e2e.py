@@ -23,6 +23,7 @@ from test_chain_e2e import free_port_base
 from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, trained_steps
 from tiny_chain import SEQ, chain_args, write_chain, write_config_and_data
 
+from cona.commands import train_runs
 from cona.runner.launch import run_stage
 from cona.runner.sequence import run_chain
 from cona.runner.stage_run import StageLaunch
@@ -61,7 +62,7 @@ def run_in_own_process_group(args) -> int:
         status = 3  # the chain finished: the kill never came
         try:
             os.setsid()
-            run_chain(args, launcher=killing_launcher, out=lambda line: None)
+            run_chain(train_runs.chain_run(args), launcher=killing_launcher, out=lambda line: None)
         except BaseException:  # noqa: BLE001 (any failure must end the child, not continue the test in it)
             status = 4
         finally:
@@ -107,7 +108,7 @@ def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeat
     # The same command again (on fresh ports: the killed stage's may still be held by the kernel).
     lines: list[str] = []
     args.master_port_base = free_port_base(len(STEPS))
-    state = run_chain(args, out=lines.append)
+    state = run_chain(train_runs.chain_run(args), out=lines.append)
 
     assert lines[0] == (
         f"resuming run kill at stage 2 (running) from {stage1_universal}, iteration=3, "

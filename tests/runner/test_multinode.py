@@ -127,17 +127,19 @@ def test_gpus_with_only_a_hostfile_is_refused(tmp_path):
 def test_a_fixed_strategy_across_nodes_runs_as_a_one_stage_chain(tmp_path, monkeypatch):
     config = write_tiny_setup(tmp_path)
     captured = []
-    monkeypatch.setattr("cona.runner.sequence.run_chain", lambda args, **_: captured.append(args))
+    monkeypatch.setattr("cona.runner.sequence.run_chain", lambda run, **_: captured.append(run))
     fixed = ["--dp", "2", "--tp", "1", "--pp", "2", "--gbs", "8", "--mbs", "2", "--iters", "6"]
     nodes = ["--num-nodes", "2", "--gpus-per-node", "2", "--hostfile", str(hostfile(tmp_path)), "--no-ssh"]
     argv = ["train", "--config", str(config), "--workdir", str(tmp_path), "--device", "cpu", *fixed, *nodes]
     assert main([*argv, "--node-rank", "1"]) == 0
-    (args,) = captured
-    assert args.run_name == "fixed-dp2_tp1_pp2_mbs2_gbs8" and args.dp is None and args.iters is None
-    chain = load_chain(args.chain, config=load_config(config), world_size=4, dtype="fp32", workdir=tmp_path)
+    (run,) = captured
+    assert run.run_dir.name == "fixed-dp2_tp1_pp2_mbs2_gbs8" and run.world_size == 4
+    chain = load_chain(
+        run.chain_path, config=load_config(config), world_size=4, dtype="fp32", workdir=tmp_path
+    )
     (step,) = chain.steps
     assert (step.dp, step.tp, step.pp, step.mbs, step.gbs, step.train_iters) == (2, 1, 2, 2, 8, 6)
-    assert step.is_initial and args.chain.parent.name == args.run_name
+    assert step.is_initial and run.chain_path.parent == run.run_dir
 
 
 def test_fresh_goes_with_a_chain_or_online_mode(capsys):

@@ -16,6 +16,7 @@ from test_train_cli import free_port_base, write_tiny_setup
 
 from cona.cli import main
 from cona.commands.demo import demo_config, demo_system
+from cona.commands.train_runs import online_run as online_run_from_args
 from cona.config import load_config, parse_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info
 from cona.engine.spec import StageResult
@@ -25,7 +26,7 @@ from cona.planner.policy import Candidate, PolicySettings, initial_state
 from cona.runner.chain import load_chain
 from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.multinode import NodePlacement, cona_command
-from cona.runner.online import OnlineRun, online_run_from_args, run_online
+from cona.runner.online import OnlineRun, run_online
 from cona.runner.online_search import Budget, StageSearch
 from cona.runner.sequence import StageLaunch, run_chain
 from cona.strategy import Strategy
@@ -331,12 +332,12 @@ def test_online_flags_across_nodes_give_the_placement_and_the_other_nodes_comman
     config = write_tiny_setup(tmp_path)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
-    captured: list[argparse.Namespace] = []
-    monkeypatch.setattr("cona.runner.online.run_online", lambda args, **_: captured.append(args))
+    captured: list[OnlineRun] = []
+    monkeypatch.setattr("cona.runner.online.run_online", lambda run, **_: captured.append(run))
     flags = ["--system", "cpu_gloo", "--initial-gbs", "2", "--max-gbs", "8", "--total-iters", "10"]
     placement = ["--num-nodes", "2", "--gpus-per-node", "2", "--hostfile", str(hostfile), "--no-ssh"]
     assert main(["train", "--config", str(config), *flags, *placement, "--node-rank", "1"]) == 0
-    run = online_run_from_args(captured[0])
+    (run,) = captured
     assert (run.world_size, run.nodes.num_nodes, run.nodes.node_rank) == (4, 2, 1)
     command = cona_command(
         run.mode_args(), config=run.config, nodes=run.nodes, run_dir=run.run_dir, workdir=tmp_path,

@@ -16,6 +16,7 @@ import pytest
 from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.cli import main
+from cona.commands import train_runs
 from cona.config import load_config
 from cona.engine.checkpoint import layout_dir
 from cona.processes import running
@@ -81,7 +82,7 @@ def test_a_second_chain_on_a_live_run_directory_or_checkpoint_folder_is_refused_
     holder = hold(run_dir)
     try:
         with pytest.raises(RunLocked, match=rf"^run directory {run_dir} is in use by pid {holder.pid} "):
-            run_chain(args, out=lambda line: None)
+            run_chain(train_runs.chain_run(args), out=lambda line: None)
     finally:
         kill(holder)
     assert not run_dir.exists()  # refused before it wrote anything
@@ -91,7 +92,7 @@ def test_a_second_chain_on_a_live_run_directory_or_checkpoint_folder_is_refused_
     try:  # another run name, the same workdir: its checkpoints would go into the held folder
         args.run_name = "second"
         with pytest.raises(RunLocked, match=rf"^checkpoint folder {layout} is in use by pid {holder.pid} "):
-            run_chain(args, out=lambda line: None)
+            run_chain(train_runs.chain_run(args), out=lambda line: None)
     finally:
         kill(holder)
 

@@ -23,6 +23,7 @@ from test_status import running_copy
 from tests.observed import TRACE_ENV, assert_each_sample_once_in_order
 from tiny_chain import chain_args, write_chain, write_config_and_data
 
+from cona.commands import train_runs
 from cona.engine.session import RunnerWatch
 from cona.processes import process_state
 from cona.runner.launch import PIDS_FILE, Topology, record_pids
@@ -126,7 +127,7 @@ def test_killing_the_runner_during_training_stops_the_workers_and_the_rerun_trai
         assert (run_dir / "runner_state.json").read_bytes() == state_before
 
     args.master_port_base = free_port_base(1)  # the killed stage's port may still be held
-    state = run_chain(args, out=lambda line: None)
+    state = run_chain(train_runs.chain_run(args), out=lambda line: None)
     assert state.stages[-1].status == "done"
     records = metrics(run_dir)
     rerun = {record["iteration"]: record["loss"] for record in records[len(killed) :]}

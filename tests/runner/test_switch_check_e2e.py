@@ -25,6 +25,7 @@ from tests.engine.ckpt_tamper import rewrite_manifest
 from tiny_chain import chain_args, write_chain, write_config_and_data
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from cona.commands import train_runs
 from cona.engine.checkpoint import LATEST_UNIVERSAL, PROBE_FILE
 from cona.engine.spec import StageResult
 from cona.engine.switch_check import PROBE_RTOL, Verdict
@@ -100,7 +101,7 @@ def file_digests(directory: Path) -> dict[str, str]:
 @pytest.mark.multiproc
 def test_an_intact_chain_passes_the_check_at_every_switch(setup_dir, tmp_path):
     lines: list[str] = []
-    state = run_chain(args_of(setup_dir, tmp_path, "intact"), out=lines.append)
+    state = run_chain(train_runs.chain_run(args_of(setup_dir, tmp_path, "intact")), out=lines.append)
 
     assert [stage.status for stage in state.stages] == ["done"] * len(STRATEGIES)
     assert state.stages[0].switch_check is None  # stage 1 starts from scratch
@@ -135,7 +136,7 @@ def test_a_damaged_shard_is_refused_before_the_next_stage_trains(setup_dir, tmp_
 
     args = args_of(setup_dir, tmp_path, "damaged")
     with pytest.raises(CheckpointError) as refused:
-        run_chain(args, launcher=damage_after_stage_1, out=lambda line: None)
+        run_chain(train_runs.chain_run(args), launcher=damage_after_stage_1, out=lambda line: None)
     checkpoint = damaged["checkpoint"]
     assert isinstance(checkpoint, Path)
     universal = checkpoint.parent / f"{checkpoint.name}_universal"
@@ -163,7 +164,7 @@ def test_a_damaged_shard_is_refused_before_the_next_stage_trains(setup_dir, tmp_
 
     # The same command again refuses again, and leaves the checkpoint as it was.
     with pytest.raises(CheckpointError, match="stage 2: switch verification refused"):
-        run_chain(args, out=lambda line: None)
+        run_chain(train_runs.chain_run(args), out=lambda line: None)
     assert file_digests(universal) == damaged["digests"]
     assert [stage.status for stage in load_state(run_dir).stages] == ["done", "running", "pending"]
 
@@ -183,7 +184,9 @@ def test_flipped_bytes_are_refused_by_the_workers_checksums_naming_the_file(setu
 
     with pytest.raises(LaunchError) as refused:
         run_chain(
-            args_of(setup_dir, tmp_path, "flipped"), launcher=damage_after_stage_1, out=lambda line: None
+            train_runs.chain_run(args_of(setup_dir, tmp_path, "flipped")),
+            launcher=damage_after_stage_1,
+            out=lambda line: None,
         )
     message = str(refused.value)
     universal = damaged["checkpoint"].parent / f"{damaged['checkpoint'].name}_universal"

@@ -20,6 +20,7 @@ from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_l
 from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.cli import main
+from cona.commands import train_runs
 from cona.engine.session import wait_for_command
 from cona.errors import LaunchError
 from cona.runner.launch import PIDS_FILE, Topology, record_exit, record_pids, torchrun_command
@@ -73,12 +74,14 @@ def test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_
     chain = write_chain(tmp_path / "chain.json", STEPS)
     with WorkerSession() as session:
         reused = run_chain(
-            chain_args(config, chain, tmp_path / "reused", "reused", stages=len(STEPS)),
+            train_runs.chain_run(chain_args(config, chain, tmp_path / "reused", "reused", stages=len(STEPS))),
             launcher=session,
             out=lambda line: None,
         )
     restarted = run_chain(
-        chain_args(config, chain, tmp_path / "restarted", "restarted", stages=len(STEPS)),
+        train_runs.chain_run(
+            chain_args(config, chain, tmp_path / "restarted", "restarted", stages=len(STEPS))
+        ),
         out=lambda line: None,
     )
 
@@ -125,7 +128,12 @@ def test_a_stage_failing_in_a_session_names_the_stage_and_rank_and_leaves_no_pro
     args = chain_args(config, chain, tmp_path, "failing", stages=2)
     failing = pytest.raises(LaunchError, match=r"^stage 2: rank \d failed: ")
     with failing as failure, WorkerSession() as session:
-        run_chain(args, launcher=session, out=lambda line: None, publisher=publish_without_shards)
+        run_chain(
+            train_runs.chain_run(args),
+            launcher=session,
+            out=lambda line: None,
+            publisher=publish_without_shards,
+        )
     run_dir = tmp_path / "logs" / "failing"
     assert str(run_dir / "stages" / "2" / "rank") in str(failure.value)  # the traceback file it names
     first, second = torchrun_pids(run_dir)
@@ -154,7 +162,12 @@ def test_sigkill_of_the_runner_between_stages_leaves_no_worker_and_the_rerun_fin
     if runner == 0:
         try:
             with WorkerSession() as session:
-                run_chain(args, launcher=session, out=lambda line: None, publisher=publish_and_hang)
+                run_chain(
+                    train_runs.chain_run(args),
+                    launcher=session,
+                    out=lambda line: None,
+                    publisher=publish_and_hang,
+                )
         finally:
             os._exit(3)
     try:
@@ -168,7 +181,7 @@ def test_sigkill_of_the_runner_between_stages_leaves_no_worker_and_the_rerun_fin
 
     args.master_port_base = free_port_base(2)
     with WorkerSession() as session:
-        state = run_chain(args, launcher=session, out=lambda line: None)
+        state = run_chain(train_runs.chain_run(args), launcher=session, out=lambda line: None)
     assert [stage.status for stage in state.stages] == ["done", "done"]
     assert state.stages[-1].consumed_samples == 2 * 8 + 2 * 16
 

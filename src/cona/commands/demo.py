@@ -15,9 +15,12 @@ import argparse
 import json
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cona.errors import ConaError
+
+if TYPE_CHECKING:
+    from cona.runner.online_options import OnlineRun
 
 CPU_PROCESSES = 4
 
@@ -129,11 +132,11 @@ def _demo(args: argparse.Namespace) -> int:
         f"cona demo: {processes} {'GPU' if device == 'cuda' else 'CPU'} processes, config {config_path}",
         flush=True,
     )
-    from cona.runner.online import online_run_from_args, run_online  # imports torch and the planner
+    from cona.runner.online import run_online  # imports torch and the planner
     from cona.runner.worker_session import stage_launcher
 
     system = demo_system(torch.cuda.get_device_name(0) if device == "cuda" else None)
-    run = online_run_from_args(_online_args(config_path, run_root, processes, system))
+    run = _online_run(config_path, run_root, processes, system)
     with stage_launcher(restart_workers=False) as launcher:  # the stages reuse the worker processes
         run_online(run, launcher=console.launcher(launcher), out=console.message)  # measured values only
     print(f"cona demo: done; run directory, checkpoints and realized_chain.json under {run_root}")
@@ -156,21 +159,21 @@ def demo_system(gpu_name: str | None) -> str:
     )
 
 
-def _online_args(config_path: Path, run_root: Path, processes: int, system: str) -> argparse.Namespace:
-    """What ``cona train --gpus N --system S --initial-gbs ...`` passes to the online runner."""
-    return argparse.Namespace(
-        config=str(config_path),
-        device=None,
+def _online_run(config_path: Path, run_root: Path, processes: int, system: str) -> OnlineRun:
+    """What ``cona train --gpus N --system S --initial-gbs ... --no-botorch --quiet`` runs."""
+    from cona.commands.train_runs import device_type, run_config
+    from cona.runner.online_options import OnlineRun
+
+    config = run_config(config_path, None)
+    return OnlineRun(
+        config=config,
         workdir=run_root,
-        run_name="online",
-        gpus=processes,
-        master_port_base=None,
-        quiet=True,
-        fresh=False,
-        no_botorch=True,
-        target_ppl=None,
-        total_iters=None,
+        run_dir=Path(config.training.log_root) / "online",
+        world_size=processes,
+        device_type=device_type(config.training),
         system=system,
+        botorch=False,
+        quiet=True,
         **DEMO_ONLINE,
     )
 

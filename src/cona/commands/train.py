@@ -1,26 +1,32 @@
-"""``cona train --dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``: one fixed strategy, one stage.
+"""``cona train``: one fixed strategy (``--dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``), a
+chain (``--chain FILE``) or online search (``--gpus N`` alone).
 
-The layout is checked before anything is launched; then the run directory is made (and printed on the
-first line), the stage spec written, and ``dp*tp*pp`` workers started under torchrun (CPU processes with
-gloo, or one per GPU with NCCL). ``--chain FILE`` runs a chain of strategies
-(cona.runner.sequence); ``--gpus`` alone runs online search. Every mode also runs across nodes (--num-nodes,
---hostfile; cona.runner.across_nodes): a fixed strategy there runs as a one-stage chain.
-``--backend megatron-deepspeed --repo-path PATH`` (``--repo-path`` alone implies it) runs the fixed
-and chain modes through a Megatron-DeepSpeed checkout (cona.backends.megatron_deepspeed).
+The flags become a typed run description (:mod:`cona.commands.train_runs`) and nothing below this module
+sees them; every mode then runs through the one stage driver (:mod:`cona.runner.driver`): a chain from its
+file (:mod:`cona.runner.sequence`; a fixed strategy is a one-stage chain, its layout checked before anything
+is launched), online mode from the policy (:mod:`cona.runner.online`). Every mode also runs across nodes
+(--num-nodes, --hostfile; :mod:`cona.runner.across_nodes`). ``--backend megatron-deepspeed --repo-path PATH``
+(``--repo-path`` alone implies it) runs the fixed and chain modes through a Megatron-DeepSpeed checkout
+(:mod:`cona.backends.megatron_deepspeed`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cona.config import ConaConfig, load_config
-from cona.engine.spec import StageResult, StageSpec
-from cona.errors import ConaError, LaunchError
-from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, Topology, run_stage, stage_master_port
-from cona.runner.run_dir import check_workdir, create_run_dir, default_run_name, resolve_log_root, stage_dir
-from cona.strategy import Strategy
+from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
+from cona.errors import ConaError
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+
+if TYPE_CHECKING:
+    from cona.backends.megatron_deepspeed.environment import MdsEnvironment
+    from cona.runner.console import RunConsole
+    from cona.runner.stage_run import Launcher
 
 FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters", "workdir")
 MULTI_NODE_FLAGS = ("num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
@@ -71,6 +77,14 @@ def register(subparsers) -> None:
         action="store_true",
         help="only stage start/finish/switch lines and errors (no live progress)",
     )
+    _add_chain_flags(parser)
+    _add_online_flags(parser)
+    _add_multi_node_flags(parser)
+    _add_backend_flags(parser)
+    parser.set_defaults(func=_train)
+
+
+def _add_chain_flags(parser: argparse.ArgumentParser) -> None:
     chain = parser.add_argument_group("strategy chain")
     chain.add_argument(
         "--chain",
@@ -84,15 +98,17 @@ def register(subparsers) -> None:
     )
     chain.add_argument("--fresh", action="store_true", help="discard the chain's run state and start it over")
     chain.add_argument(
+        "--switch-in-place",
+        action="store_true",
+        help="a chain step that keeps the previous step's layout continues the state in the workers' memory "
+        "instead of through a checkpoint (a layout change is always checkpointed and verified)",
+    )
+    chain.add_argument(
         "--restart-workers",
         action="store_true",
         help="start new worker processes for every stage of a chain or online run (by default consecutive "
         "stages on one node reuse the processes; the switch still saves and loads the checkpoint)",
     )
-    _add_online_flags(parser)
-    _add_multi_node_flags(parser)
-    _add_backend_flags(parser)
-    parser.set_defaults(func=_train)
 
 
 def _add_backend_flags(parser: argparse.ArgumentParser) -> None:
@@ -153,152 +169,130 @@ def _train(args: argparse.Namespace) -> int:
     from cona.runner.signals import stop_on_signals
 
     with stop_on_signals():  # SIGTERM/SIGINT stop the workers and leave the run resumable
-        return _train_run(args)
+        mds = _megatron_deepspeed(args)
+        if args.chain is not None:
+            _train_chain(args, mds)
+        elif args.gpus is not None or _given(args, ONLINE_FLAGS):
+            _train_online(args, mds)
+        else:
+            _train_fixed(args, mds)
+    return 0
 
 
-def _train_run(args: argparse.Namespace) -> int:
-    mds = _megatron_deepspeed(args)
-    if args.chain is not None:
-        fixed = [f"--{name}" for name in FIXED_STRATEGY_FLAGS[:-1] if getattr(args, name) is not None]
-        if fixed:
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """The flags among ``names`` that the command line gave."""
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
+
+
+def _train_chain(args: argparse.Namespace, mds: bool) -> None:
+    for names in (FIXED_STRATEGY_FLAGS[:-1], ONLINE_FLAGS):
+        given = _given(args, names)
+        if given:
             raise ConaError(
-                f"cona train: --chain takes the strategies from the chain file; drop {', '.join(fixed)}"
+                f"cona train: --chain takes the strategies from the chain file; drop {', '.join(given)}"
             )
-        online = [f"--{name.replace('_', '-')}" for name in ONLINE_FLAGS if getattr(args, name) is not None]
-        if online:
-            raise ConaError(
-                f"cona train: --chain takes the strategies from the chain file; drop {', '.join(online)}"
-            )
-        if mds:
-            from cona.backends.megatron_deepspeed.run import train_chain
+    if mds:
+        from cona.backends.megatron_deepspeed.run import run_mds_chain
 
-            train_chain(args)
-            return 0
-        from cona.runner.console import RunConsole
-        from cona.runner.sequence import run_chain  # imports torch: not at `cona --help`
-        from cona.runner.worker_session import stage_launcher
+        environment = _mds_environment(args)
+        run_mds_chain(chain_run(args), environment)
+        return
+    from cona.runner.sequence import run_chain  # imports torch: not at `cona --help`
 
-        console = RunConsole.for_stdout(quiet=args.quiet)
-        with stage_launcher(restart_workers=getattr(args, "restart_workers", False)) as launcher:
-            run_chain(args, launcher=console.launcher(launcher), out=console.message)
-        return 0
-    online_given = any(getattr(args, name) is not None for name in ONLINE_FLAGS)
-    if args.gpus is not None or online_given:
-        if mds:
-            from cona.backends.megatron_deepspeed.run import refuse_online
+    with _console_and_launcher(args) as (console, launcher):
+        run_chain(chain_run(args), launcher=launcher, out=console.message)
 
-            refuse_online()
-        others = [f"--{name}" for name in FIXED_STRATEGY_FLAGS[:-1] if getattr(args, name) is not None]
-        if others:
-            raise ConaError(
-                "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
-                f"drop {', '.join(others)}"
-            )
-        from cona.runner.console import RunConsole
-        from cona.runner.online import run_online  # imports torch: not at `cona --help` time
-        from cona.runner.worker_session import stage_launcher
 
-        console = RunConsole.for_stdout(quiet=args.quiet)
-        with stage_launcher(restart_workers=getattr(args, "restart_workers", False)) as launcher:
-            run_online(args, launcher=console.launcher(launcher), out=console.message)
-        return 0
-    online = [f"--{name.replace('_', '-')}" for name in ONLINE_FLAGS if getattr(args, name) is not None]
+def _train_online(args: argparse.Namespace, mds: bool) -> None:
+    if mds:
+        from cona.backends.megatron_deepspeed.run import refuse_online
+
+        refuse_online()
+    _refuse_switch_in_place(args)
+    others = _given(args, FIXED_STRATEGY_FLAGS[:-1])
+    if others:
+        raise ConaError(
+            "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
+            f"drop {', '.join(others)}"
+        )
+    from cona.runner.online import run_online  # imports torch: not at `cona --help` time
+
+    with _console_and_launcher(args) as (console, launcher):
+        run_online(online_run(args), launcher=launcher, out=console.message)
+
+
+@contextmanager
+def _console_and_launcher(args: argparse.Namespace) -> Iterator[tuple[RunConsole, Launcher]]:
+    """The console of a chain or online run and its stage launcher (a worker session unless
+    ``--restart-workers``), shown through the console."""
+    from cona.runner.console import RunConsole
+    from cona.runner.worker_session import stage_launcher
+
+    console = RunConsole.for_stdout(quiet=args.quiet)
+    with stage_launcher(restart_workers=getattr(args, "restart_workers", False)) as launcher:
+        yield console, console.launcher(launcher)
+
+
+def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
+    online = _given(args, ONLINE_FLAGS)
     if online:
         raise ConaError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
-    across_nodes = any(getattr(args, name) not in (None, False) for name in MULTI_NODE_FLAGS)
+    across_nodes = [
+        f"--{name.replace('_', '-')}" for name in MULTI_NODE_FLAGS if getattr(args, name) not in (None, False)
+    ]
+    _refuse_for_one_stage(args, across_nodes=bool(across_nodes))
+    config, strategy = fixed_strategy(args)
+    from cona.engine.parallel_dims import validate_layout  # imports torch: not at `cona --help` time
+    from cona.runner.console import RunConsole
+
+    console = RunConsole.for_stdout(quiet=args.quiet)
+    validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
+    if not mds and across_nodes:  # a one-stage chain; each node checks its own GPUs
+        from cona.runner.fixed_across_nodes import write_fixed_chain
+        from cona.runner.sequence import run_chain, torchrun_launcher
+
+        chain_path, run_name = write_fixed_chain(config, strategy, args.iters, args.run_name)
+        run = chain_run(args, chain=chain_path, run_name=run_name)
+        run_chain(run, launcher=console.launcher(torchrun_launcher), out=console.message)
+        return
+    run = fixed_run(args, config, strategy)
+    if mds:
+        from cona.backends.megatron_deepspeed.run import train_fixed
+
+        train_fixed(run, _mds_environment(args), node_flags=across_nodes)
+        return
+    from cona.runner.fixed import run_fixed
+
+    run_fixed(run, console)
+
+
+def _refuse_for_one_stage(args: argparse.Namespace, *, across_nodes: bool) -> None:
+    """What a single fixed stage cannot take, and the fixed strategy's flags it needs."""
     if args.fresh and not across_nodes:  # one fixed stage always starts a new run directory
         raise ConaError("cona train: --fresh goes with --chain, online mode or a run across nodes")
     if getattr(args, "restart_workers", False):  # one stage: there is nothing to restart
         raise ConaError("cona train: --restart-workers goes with --chain or online mode")
+    _refuse_switch_in_place(args)
     missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
     if missing:
         raise ConaError(
             f"cona train: missing {', '.join(missing)} (a fixed strategy needs --dp --tp --pp "
             f"--gbs --mbs --iters --workdir)"
         )
-    if args.iters <= 0:
-        raise ConaError(f"cona train: --iters must be positive, got {args.iters}")
-    args.workdir = check_workdir(args.workdir)
-    config = load_config(args.config, check_data_files=True)
-    if args.device is not None:
-        config = dataclasses.replace(
-            config, training=dataclasses.replace(config.training, device=args.device)
+
+
+def _refuse_switch_in_place(args: argparse.Namespace) -> None:
+    if getattr(args, "switch_in_place", False):
+        raise ConaError(
+            "cona train: --switch-in-place goes with --chain (online mode switches in place whenever the "
+            "layout stays and the workers are kept)"
         )
-    config = resolve_log_root(config)
-    strategy = strategy_from_flags(args, config)
-    from cona.engine.parallel_dims import validate_layout  # imports torch: not at `cona --help` time
-    from cona.runner.console import RunConsole
-
-    console = RunConsole.for_stdout(quiet=args.quiet)
-
-    validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
-    if not mds and across_nodes:
-        from cona.runner.fixed_across_nodes import train_fixed_across_nodes
-
-        train_fixed_across_nodes(args, config, strategy, console)  # each node checks its own GPUs
-        return 0
-    device_type = _device_type(config, strategy.world_size)
-    if mds:
-        from cona.backends.megatron_deepspeed.run import train_fixed
-
-        train_fixed(args, strategy, config, device_type)
-        return 0
-    run_name = args.run_name or default_run_name(f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}")
-    run_dir = create_run_dir(Path(config.training.log_root), run_name)
-    print(f"run directory: {run_dir}", flush=True)
-    from cona.runner.run_tracker import wandb_notice
-    from cona.runner.stage_run import checkpoint_dtype, stage_lr
-
-    print(wandb_notice(config.training, run_name), flush=True)  # a fixed run has no decisions to track
-
-    lr = stage_lr(run_dir, config.training, strategy.gbs, 0)
-    spec = StageSpec(
-        run_dir=run_dir,
-        config=config,
-        strategy=strategy,
-        stage=1,
-        workdir=args.workdir.resolve(),
-        target_iteration=args.iters,
-        planned_tokens=args.iters * strategy.gbs * config.model.seq,
-        # the base LR is the one of training.base_gbs; at another gbs it is scaled as a chain scales it
-        lr_factor=lr.lr_factor,
-        min_lr_factor=lr.min_lr_factor,
-    )
-    spec_path = spec.write(stage_dir(run_dir, spec.stage) / "spec.json")
-    topology = Topology(
-        nproc_per_node=strategy.world_size, master_port=stage_master_port(args.master_port_base, spec.stage)
-    )
-    from cona.engine.checkpoint import layout_dir
-    from cona.runner.run_lock import lock_directory, run_locks
-
-    with run_locks(), console.stage(spec) as watch:  # one run at a time on a checkpoint folder
-        lock_directory(run_dir, "run directory")
-        dtype = checkpoint_dtype(config.training, device_type)
-        lock_directory(layout_dir(spec.workdir, config, strategy, dtype), "checkpoint folder")
-        run_stage(spec_path, spec.stage_dir, topology, device_type=device_type, quiet=True, watch=watch)
-    result = StageResult.read(spec.result_path)
-    print(
-        f"stage {result.stage} {result.reason} at iteration {result.last_iteration} "
-        f"({result.consumed_tokens:,} tokens); checkpoint: {result.checkpoint}; metrics: {spec.metrics_path}"
-    )
-    return 0
 
 
-def strategy_from_flags(args: argparse.Namespace, config: ConaConfig) -> Strategy:
-    """The flags' degrees and batch sizes; how to run them (zero stage, schedule, ...) from the config."""
-    training = config.training
-    return Strategy(
-        dp=args.dp,
-        tp=args.tp,
-        pp=args.pp,
-        mbs=args.mbs,
-        gbs=args.gbs,
-        zero_stage=training.zero_stage,
-        recompute=training.recompute,
-        sequence_parallel=training.sequence_parallel,
-        pipeline_schedule=training.pipeline_schedule,
-        virtual_stages=training.pipeline_virtual_stages,
-    )
+def _mds_environment(args: argparse.Namespace) -> MdsEnvironment:
+    from cona.backends.megatron_deepspeed.environment import resolve_environment
+
+    return resolve_environment(args.repo_path, args.mds_python, args.mds_shim, os.environ)
 
 
 def _megatron_deepspeed(args: argparse.Namespace) -> bool:
@@ -311,19 +305,3 @@ def _megatron_deepspeed(args: argparse.Namespace) -> bool:
     if not mds and (args.mds_python is not None or args.mds_shim is not None):
         raise ConaError("cona train: --mds-python and --mds-shim go with --backend megatron-deepspeed")
     return mds
-
-
-def _device_type(config: ConaConfig, world_size: int) -> str:
-    """``cpu`` or ``cuda`` as the workers will resolve it; a CUDA run needs a GPU per process."""
-    import torch  # here, not at import: `cona --help` should not pay for it
-
-    requested = config.training.device
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
-        return "cpu"
-    available = torch.cuda.device_count()
-    if available < world_size:
-        raise LaunchError(
-            f"dp*tp*pp = {world_size} processes need {world_size} GPUs, but {available} are visible "
-            f"(training.device={requested}; --device cpu runs them as CPU processes)"
-        )
-    return "cuda"

@@ -66,7 +66,8 @@ class StageSpec:
     """With ``continue_in_place``: the iteration the state in memory must be at."""
     hand_over_in_place: bool = False
     """At the stop rule, neither save nor drop the state: the session's next stage continues it in place
-    (a stage retrained up to an in-place switch that a kill interrupted)."""
+    (a chain step whose next step switches in place, or a stage retrained up to an in-place switch that a
+    kill interrupted)."""
 
     def __post_init__(self) -> None:
         if self.stage < 1:

@@ -2,14 +2,14 @@
 
 Across nodes a stage needs what a chain run has: a run directory every node agrees on, node 0 announcing the
 stage and publishing only when every node left it, and a run state that a rerun continues from. So the fixed
-strategy is written as the chain of one initial step and run by :func:`cona.runner.sequence.run_chain`; its LR
-is the one single-node fixed mode uses too (``training.base_lr`` scaled from ``base_gbs`` to the gbs).
-The run name must be the same on every node, so its default names the strategy instead of the start time.
+strategy is written as the chain of one initial step (:func:`write_fixed_chain`) and run by
+:func:`cona.runner.sequence.run_chain`; its LR is the one single-node fixed mode uses too
+(``training.base_lr`` scaled from ``base_gbs`` to the gbs). The run name must be the same on every node, so
+its default names the strategy instead of the start time.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -40,15 +40,11 @@ def write_chain(path: Path, chain: dict) -> None:
     partial.replace(path)
 
 
-def train_fixed_across_nodes(
-    args: argparse.Namespace, config: ConaConfig, strategy: Strategy, console
-) -> None:
-    from cona.runner.sequence import run_chain, torchrun_launcher  # imports torch
-
-    run_name = check_run_name(args.run_name or fixed_run_name(strategy))
-    chain_path = Path(config.training.log_root) / run_name / CHAIN_NAME
-    write_chain(chain_path, fixed_chain(strategy, args.iters))
-    chain_args = argparse.Namespace(**{**vars(args), "chain": chain_path, "run_name": run_name})
-    for name in ("dp", "tp", "pp", "gbs", "mbs", "iters"):
-        setattr(chain_args, name, None)
-    run_chain(chain_args, launcher=console.launcher(torchrun_launcher), out=console.message)
+def write_fixed_chain(
+    config: ConaConfig, strategy: Strategy, iters: int, run_name: str | None
+) -> tuple[Path, str]:
+    """Write the strategy's one-stage chain into its run directory; returns the chain file and run name."""
+    name = check_run_name(run_name or fixed_run_name(strategy))
+    chain_path = Path(config.training.log_root) / name / CHAIN_NAME
+    write_chain(chain_path, fixed_chain(strategy, iters))
+    return chain_path, name

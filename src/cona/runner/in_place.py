@@ -14,22 +14,22 @@ from pathlib import Path
 
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
-from cona.runner.online_stages import StageRecords
 from cona.runner.state import RunState, StageState
 
 
 def replay_in_place(
-    records: StageRecords,
     state: RunState,
     step_num: int,
     *,
+    continues_in_place: Callable[[int], bool],
     spec_of: Callable[[StageState], StageSpec],
     launch: Callable[[StageSpec, Path, int], None],
     out: Callable[[str], None],
 ) -> None:
-    """Leave in the session's workers the state stage ``step_num`` continues in place."""
+    """Leave in the session's workers the state stage ``step_num`` continues in place
+    (``continues_in_place(n)``: whether stage n continued the state of stage n - 1 in memory)."""
     first = step_num - 1
-    while records.continues_in_place(first):
+    while continues_in_place(first):
         first -= 1
     for number in range(first, step_num):
         stage = state.stage(number)

@@ -1,21 +1,17 @@
-"""The options of an online run (``cona train --gpus N --system S --initial-gbs G0 ...``), checked."""
+"""The description of an online run (``cona train --gpus N --system S --initial-gbs G0 ...``; made from the
+flags, and checked, by :mod:`cona.commands.train_runs`)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cona.config import ConaConfig, load_config
-from cona.errors import ConaError
+from cona.config import ConaConfig
 from cona.runner.chain import content_digest
-from cona.runner.chain_options import PLACEMENT_FLAGS
-from cona.runner.launch import DEFAULT_MASTER_PORT_BASE, resolve_port_base
-from cona.runner.multinode import NodePlacement, resolve_placement
-from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.multinode import NodePlacement
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,77 +76,5 @@ class OnlineRun:
             return self.total_tokens
         if training.lr_decay_tokens is not None:
             return training.lr_decay_tokens
-        assert self.total_iters is not None, "online_run_from_args requires a budget"
+        assert self.total_iters is not None, "an online run has a budget"
         return self.total_iters * self.initial_gbs * self.config.model.seq
-
-
-def online_run_from_args(args: argparse.Namespace) -> OnlineRun:
-    """Options from ``cona train --gpus N --system S --initial-gbs G0 --max-gbs G (--total-iters I |
-    --total-tokens T | --target-ppl P) [--no-botorch] [--config] [--device] [--workdir] [--run-name]``."""
-    config = resolve_log_root(load_config(getattr(args, "config", None), check_data_files=True))
-    if getattr(args, "device", None) is not None:
-        config = dataclasses.replace(
-            config, training=dataclasses.replace(config.training, device=args.device)
-        )
-    nodes = resolve_placement({name: getattr(args, name, None) for name in PLACEMENT_FLAGS}, os.environ)
-    gpus = nodes.num_nodes * nodes.gpus_per_node if nodes.num_nodes > 1 else args.gpus
-    required = {"--gpus": gpus, "--system": args.system, "--initial-gbs": args.initial_gbs}
-    missing = [flag for flag, value in required.items() if value is None]
-    if missing:
-        raise ConaError(f"cona train (online mode): missing {', '.join(missing)}")
-    budget = (args.total_iters, args.total_tokens, args.target_ppl)
-    if all(value is None for value in budget):
-        raise ConaError("cona train (online mode): give --total-iters, --total-tokens or --target-ppl")
-    total_iters = _positive(args.total_iters, "--total-iters", int)
-    total_tokens = _positive(args.total_tokens, "--total-tokens", int)
-    target_ppl = _positive(args.target_ppl, "--target-ppl", float)
-    if target_ppl is not None and target_ppl <= 1.0:
-        raise ConaError(f"cona train --target-ppl: a perplexity is above 1, got {args.target_ppl}")
-    if total_iters is None and total_tokens is None and config.training.lr_decay_tokens is None:
-        raise ConaError(
-            "cona train --target-ppl without --total-iters/--total-tokens trains at most to the LR horizon: "
-            "set training.lr_decay_tokens in the config"
-        )
-    for flag, value in (("--gpus", gpus), ("--initial-gbs", args.initial_gbs)):
-        if int(value) < 1:
-            raise ConaError(f"cona train {flag}: must be at least 1, got {value}")
-    max_gbs = int(args.max_gbs) if args.max_gbs is not None else int(args.initial_gbs)
-    if max_gbs < int(args.initial_gbs):
-        raise ConaError(f"cona train --max-gbs {max_gbs} is below --initial-gbs {args.initial_gbs}")
-    device_type = _device_type(config)
-    run_name = check_run_name(getattr(args, "run_name", None) or "online")
-    return OnlineRun(
-        config=config,
-        workdir=check_workdir(Path(getattr(args, "workdir", None) or Path.cwd())),
-        run_dir=Path(config.training.log_root) / run_name,
-        world_size=int(gpus),
-        device_type=device_type,
-        system=args.system,
-        initial_gbs=int(args.initial_gbs),
-        max_gbs=max_gbs,
-        total_iters=total_iters,
-        total_tokens=total_tokens,
-        target_ppl=target_ppl,
-        botorch=not getattr(args, "no_botorch", False),
-        base_port=resolve_port_base(getattr(args, "master_port_base", None), nodes.num_nodes),
-        fresh=bool(getattr(args, "fresh", False)),
-        quiet=bool(getattr(args, "quiet", False)),
-        nodes=nodes,
-    )
-
-
-def _positive(value: Any, flag: str, kind: type) -> Any:
-    if value is None:
-        return None
-    converted = kind(value)
-    if converted <= 0:
-        raise ConaError(f"cona train {flag}: must be positive, got {value}")
-    return converted
-
-
-def _device_type(config: ConaConfig) -> str:
-    if config.training.device != "auto":
-        return config.training.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

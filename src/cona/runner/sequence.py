@@ -1,32 +1,30 @@
-"""Run a chain (``cona train --chain FILE``): one stage after another, with hand-off, publish, prune, resume.
+"""Run a chain (``cona train --chain FILE``): the stages of a chain file, through the one stage driver.
 
-For each step of the chain the runner fixes the stage's plan at its first launch (start iteration, stop
-iteration, checkpoint to load, LR factors) and records it in the run state, writes the stage spec, launches
-the workers, reads ``stage_result.json``, publishes the checkpoint as universal when the step converts,
-applies the step's pruning entries, and logs what the switch into the stage cost. Every transition is saved
-in ``runner_state.json`` (see :mod:`cona.runner.state`), so rerunning the same command after a kill
-continues where the run stood.
+The driver (:mod:`cona.runner.driver`) moves every stage through its states and saves each move, so
+rerunning the same command after a kill continues where the run stood; this schedule says what a chain's
+stages are: the step's strategy, its stop iteration (``train_iters`` or ``extra_iters``), the checkpoint it
+loads, whether its checkpoint is published (``convert``) and what its pruning entries remove, and it logs
+what each switch cost.
+
+The load path of a stage is ``latest_universal`` of the previous stage's layout when that stage converts
+(checked to name the copy this run published), else the previous stage's own ``global_step`` directory.
+With ``--switch-in-place`` (and a launcher that keeps its workers) a step that keeps the previous step's
+layout continues that step's state in the workers' memory instead: the previous step saves nothing.
 
 Across nodes (``--num-nodes``) every node runs the same command: node 0 drives the chain as above, announcing
 each stage to the other nodes' runners and publishing only once all of them left it
 (:mod:`cona.runner.multinode_sync`); the others run their part of each stage it announces.
-
-The load path of a stage is ``latest_universal`` of the previous stage's layout when that stage converts
-(checked to name the copy this run published), else the previous stage's own ``global_step`` directory.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cona.engine.checkpoint import resolve_checkpoint
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
-from cona.runner.across_nodes import run_across_nodes
 from cona.runner.chain import (
     ChainConfig,
     ChainStep,
@@ -35,62 +33,22 @@ from cona.runner.chain import (
     load_chain,
     planned_tokens,
 )
-from cona.runner.chain_options import ChainRun, chain_run_from_args, stage_topology
-from cona.runner.launch import stage_master_port
+from cona.runner.chain_options import ChainRun
+from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
 from cona.runner.multinode import runner_command
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.run_dir import point_latest
-from cona.runner.run_lock import lock_directory, run_locks
+from cona.runner.run_lock import lock_directory
 from cona.runner.run_tracker import RunTracker
-from cona.runner.stage_run import (
-    Launcher,
-    StageLaunch,
-    checkpoint_dtype,
-    launch_stage,
-    publish_timed,
-    stage_lr,
-    switch_check_line,
-    torchrun_launcher,
-    write_plan,
-)
-from cona.runner.state import (
-    RunState,
-    StageState,
-    advance,
-    finished_result,
-    open_run,
-    own_checkpoint,
-    save_state,
-    switch_cost,
-    trained,
-)
+from cona.runner.stage_run import Launcher, StageLaunch, StageLR, checkpoint_dtype, torchrun_launcher
+from cona.runner.state import RunState, StageState, finished_result, open_run
+from cona.strategy import Strategy
 
-Publisher = Callable[[Path], Path]
-"""Makes a stage's ``global_step<N>`` checkpoint loadable under another layout: returns the universal
-directory it published (with the ``latest_universal`` marker beside it)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Context:
-    run: ChainRun
-    chain: ChainConfig
-    dtype: str
-    launcher: Launcher
-    out: Callable[[str], None]
-    publisher: Publisher = publish
-    run_tracker: RunTracker = dataclasses.field(default_factory=RunTracker.off)
-
-    def layout_dir(self, step: ChainStep) -> Path:
-        return self.run.workdir / layout_relpath(self.run.config, step, self.dtype)
-
-    def save(self, state: RunState, stage: StageState) -> RunState:
-        state = state.with_stage(stage)
-        save_state(self.run.run_dir, state)
-        return state
+__all__ = ["ChainRun", "ChainSchedule", "Launcher", "StageLaunch", "run_chain", "torchrun_launcher"]
 
 
 def run_chain(
-    args_or_options: argparse.Namespace | ChainRun,
+    run: ChainRun,
     *,
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
@@ -98,230 +56,168 @@ def run_chain(
 ) -> RunState:
     """Run (or resume) a chain to its end; returns the final run state. ``launcher`` and ``publisher`` are
     the backend's (the native engine's by default; :mod:`cona.backends.megatron_deepspeed` has its own)."""
-    run = args_or_options if isinstance(args_or_options, ChainRun) else chain_run_from_args(args_or_options)
-    with run_locks():  # whatever the run locked is free again when it ends
-        if run.nodes.num_nodes > 1:
-            return _run_on_nodes(run, launcher, out, publisher)
-        return _drive_chain(run, launcher, out, publisher)
-
-
-def _drive_chain(
-    run: ChainRun, launcher: Launcher, out: Callable[[str], None], publisher: Publisher = publish
-) -> RunState:
     dtype = checkpoint_dtype(run.config.training, run.device_type)
-    chain = load_chain(
+    chain = load_chain(  # every node validates the chain
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
     )
-    ctx = _Context(run=run, chain=chain, dtype=dtype, launcher=launcher, out=out, publisher=publisher)
-    lock_directory(run.run_dir, "run directory")  # before the run state is read: one runner at a time
-    for step in chain.steps:
-        lock_directory(ctx.layout_dir(step), "checkpoint folder")
-    state = _open_run(ctx)
-    if state.current is None:
-        return state
-    with RunTracker.open(run.config.training, run.run_dir.name, out) as run_tracker:
-        ctx = dataclasses.replace(ctx, run_tracker=run_tracker)
-        for step in chain.steps:
-            state = _run_step(ctx, state, step)
-    last = state.stages[-1]
-    out(
-        f"run {run.run_dir.name} finished: {len(chain.steps)} stages, iteration {last.last_iteration}, "
-        f"consumed_samples={last.consumed_samples}, consumed_tokens={last.consumed_tokens}"
-    )
-    return state
-
-
-def _run_on_nodes(
-    run: ChainRun, launcher: Launcher, out: Callable[[str], None], publisher: Publisher = publish
-) -> RunState:
-    """Node 0 drives the chain and announces every stage; the other nodes follow its announcements."""
-    dtype = checkpoint_dtype(run.config.training, run.device_type)  # every node validates the chain
-    load_chain(run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir)
-    return run_across_nodes(
-        run_dir=run.run_dir,
-        nodes=run.nodes,
-        base_port=run.base_port,
-        timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
-        world_size=run.world_size,
-        device_type=run.device_type,
-        quiet=run.quiet,
+    return drive(
+        run,
+        lambda stage_launcher: ChainSchedule(run, chain, out=out, in_place=_in_place(run, stage_launcher)),
         launcher=launcher,
         out=out,
-        remote_command=runner_command(run),
-        drive=lambda coordinated: _drive_chain(run, coordinated, out, publisher),
+        publisher=publisher,
+        remote_command=runner_command(run) if run.nodes.num_nodes > 1 else (),
     )
 
 
-def _open_run(ctx: _Context) -> RunState:
-    """Load or start the run's state and say which on the first line."""
-    run = ctx.run
-    state, first_line = open_run(
-        run.run_dir,
-        chain=ctx.chain,
-        config_digest=content_digest(run.config.to_dict()),
-        world_size=run.world_size,
-        fresh=run.fresh,
-        layout_dirs=[ctx.layout_dir(step) for step in ctx.chain.steps],
-    )
-    ctx.out(first_line)
-    point_latest(run.run_dir)
-    return state
+def _in_place(run: ChainRun, launcher: Launcher) -> bool:
+    """``--switch-in-place``, refused where the stages do not share their worker processes."""
+    if run.switch_in_place and not keeps_workers(launcher):
+        raise ChainError(
+            "--switch-in-place needs the worker processes kept from one stage to the next: one node, the "
+            "native backend and no --restart-workers"
+        )
+    return run.switch_in_place
 
 
-def _run_step(ctx: _Context, state: RunState, step: ChainStep) -> RunState:
-    """Drive one stage from wherever its status stands to done; every move is saved before the next."""
-    if state.stage(step.step_num).status in ("pending", "running"):
-        state = _train(ctx, state, step)
-    stage = state.stage(step.step_num)
-    if stage.status == "trained":
-        stage = advance(stage, "published", **_publish_changes(ctx, stage, step))
-        state = ctx.save(state, stage)
-    if stage.status == "published":
-        stage = advance(stage, "pruned", pruned=_apply_pruning(ctx, step))
-        state = ctx.save(state, stage)
-    if stage.status == "pruned":
-        cost = switch_cost(state.stage(step.step_num - 1), stage) if step.step_num > 1 else {}
-        if cost:
-            parts = ", ".join(
-                f"{key.removesuffix('_s').replace('_', ' ')} {value:.2f} s" for key, value in cost.items()
+class ChainSchedule:
+    """The stages of a chain file (see :class:`cona.runner.driver.Schedule`)."""
+
+    reports_switch_cost = True
+    max_tokens = None
+
+    def __init__(
+        self, run: ChainRun, chain: ChainConfig, *, out: Callable[[str], None], in_place: bool
+    ) -> None:
+        self.run, self.chain, self.out = run, chain, out
+        self.in_place = in_place
+        """Steps that keep the previous step's layout continue its state in memory."""
+        self.dtype = checkpoint_dtype(run.config.training, run.device_type)
+        self.planned_tokens = planned_tokens(chain, run.config.model.seq)
+        self.finished_before = False
+        self.run_tracker = RunTracker.off()
+
+    def step(self, step_num: int) -> ChainStep:
+        return self.chain.steps[step_num - 1]
+
+    def strategy(self, step_num: int) -> Strategy:
+        return self.step(step_num).strategy(self.run.config)
+
+    def layout_dir(self, step: ChainStep) -> Path:
+        return self.run.workdir / layout_relpath(self.run.config, step, self.dtype)
+
+    def open(self) -> RunState:
+        """Load or start the run's state and say which on the first line."""
+        run = self.run
+        for step in self.chain.steps:
+            lock_directory(self.layout_dir(step), "checkpoint folder")
+        state, first_line = open_run(
+            run.run_dir,
+            chain=self.chain,
+            config_digest=content_digest(run.config.to_dict()),
+            world_size=run.world_size,
+            fresh=run.fresh,
+            layout_dirs=[self.layout_dir(step) for step in self.chain.steps],
+        )
+        self.out(first_line)
+        point_latest(run.run_dir)
+        self.finished_before = state.current is None
+        return state
+
+    def plan(self, state: RunState, stage: StageState, *, start: int, lr: StageLR, in_place: bool) -> Plan:
+        step = self.step(stage.step_num)
+        target = step.target_iteration(start)
+        if target <= start:
+            raise ChainError(
+                f"{self.chain.path}: step {step.step_num}: stops at iteration {target}, but its "
+                f"checkpoint is already at iteration {start}"
             )
-            ctx.out(f"switch {step.step_num - 1}->{step.step_num}: {parts}; total {sum(cost.values()):.2f} s")
-        state = ctx.save(state, advance(stage, "done", switch_cost=cost))
-    return state
-
-
-def _train(ctx: _Context, state: RunState, step: ChainStep) -> RunState:
-    stage = state.stage(step.step_num)
-    if stage.status == "pending":
-        stage = _plan_stage(ctx, state, step)
-        state = ctx.save(state, stage)
+        load_path = None if step.is_initial or in_place else self._planned_load(state, step)
+        record = {
+            "start_iteration": start,
+            "target_iteration": target,
+            "load_path": str(load_path) if load_path else None,
+            "lr": lr.scaled.lr,
+            "min_lr": lr.scaled.min_lr,
+            "lr_factor": lr.lr_factor,
+            "min_lr_factor": lr.min_lr_factor,
+        }
+        line = (
+            f"stage {step.step_num}: dp{step.dp}/tp{step.tp}/pp{step.pp} mbs{step.mbs} gbs{step.gbs}, "
+            f"iterations {start}->{target}, lr {lr.scaled.lr:.3g} (x{lr.lr_factor:.3g})"
+            f"{', capped' if lr.scaled.capped else ''}, {start_text(record['load_path'], in_place)}"
+        )
         if step.step_num > 1:  # planned once: one event per switch, also across a resume
-            ctx.run_tracker.switch(
-                stage=step.step_num, iteration=stage.start_iteration or 0, action="chain step",
-                strategy=step.strategy(ctx.run.config).short(), reason=f"step {step.step_num} of the chain",
+            self.run_tracker.switch(
+                stage=step.step_num, iteration=start, action="chain step",
+                strategy=self.strategy(step.step_num).short(), reason=f"step {step.step_num} of the chain",
             )  # fmt: skip
-    spec = _stage_spec(ctx, stage, step)
-    result, launched = finished_result(stage, spec.result_path), None
-    if result is None:
-        state, launched = _launch(ctx, state, spec, step)
-        result = StageResult.read(spec.result_path)
-    if result.reason != "completed" or result.last_iteration != stage.target_iteration:
-        raise LaunchError(
-            f"stage {step.step_num} stopped at iteration {result.last_iteration} ({result.reason}) "
-            f"instead of its target {stage.target_iteration}"
+        return Plan(target_iteration=target, load_path=record["load_path"], record=record, line=line)
+
+    def _planned_load(self, state: RunState, step: ChainStep) -> Path:
+        """What a non-initial stage loads: the previous stage's published universal copy (through
+        ``latest_universal``) when it converts, else its own global_step directory."""
+        previous = state.stage(step.step_num - 1)
+        previous_step = self.step(step.step_num - 1)
+        if not previous_step.convert:
+            return Path(previous.checkpoint)
+        marker = self.layout_dir(previous_step) / LATEST_UNIVERSAL
+        universal = resolve_checkpoint(marker)
+        if universal.resolve() != Path(previous.universal).resolve():
+            raise ChainError(
+                f"{marker} names {universal.name}, not {Path(previous.universal).name} that step "
+                f"{previous.step_num} published; does another run share --workdir {self.run.workdir}?"
+            )
+        return universal
+
+    def hands_over(self, state: RunState, step_num: int) -> bool:
+        """A step hands its state over when the next step keeps its layout (with ``--switch-in-place``)."""
+        if not self.in_place or step_num == len(self.chain.steps):
+            return False
+        return self.strategy(step_num).same_layout(self.strategy(step_num + 1))
+
+    def recorded_result(self, stage: StageState, result_path: Path) -> StageResult | None:
+        return finished_result(stage, result_path)
+
+    def check_result(self, stage: StageState, result: StageResult, spec: StageSpec) -> None:
+        if result.reason != "completed" or result.last_iteration != stage.target_iteration:
+            raise LaunchError(
+                f"stage {stage.step_num} stopped at iteration {result.last_iteration} ({result.reason}) "
+                f"instead of its target {stage.target_iteration}"
+            )
+        if result.checkpoint is None and not result.handed_over:
+            raise LaunchError(f"stage {stage.step_num} saved no checkpoint at its end ({spec.result_path})")
+
+    @contextlib.contextmanager
+    def beside(self, stage: StageState, spec: StageSpec) -> Iterator[None]:
+        yield  # a chain's stages end by their stop rule only
+
+    def after_training(self, state: RunState, stage: StageState) -> RunState:
+        return state
+
+    def publishes(self, state: RunState, stage: StageState) -> bool:
+        return self.step(stage.step_num).convert and stage.checkpoint is not None
+
+    def prune(self, stage: StageState) -> tuple[str, ...]:
+        removed: list[str] = []
+        for rule in self.chain.rules_after(stage.step_num):
+            result = prune(rule, self.run.workdir)
+            self.out(
+                f"stage {stage.step_num}: pruned {result.layout_dir} ({rule.mode}): removed "
+                f"{', '.join(result.removed) or 'nothing'}"
+            )
+            removed.extend(str(result.layout_dir / name) for name in result.removed)
+        return tuple(removed)
+
+    def stage_done(self, state: RunState, step_num: int) -> None:
+        pass
+
+    def finish(self, state: RunState) -> None:
+        if self.finished_before:  # the first line said so
+            return
+        last = state.stages[-1]
+        self.out(
+            f"run {self.run.run_dir.name} finished: {len(self.chain.steps)} stages, iteration "
+            f"{last.last_iteration}, consumed_samples={last.consumed_samples}, "
+            f"consumed_tokens={last.consumed_tokens}"
         )
-    if result.checkpoint is None:
-        raise LaunchError(f"stage {step.step_num} saved no checkpoint at its end ({spec.result_path})")
-    stage = trained(state.stage(step.step_num), result, launched)
-    line = switch_check_line(stage)
-    if line is not None:
-        ctx.out(line)
-    return ctx.save(state, stage)
-
-
-def _launch(ctx: _Context, state: RunState, spec: StageSpec, step: ChainStep) -> tuple[RunState, float]:
-    """Start one attempt of the stage and wait for it; returns the state (attempt counted) and launch time."""
-    spec_path = spec.write(spec.stage_dir / "spec.json")
-    spec.result_path.unlink(missing_ok=True)
-    spec.switch_request_path.unlink(missing_ok=True)  # a chain's stages end by their stop rule only
-    stage = state.stage(step.step_num)
-    state = ctx.save(state, dataclasses.replace(stage, attempts=stage.attempts + 1))
-    topology = stage_topology(ctx.run, stage_master_port(ctx.run.base_port, step.step_num))
-    launch = StageLaunch(
-        spec=spec,
-        spec_path=spec_path,
-        topology=topology,
-        device_type=ctx.run.device_type,
-        quiet=ctx.run.quiet,
-    )
-    return state, launch_stage(ctx.launcher, launch)
-
-
-def _plan_stage(ctx: _Context, state: RunState, step: ChainStep) -> StageState:
-    """Fix the stage's start, stop, load path and LR factors (kept for every relaunch)."""
-    training = ctx.run.config.training
-    load_path = None if step.is_initial else _planned_load(ctx, state, step)
-    start = 0 if step.is_initial else state.stage(step.step_num - 1).last_iteration
-    target = step.target_iteration(start)
-    if target <= start:
-        raise ChainError(
-            f"{ctx.chain.path}: step {step.step_num}: stops at iteration {target}, but its "
-            f"checkpoint is already at iteration {start}"
-        )
-    lr = stage_lr(ctx.run.run_dir, training, step.gbs, start)
-    plan = {
-        "start_iteration": start,
-        "target_iteration": target,
-        "load_path": str(load_path) if load_path else None,
-        "lr": lr.scaled.lr,
-        "min_lr": lr.scaled.min_lr,
-        "lr_factor": lr.lr_factor,
-        "min_lr_factor": lr.min_lr_factor,
-    }
-    ctx.out(
-        f"stage {step.step_num}: dp{step.dp}/tp{step.tp}/pp{step.pp} mbs{step.mbs} gbs{step.gbs}, "
-        f"iterations {start}->{target}, lr {lr.scaled.lr:.3g} (x{lr.lr_factor:.3g})"
-        f"{', capped' if lr.scaled.capped else ''}, load {load_path or 'none (from scratch)'}"
-    )
-    return advance(
-        state.stage(step.step_num),
-        "running",
-        start_iteration=start,
-        target_iteration=target,
-        load_path=plan["load_path"],
-        planned_at=write_plan(ctx.run.run_dir, step.step_num, plan),
-        lr_factor=lr.lr_factor,
-        min_lr_factor=lr.min_lr_factor,
-    )
-
-
-def _planned_load(ctx: _Context, state: RunState, step: ChainStep) -> Path:
-    """What a non-initial stage loads: the previous stage's published universal copy (through
-    ``latest_universal``) when it converts, else its own global_step directory."""
-    previous = state.stage(step.step_num - 1)
-    previous_step = ctx.chain.steps[step.step_num - 2]
-    if not previous_step.convert:
-        return Path(previous.checkpoint)
-    marker = ctx.layout_dir(previous_step) / LATEST_UNIVERSAL
-    universal = resolve_checkpoint(marker)
-    if universal.resolve() != Path(previous.universal).resolve():
-        raise ChainError(
-            f"{marker} names {universal.name}, not {Path(previous.universal).name} that step "
-            f"{previous.step_num} published; does another run share --workdir {ctx.run.workdir}?"
-        )
-    return universal
-
-
-def _stage_spec(ctx: _Context, stage: StageState, step: ChainStep) -> StageSpec:
-    """The spec of the next attempt: from the stage's own newest checkpoint if an attempt saved one."""
-    own = own_checkpoint(stage, ctx.layout_dir(step))
-    load_path = own if own is not None else (Path(stage.load_path) if stage.load_path else None)
-    return StageSpec(
-        run_dir=ctx.run.run_dir,
-        config=ctx.run.config,
-        strategy=step.strategy(ctx.run.config),
-        stage=step.step_num,
-        workdir=ctx.run.workdir,
-        planned_tokens=planned_tokens(ctx.chain, ctx.run.config.model.seq),
-        load_path=load_path,
-        target_iteration=stage.target_iteration,
-        lr_factor=stage.lr_factor,
-        min_lr_factor=stage.min_lr_factor,
-        save_at_end=True,
-    )
-
-
-def _publish_changes(ctx: _Context, stage: StageState, step: ChainStep) -> dict:
-    return publish_timed(ctx.publisher, stage, ctx.out) if step.convert else {}
-
-
-def _apply_pruning(ctx: _Context, step: ChainStep) -> tuple[str, ...]:
-    removed: list[str] = []
-    for rule in ctx.chain.rules_after(step.step_num):
-        result = prune(rule, ctx.run.workdir)
-        ctx.out(
-            f"stage {step.step_num}: pruned {result.layout_dir} ({rule.mode}): removed "
-            f"{', '.join(result.removed) or 'nothing'}"
-        )
-        removed.extend(str(result.layout_dir / name) for name in result.removed)
-    return tuple(removed)

@@ -33,10 +33,20 @@ from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.runner.chain import ChainConfig
+from cona.runner.online_stages import STAGES_NAME
 
 STATE_NAME = "runner_state.json"
-RUN_FILES = ("metrics.jsonl", "switch_request.json")
-"""What else --fresh removes from a run directory (besides the state and ``stages/``)."""
+REALIZED_NAME = "realized_chain.json"
+"""An online run's realized chain (a chain file that replays it)."""
+FRESH_FILES = (
+    STATE_NAME,
+    "metrics.jsonl",
+    "switch_request.json",
+    "decisions.jsonl",
+    STAGES_NAME,
+    REALIZED_NAME,
+)
+"""What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""
 STATE_VERSION = 1
 Status = Literal["pending", "running", "trained", "published", "pruned", "done"]
 STATUSES: tuple[Status, ...] = ("pending", "running", "trained", "published", "pruned", "done")
@@ -202,10 +212,7 @@ def open_run(
     ``layout_dirs`` are the steps' checkpoint layout directories."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if fresh:
-        state_path(run_dir).unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "stages", ignore_errors=True)
-        for name in RUN_FILES:
-            (run_dir / name).unlink(missing_ok=True)
+        discard_run(run_dir)
     state = load_state(run_dir)
     if state is None:
         state = new_state(
@@ -225,6 +232,13 @@ def open_run(
         state, run_dir=run_dir, chain_digest=chain.digest, config_digest=config_digest, world_size=world_size
     )
     return state, resume_line(state, run_dir.name, layout_dirs)
+
+
+def discard_run(run_dir: Path) -> None:
+    """``--fresh``: remove what an earlier run left in ``run_dir`` (its state, stages and logs)."""
+    for name in FRESH_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "stages", ignore_errors=True)
 
 
 def resume_line(state: RunState, run_name: str, layout_dirs: Sequence[Path]) -> str:

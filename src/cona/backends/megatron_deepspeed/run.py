@@ -1,51 +1,33 @@
 """``cona train --backend megatron-deepspeed --repo-path PATH``: fixed and chain modes through a checkout.
 
 Both modes run through :func:`cona.runner.sequence.run_chain` with this backend's launcher and publisher (a
-fixed
-strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``), so the run directory, its state
-and its
-resume behave as the native backend's. Everything this backend cannot run is refused before the first launch:
-online mode (Megatron-DeepSpeed reports no gradient-noise inputs), several nodes (not verified yet), a tp
-change on
-a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a checkout, and the config
-keys
-:func:`.commands.check_supported` names.
+fixed strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage
+state machine, the backend says how a stage is launched, saved and verified, so the run directory, its state
+and its resume behave as the native backend's. Everything this backend cannot run is refused before the
+first launch: online mode (Megatron-DeepSpeed reports no gradient-noise inputs), several nodes (not verified
+yet), a tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a
+checkout, and the config keys :func:`.commands.check_supported` names.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from cona.backends.megatron_deepspeed.commands import chain_shape, check_supported
-from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_layout, resolve_environment
+from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_layout
 from cona.backends.megatron_deepspeed.stage import MdsBackend
 from cona.backends.megatron_deepspeed.universal import check_reshardable
-from cona.config import ConaConfig
 from cona.errors import ChainError, ConfigError
 from cona.runner.chain import load_chain, planned_iterations
-from cona.runner.chain_options import ChainRun, chain_run_from_args
-from cona.runner.run_dir import create_run_dir, default_run_name
+from cona.runner.chain_options import ChainRun
+from cona.runner.fixed import FixedRun, one_stage_chain
 from cona.runner.sequence import run_chain
 from cona.runner.stage_run import checkpoint_dtype
 from cona.runner.state import RunState
 from cona.strategy import Strategy
 
 BACKEND_NAME = "megatron-deepspeed"
-FIXED_CHAIN_NAME = "fixed_chain.json"
-NODE_FLAGS = ("num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
-
-
-def environment_from_args(args: argparse.Namespace) -> MdsEnvironment:
-    return resolve_environment(
-        getattr(args, "repo_path", None),
-        getattr(args, "mds_python", None),
-        getattr(args, "mds_shim", None),
-        os.environ,
-    )
 
 
 def refuse_online() -> None:
@@ -56,43 +38,14 @@ def refuse_online() -> None:
     )
 
 
-def train_chain(args: argparse.Namespace, *, out: Callable[[str], None] = print) -> RunState:
-    """``cona train --chain FILE --repo-path PATH ...``."""
-    env = environment_from_args(args)
-    run = chain_run_from_args(args)
-    return run_mds_chain(run, env, out=out)
-
-
-def train_fixed(
-    args: argparse.Namespace, strategy: Strategy, config: ConaConfig, device_type: str
-) -> RunState:
+def train_fixed(run: FixedRun, env: MdsEnvironment, *, node_flags: Sequence[str] = ()) -> RunState:
     """``cona train --dp .. --iters N --workdir W --repo-path PATH``: a one-stage chain in a new run
-    directory."""
-    env = environment_from_args(args)
-    across_nodes = [f"--{name.replace('_', '-')}" for name in NODE_FLAGS if getattr(args, name, None)]
-    if across_nodes:
-        raise ConfigError(
-            f"{', '.join(across_nodes)}: the Megatron-DeepSpeed backend runs on one node for now"
-        )
-    check_supported(config, strategy, device_type)  # before the run directory is made
-    run_name = args.run_name or default_run_name(f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}")
-    run_dir = create_run_dir(Path(config.training.log_root), run_name)
-    print(f"run directory: {run_dir}", flush=True)
-    chain_path = run_dir / FIXED_CHAIN_NAME
-    step = {"step_num": 1, "dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp, "gbs": strategy.gbs}
-    step.update({"mbs": strategy.mbs, "train_iters": args.iters, "is_initial": True})
-    chain_path.write_text(json.dumps({"steps": [step]}, indent=1) + "\n")
-    run = ChainRun(
-        chain_path=chain_path,
-        config=config,
-        workdir=Path(args.workdir).resolve(),
-        run_dir=run_dir,
-        world_size=strategy.world_size,
-        device_type=device_type,
-        base_port=args.master_port_base,
-        quiet=bool(args.quiet),
-    )
-    return run_mds_chain(run, env)
+    directory. ``node_flags``: the multi-node flags given, which this backend refuses."""
+    if node_flags:
+        raise ConfigError(f"{', '.join(node_flags)}: the Megatron-DeepSpeed backend runs on one node for now")
+    check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
+    chain = one_stage_chain(run, run.new_run_dir())
+    return run_mds_chain(chain, env)
 
 
 def run_mds_chain(

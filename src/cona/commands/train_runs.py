@@ -1,0 +1,226 @@
+"""``cona train``'s flags as the typed run descriptions the runner takes.
+
+The runner never sees the parsed flags: each mode's flags become one frozen description
+(:class:`~cona.runner.chain_options.ChainRun`, :class:`~cona.runner.online_options.OnlineRun`,
+:class:`~cona.runner.fixed.FixedRun`), checked here with a message that names the flag. What every mode
+shares is written once: the config with the ``--device`` override (:func:`run_config`), the device the
+workers will use (:func:`device_type`) and the node placement (:func:`placement`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from cona.config import ConaConfig, TrainingConfig, load_config
+from cona.errors import ChainError, ConaError, LaunchError
+from cona.runner.chain_options import ChainRun
+from cona.runner.fixed import FixedRun
+from cona.runner.launch import resolve_port_base
+from cona.runner.multinode import NodePlacement, resolve_placement
+from cona.runner.online_options import OnlineRun
+from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
+from cona.strategy import Strategy
+
+PLACEMENT_FLAGS = ("num_nodes", "gpus_per_node", "gpus", "hostfile", "master_addr", "node_rank", "no_ssh")
+
+
+def flag(flags: Any, name: str) -> Any:
+    """The flag's value, None when it was not given (or the caller's flags do not have it)."""
+    return getattr(flags, name, None)
+
+
+def run_config(config_path: str | Path | None, device: str | None) -> ConaConfig:
+    """The config (``--config``, else the discovered ``.conaconfig``; data files checked), with
+    ``--device`` overriding ``training.device`` and the log root made absolute."""
+    config = resolve_log_root(load_config(config_path, check_data_files=True))
+    if device is None:
+        return config
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, device=device))
+
+
+def device_type(training: TrainingConfig, *, processes: int | None = None) -> str:
+    """``cpu`` or ``cuda`` as the workers will resolve ``training.device``; given ``processes`` (one node's),
+    a CUDA run needs a GPU for each."""
+    import torch  # here, not at import: `cona --help` should not pay for it
+
+    requested = training.device
+    resolved = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
+    if resolved == "cuda" and processes is not None:
+        available = torch.cuda.device_count()
+        if available < processes:
+            raise LaunchError(
+                f"dp*tp*pp = {processes} processes need {processes} GPUs, but {available} are visible "
+                f"(training.device={requested}; --device cpu runs them as CPU processes)"
+            )
+    return resolved
+
+
+def placement(flags: Any) -> NodePlacement:
+    """Where this node stands: the placement flags and, inside a Slurm job step, its variables."""
+    return resolve_placement({name: flag(flags, name) for name in PLACEMENT_FLAGS}, os.environ)
+
+
+def _common(flags: Any, config: ConaConfig, run_name: str, num_nodes: int) -> dict[str, Any]:
+    """What every run description takes from the flags that all modes share."""
+    run_dir = Path(config.training.log_root) / check_run_name(run_name)
+    return {
+        "config": config,
+        "workdir": check_workdir(Path(flag(flags, "workdir") or Path.cwd())),
+        "run_dir": run_dir,
+        "base_port": resolve_port_base(flag(flags, "master_port_base"), num_nodes),
+        "fresh": bool(flag(flags, "fresh")),
+        "quiet": bool(flag(flags, "quiet")),
+    }
+
+
+def chain_run(flags: Any, *, chain: Path | None = None, run_name: str | None = None) -> ChainRun:
+    """``cona train --chain FILE [--config] [--device] [--workdir] [--gpus | --num-nodes --gpus-per-node]
+    [--run-name] [--master-port-base] [--quiet] [--fresh] [--switch-in-place]`` (``chain`` and
+    ``run_name`` replace the flags' for a chain the command wrote itself)."""
+    config = run_config(flag(flags, "config"), flag(flags, "device"))
+    resolved = device_type(config.training)
+    nodes = placement(flags)
+    chain_path = Path(chain or flags.chain)
+    name = run_name or flag(flags, "run_name") or f"chain-{chain_path.stem}"
+    common = _common(flags, config, name, nodes.num_nodes)
+    return ChainRun(
+        chain_path=chain_path,
+        world_size=nodes.num_nodes * nodes.gpus_per_node
+        if nodes.num_nodes > 1
+        else _chain_world_size(flags, chain_path, resolved),
+        device_type=resolved,
+        nodes=nodes,
+        switch_in_place=bool(flag(flags, "switch_in_place")),
+        **common,
+    )
+
+
+def _chain_world_size(flags: Any, chain_path: Path, resolved_device: str) -> int:
+    gpus, per_node = flag(flags, "gpus"), flag(flags, "gpus_per_node")
+    if gpus is not None:
+        return gpus
+    if per_node is not None:
+        return (flag(flags, "num_nodes") or 1) * per_node
+    if resolved_device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    first = _first_step_world_size(chain_path)
+    if first is None:
+        raise ChainError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
+    return first  # the short form on CPU: as many processes as the chain's first step uses
+
+
+def _first_step_world_size(chain_path: Path) -> int | None:
+    """dp * tp * pp of the chain file's first step (None when the file does not say; loading the chain
+    later names what is wrong with it)."""
+    try:
+        step = json.loads(chain_path.read_text())["steps"][0]
+        return int(step.get("dp", 1)) * int(step.get("tp", 1)) * int(step.get("pp", 1))
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def online_run(flags: Any) -> OnlineRun:
+    """``cona train --gpus N --system S --initial-gbs G0 --max-gbs G (--total-iters I | --total-tokens T |
+    --target-ppl P) [--no-botorch] [--config] [--device] [--workdir] [--run-name]``."""
+    config = run_config(flag(flags, "config"), flag(flags, "device"))
+    nodes = placement(flags)
+    gpus = nodes.num_nodes * nodes.gpus_per_node if nodes.num_nodes > 1 else flag(flags, "gpus")
+    initial_gbs = flag(flags, "initial_gbs")
+    required = {"--gpus": gpus, "--system": flag(flags, "system"), "--initial-gbs": initial_gbs}
+    missing = [name for name, value in required.items() if value is None]
+    if missing:
+        raise ConaError(f"cona train (online mode): missing {', '.join(missing)}")
+    total_iters, total_tokens, target_ppl = _budget(flags, config.training)
+    for name, value in (("--gpus", gpus), ("--initial-gbs", initial_gbs)):
+        if int(value) < 1:
+            raise ConaError(f"cona train {name}: must be at least 1, got {value}")
+    max_gbs = int(flag(flags, "max_gbs")) if flag(flags, "max_gbs") is not None else int(initial_gbs)
+    if max_gbs < int(initial_gbs):
+        raise ConaError(f"cona train --max-gbs {max_gbs} is below --initial-gbs {initial_gbs}")
+    return OnlineRun(
+        world_size=int(gpus),
+        device_type=device_type(config.training),
+        system=flags.system,
+        initial_gbs=int(initial_gbs),
+        max_gbs=max_gbs,
+        total_iters=total_iters,
+        total_tokens=total_tokens,
+        target_ppl=target_ppl,
+        botorch=not flag(flags, "no_botorch"),
+        nodes=nodes,
+        **_common(flags, config, flag(flags, "run_name") or "online", nodes.num_nodes),
+    )
+
+
+def _budget(flags: Any, training: TrainingConfig) -> tuple[int | None, int | None, float | None]:
+    """``--total-iters``, ``--total-tokens`` and ``--target-ppl``, checked (one of them is required)."""
+    given = (flag(flags, "total_iters"), flag(flags, "total_tokens"), flag(flags, "target_ppl"))
+    if all(value is None for value in given):
+        raise ConaError("cona train (online mode): give --total-iters, --total-tokens or --target-ppl")
+    total_iters = _positive(given[0], "--total-iters", int)
+    total_tokens = _positive(given[1], "--total-tokens", int)
+    target_ppl = _positive(given[2], "--target-ppl", float)
+    if target_ppl is not None and target_ppl <= 1.0:
+        raise ConaError(f"cona train --target-ppl: a perplexity is above 1, got {given[2]}")
+    if total_iters is None and total_tokens is None and training.lr_decay_tokens is None:
+        raise ConaError(
+            "cona train --target-ppl without --total-iters/--total-tokens trains at most to the LR horizon: "
+            "set training.lr_decay_tokens in the config"
+        )
+    return total_iters, total_tokens, target_ppl
+
+
+def _positive(value: Any, name: str, kind: type) -> Any:
+    if value is None:
+        return None
+    converted = kind(value)
+    if converted <= 0:
+        raise ConaError(f"cona train {name}: must be positive, got {value}")
+    return converted
+
+
+def fixed_strategy(flags: Any) -> tuple[ConaConfig, Strategy]:
+    """The config and strategy of ``cona train --dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``
+    (the caller checked that the flags are all given)."""
+    if flags.iters <= 0:
+        raise ConaError(f"cona train: --iters must be positive, got {flags.iters}")
+    check_workdir(flags.workdir)
+    config = run_config(flag(flags, "config"), flag(flags, "device"))
+    return config, strategy_from_flags(flags, config)
+
+
+def fixed_run(flags: Any, config: ConaConfig, strategy: Strategy) -> FixedRun:
+    """The fixed strategy's run on this node (which needs a GPU per process on CUDA)."""
+    return FixedRun(
+        strategy=strategy,
+        iters=flags.iters,
+        config=config,
+        workdir=check_workdir(flags.workdir),
+        device_type=device_type(config.training, processes=strategy.world_size),
+        run_name=flag(flags, "run_name"),
+        base_port=resolve_port_base(flag(flags, "master_port_base"), num_nodes=1),
+        quiet=bool(flag(flags, "quiet")),
+    )
+
+
+def strategy_from_flags(flags: Any, config: ConaConfig) -> Strategy:
+    """The flags' degrees and batch sizes; how to run them (zero stage, schedule, ...) from the config."""
+    training = config.training
+    return Strategy(
+        dp=flags.dp,
+        tp=flags.tp,
+        pp=flags.pp,
+        mbs=flags.mbs,
+        gbs=flags.gbs,
+        zero_stage=training.zero_stage,
+        recompute=training.recompute,
+        sequence_parallel=training.sequence_parallel,
+        pipeline_schedule=training.pipeline_schedule,
+        virtual_stages=training.pipeline_virtual_stages,
+    )

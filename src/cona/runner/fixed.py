@@ -1,0 +1,89 @@
+"""One fixed strategy on one node (``cona train --dp .. --iters N --workdir W``): a one-stage chain.
+
+The run directory is new (named by the UTC time and the layout unless ``--run-name`` names it); the strategy
+is written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage driver as
+every chain is (:func:`cona.runner.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun; the last
+line says where it stopped and saved. The Megatron-DeepSpeed backend runs its fixed mode the same way; across
+nodes the run name is the strategy's, so that every node agrees on it (:mod:`cona.runner.fixed_across_nodes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cona.config import ConaConfig
+from cona.engine.spec import StageResult, StageSpec
+from cona.runner.chain_options import ChainRun
+from cona.runner.fixed_across_nodes import fixed_chain, write_chain
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.run_dir import create_run_dir, default_run_name
+from cona.strategy import Strategy
+
+if TYPE_CHECKING:
+    from cona.runner.console import RunConsole
+
+FIXED_CHAIN_NAME = "fixed_chain.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FixedRun:
+    """What ``cona train`` with a fixed strategy was asked to do."""
+
+    strategy: Strategy
+    iters: int
+    """The iteration the stage stops at."""
+    config: ConaConfig
+    workdir: Path
+    """Checkpoints go to ``<workdir>/checkpoints/...`` (absolute)."""
+    device_type: str
+    """``cpu`` or ``cuda``, as the workers will resolve it."""
+    run_name: str | None = None
+    """The run directory's name under ``training.log_root``; None: the UTC time and the layout."""
+    base_port: int | None = DEFAULT_MASTER_PORT_BASE
+    """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
+    quiet: bool = False
+
+    def new_run_dir(self) -> Path:
+        """Make the run's directory (refusing one that exists) and say which on the first line."""
+        strategy = self.strategy
+        name = self.run_name or default_run_name(f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}")
+        run_dir = create_run_dir(Path(self.config.training.log_root), name)
+        print(f"run directory: {run_dir}", flush=True)
+        return run_dir
+
+
+def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
+    """The fixed run as the chain of one initial step, written to ``<run_dir>/fixed_chain.json``."""
+    chain_path = run_dir / FIXED_CHAIN_NAME
+    write_chain(chain_path, fixed_chain(run.strategy, run.iters))
+    return ChainRun(
+        chain_path=chain_path,
+        config=run.config,
+        workdir=run.workdir,
+        run_dir=run_dir,
+        world_size=run.strategy.world_size,
+        device_type=run.device_type,
+        base_port=run.base_port,
+        quiet=run.quiet,
+    )
+
+
+def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
+    """Train the one stage to ``run.iters`` through the stage driver and print where it stopped; returns
+    its result."""
+    from cona.runner.sequence import run_chain  # imports torch
+    from cona.runner.stage_run import torchrun_launcher
+
+    run_dir = run.new_run_dir()
+    run_chain(
+        one_stage_chain(run, run_dir), launcher=console.launcher(torchrun_launcher), out=console.message
+    )
+    spec = StageSpec.read(run_dir / "stages" / "1" / "spec.json")
+    result = StageResult.read(spec.result_path)
+    print(
+        f"stage {result.stage} {result.reason} at iteration {result.last_iteration} "
+        f"({result.consumed_tokens:,} tokens); checkpoint: {result.checkpoint}; metrics: {spec.metrics_path}"
+    )
+    return result
