@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import secrets
 import shutil
@@ -37,6 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
+from cona.atomic_files import fsync_dir, write_atomic, write_json_atomic
 from cona.config import ConaConfig, ModelConfig
 from cona.engine.checkpoint_dcp import METADATA_FILE, dcp_load, dcp_save
 from cona.engine.checkpoint_files import (
@@ -260,8 +260,8 @@ def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str
 
 
 def _write_json_files(directory: Path, documents: dict[str, Any]) -> None:
-    for name, document in documents.items():
-        (directory / name).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    for name, document in documents.items():  # fsynced: the directory's rename publishes them
+        write_json_atomic(directory / name, document, sort_keys=True)
 
 
 def _publish(tmp_dir: Path, final_dir: Path) -> None:
@@ -270,22 +270,24 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
     copy moves aside first (complete under ``.tmp-replaced-``) and only the two renames lie between."""
     if not final_dir.exists():
         os.replace(tmp_dir, final_dir)
+        fsync_dir(final_dir.parent)
         return
     if exchange_paths(tmp_dir, final_dir):
+        fsync_dir(final_dir.parent)
         _remove(tmp_dir)  # now the old copy
         return
     owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
     aside = final_dir.with_name(_tmp_name(f"replaced-{final_dir.name}", owner))
     os.replace(final_dir, aside)
     os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
     _remove(aside)
 
 
 def _write_marker(marker: Path, target_name: str, owner: str = "") -> None:
-    """Atomically replace a marker file with the directory name it points at."""
-    tmp = marker.with_name(_tmp_name(marker.name, owner))
-    tmp.write_text(target_name + "\n")
-    os.replace(tmp, marker)
+    """Atomically replace a marker file with the directory name it points at (its temporary is a
+    ``.tmp-*`` entry of the layout, which a later save of the same owner cleans up after a kill)."""
+    write_atomic(marker, target_name + "\n", tmp=marker.with_name(_tmp_name(marker.name, owner)))
 
 
 def _gather_tied_groups(model_parts: list[nn.Module]) -> list[list[str]]:

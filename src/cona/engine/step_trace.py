@@ -21,8 +21,10 @@ from typing import IO
 
 import numpy as np
 
+from cona import run_files
+
 STEP_TRACE_ENV = "CONA_STEP_TRACE"
-TRACE_DIR = "steps"
+TRACE_DIR = run_files.STEP_TRACE_DIR
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +70,7 @@ def step_trace_from_env(stage_dir: Path, *, rank: int, dp_rank: int, stage: int)
 def read_step_trace(run_dir: Path) -> list[TracedStep]:
     """Every record of every stage and attempt under ``run_dir``, in the order they were written."""
     steps = []
-    for path in sorted(Path(run_dir).glob(f"stages/*/{TRACE_DIR}/rank*.jsonl")):
+    for path in sorted(Path(run_dir).glob(f"{run_files.STAGES}/*/{TRACE_DIR}/rank*.jsonl")):
         for line in path.read_text().splitlines():
             if line.strip():
                 raw = json.loads(line)

@@ -19,13 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from cona import run_files
 from cona.config import TrainingConfig
 from cona.errors import PlanError
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate, NoiseScaleTracker
 from cona.strategy import Strategy
 
-METRICS_NAME = "metrics.jsonl"
+METRICS_NAME = run_files.METRICS
 KAPLAN_B_STAR_TOKENS = 2e8
 """Kaplan et al. 2020: critical batch ``B_crit(L) = B* / L^(1/alpha_B)`` with ``B* ~ 2e8`` tokens."""
 KAPLAN_ALPHA_B = 0.21

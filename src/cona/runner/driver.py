@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from cona import run_files
 from cona.engine.checkpoint import layout_dir
 from cona.engine.spec import StageResult, StageSpec
 from cona.runner.across_nodes import node_topology, run_across_nodes
@@ -319,7 +320,7 @@ class StageDriver:
     def _launch(self, state: RunState, spec: StageSpec, number: int) -> tuple[RunState, float]:
         """Start one attempt of the stage and wait for it; returns the state (attempt counted) and the time
         it was launched."""
-        spec_path = spec.write(spec.stage_dir / "spec.json")
+        spec_path = spec.write(spec.stage_dir / run_files.SPEC)
         spec.result_path.unlink(missing_ok=True)
         spec.switch_request_path.unlink(missing_ok=True)  # an earlier attempt's request is not this one's
         stage = state.stage(number)

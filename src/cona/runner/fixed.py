@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cona import run_files
 from cona.config import ConaConfig
 from cona.engine.spec import StageResult, StageSpec
 from cona.runner.chain_options import ChainRun
@@ -23,8 +24,6 @@ from cona.strategy import Strategy
 
 if TYPE_CHECKING:
     from cona.runner.console import RunConsole
-
-FIXED_CHAIN_NAME = "fixed_chain.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +55,7 @@ class FixedRun:
 
 def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
     """The fixed run as the chain of one initial step, written to ``<run_dir>/fixed_chain.json``."""
-    chain_path = run_dir / FIXED_CHAIN_NAME
+    chain_path = run_dir / run_files.FIXED_CHAIN
     write_chain(chain_path, fixed_chain(run.strategy, run.iters))
     return ChainRun(
         chain_path=chain_path,
@@ -80,7 +79,7 @@ def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
     run_chain(
         one_stage_chain(run, run_dir), launcher=console.launcher(torchrun_launcher), out=console.message
     )
-    spec = StageSpec.read(run_dir / "stages" / "1" / "spec.json")
+    spec = StageSpec.read(run_files.spec_path(run_dir, 1))
     result = StageResult.read(spec.result_path)
     print(
         f"stage {result.stage} {result.reason} at iteration {result.last_iteration} "

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.engine.spec import LAUNCH_TIME_ENV, RUNNER_PID_ENV, WORKER_CONSOLE_ENV
 from cona.errors import LaunchError
 from cona.runner.run_lock import held_fds
@@ -36,9 +38,8 @@ any of them starts). On one node, without the flag, torchrun picks a free port f
 ANY_FREE_PORT = 0
 """A topology's master port when torchrun is to pick a free one (``--standalone``; one node only)."""
 WORKER_MODULE = "cona.engine.worker"
-TORCHRUN_LOG = "torchrun.log"
-PIDS_FILE = "pids.json"
-PIDS_GLOB = "pids*.json"
+TORCHRUN_LOG = run_files.TORCHRUN_LOG
+PIDS_FILE = run_files.PIDS
 """Every node's pids record in a stage directory (``pids.json``, ``pids.node<r>.json``)."""
 _LOG_TAIL_LINES = 8
 _WATCH_INTERVAL_S = 0.5
@@ -72,11 +73,11 @@ class Topology:
 
     @property
     def torchrun_log(self) -> str:
-        return TORCHRUN_LOG if self.node_rank == 0 else f"torchrun.node{self.node_rank}.log"
+        return run_files.torchrun_log_name(self.node_rank)
 
     @property
     def pids_file(self) -> str:
-        return PIDS_FILE if self.node_rank == 0 else f"pids.node{self.node_rank}.json"
+        return run_files.pids_name(self.node_rank)
 
 
 def resolve_port_base(flag_value: int | None, num_nodes: int) -> int | None:
@@ -255,13 +256,6 @@ def record_exit(path: Path, returncode: int | None) -> None:
     except (OSError, json.JSONDecodeError):
         return  # removed or unreadable meanwhile: there is no record to complete
     write_json_atomic(path, {**record, "ended": time.time(), "returncode": returncode})
-
-
-def write_json_atomic(path: Path, record: dict) -> None:
-    """Through a temporary name, so a reader (``cona status``, a session's workers) never sees half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def _wait(process: subprocess.Popen, watch: Callable[[], None] | None) -> int:

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
 from cona.planner.policy import Candidate
@@ -41,7 +43,6 @@ from cona.runner.run_dir import point_latest
 from cona.runner.run_tracker import RunTracker
 from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, torchrun_launcher
 from cona.runner.state import (
-    REALIZED_NAME,
     RunState,
     StageState,
     check_same_run,
@@ -52,7 +53,7 @@ from cona.runner.state import (
 )
 from cona.strategy import Strategy
 
-__all__ = ["REALIZED_NAME", "OnlineRun", "OnlineSchedule", "run_online"]
+__all__ = ["OnlineRun", "OnlineSchedule", "run_online"]
 
 
 def run_online(
@@ -233,8 +234,8 @@ class OnlineSchedule:
         file, which stays until the next stage is recorded, so this survives a kill)."""
         if len(state.stages) > stage.step_num:
             return state  # recorded before a kill
-        request_path = self.run.run_dir / "switch_request.json"
-        result = StageResult.read(self.run.run_dir / "stages" / str(stage.step_num) / "stage_result.json")
+        request_path = run_files.switch_request_path(self.run.run_dir)
+        result = StageResult.read(run_files.stage_result_path(self.run.run_dir, stage.step_num))
         if result.reason not in ("switch_requested", "switch_in_place") or not request_path.is_file():
             request_path.unlink(missing_ok=True)
             return state
@@ -296,9 +297,9 @@ class OnlineSchedule:
     def finish(self, state: RunState) -> None:
         run_dir = self.run.run_dir
         chain = realized_chain(state, self.records.entries)
-        (run_dir / REALIZED_NAME).write_text(json.dumps(chain, indent=1) + "\n")
+        realized = write_json_atomic(run_dir / run_files.REALIZED_CHAIN, chain)
         print_summary(run_dir, state, self.records.entries, target_ppl=self.run.target_ppl, out=self.out)
-        self.out(f"realized chain: {run_dir / REALIZED_NAME} (cona train --chain replays it)")
+        self.out(f"realized chain: {realized} (cona train --chain replays it)")
 
 
 def _size(path: Path) -> int:

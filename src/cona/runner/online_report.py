@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
 from cona.engine.spec import StageResult
 from cona.runner.state import RunState
 from cona.strategy import Strategy
@@ -69,7 +70,7 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
         ]
         rates = [float(r["tokens_per_s"]) for r in own if r.get("tokens_per_s") is not None][1:]
         evals = [r["eval_ppl"] for r in own if r.get("eval_ppl") is not None]
-        result_path = run_dir / "stages" / str(stage.step_num) / "stage_result.json"
+        result_path = run_files.stage_result_path(run_dir, stage.step_num)
         timings = StageResult.read(result_path).timings if result_path.is_file() else {}
         wall = timings.get("save_done", 0.0) - timings.get("launch", 0.0) if timings else None
         rows.append(
@@ -92,7 +93,7 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
 def time_to_target(run_dir: Path, target_ppl: float) -> tuple[float, int] | None:
     """Seconds from the first stage's launch to the first evaluation at or below ``target_ppl``, and the
     tokens consumed then (None when it was not reached)."""
-    first = run_dir / "stages" / "1" / "stage_result.json"
+    first = run_files.stage_result_path(run_dir, 1)
     if not first.is_file():
         return None
     start = StageResult.read(first).timings.get("launch")

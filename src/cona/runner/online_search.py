@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import threading
 import time
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.planner.policy import (
     Candidate,
@@ -43,7 +44,7 @@ from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.run_tracker import RunTracker
 from cona.strategy import Strategy
 
-DECISIONS_NAME = "decisions.jsonl"
+DECISIONS_NAME = run_files.DECISIONS
 POLL_INTERVAL_S = 0.5
 PRINT_EVERY_STAY = 5
 """Print one "stay" decision in this many (the first of each stage included)."""
@@ -134,7 +135,7 @@ class StageSearch:
         self._evaluations = 0
         self.noise_scale_floor = noise_scale_floor
         self.startup_prices_switch = startup_prices_switch
-        self.tail = JsonlTail(run_dir / "metrics.jsonl", metrics_offset)
+        self.tail = JsonlTail(run_files.metrics_path(run_dir), metrics_offset)
         self.step_rates: list[float] = []
         self.decision: Decision | None = None
         self.stop_reason: str | None = None
@@ -146,7 +147,7 @@ class StageSearch:
 
     @property
     def switch_request_path(self) -> Path:
-        return self.run_dir / "switch_request.json"
+        return run_files.switch_request_path(self.run_dir)
 
     def measured_tokens_per_s(self) -> float | None:
         """Median over the stage's log intervals after the first (which holds start-up and warm-up)."""
@@ -183,7 +184,7 @@ class StageSearch:
             self.target_reached = record
             self.stop_reason = f"eval perplexity {ppl:.2f} <= --target-ppl {target:g}"
             self.out(f"stage {self.stage}: {self.stop_reason} at iteration {record['iteration']}; stopping")
-            _write_atomic(self.switch_request_path, {"action": "stop", "reason": self.stop_reason})
+            write_json_atomic(self.switch_request_path, {"action": "stop", "reason": self.stop_reason})
 
     def _account_start(self, record: dict[str, Any]) -> None:
         """The first interval of the stage dates its start-up: launch until the first step was done."""
@@ -232,7 +233,7 @@ class StageSearch:
                 "in_place": bool(decision.record.get("in_place")),
                 **_target(decision),
             }
-            _write_atomic(self.switch_request_path, request)
+            write_json_atomic(self.switch_request_path, request)  # a worker never reads half of it
         return decision
 
     def _noise_estimate(self) -> NoiseScaleEstimate | None:
@@ -324,14 +325,3 @@ def _target(decision: Decision) -> dict[str, Any]:
         "trial": decision.target.trial,
         "reason": decision.reason,
     }
-
-
-def _write_atomic(path: Path, body: dict[str, Any]) -> None:
-    """Write through a temporary name and rename, so a worker never reads half a request."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as handle:
-        json.dump(body, handle, indent=1)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
 from cona.errors import ChainError, ConaError
 from cona.planner.efficiency import NoiseScaleTracker, statistical_efficiency
 from cona.runner.state import RunState, durations, load_state, switch_cost
 
-METRICS_FILE = "metrics.jsonl"
-DECISIONS_FILE = "decisions.jsonl"
+METRICS_FILE = run_files.METRICS
+DECISIONS_FILE = run_files.DECISIONS
 REQUIRED_METRIC_KEYS = ("stage", "iteration", "consumed_tokens", "loss", "time")
 STRATEGY_KEYS = ("dp", "tp", "pp", "mbs", "gbs")
 SWITCH_PARTS = ("probe_s", "save_s", "publish_s", "process_start_s", "load_s", "verify_s", "first_step_s")
@@ -156,19 +157,19 @@ def load_run(run_dir: Path) -> RunData:
     if not run_dir.is_dir():
         raise ConaError(f"run directory {run_dir} does not exist")
     metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.exists() and not (run_dir / "stages").is_dir():
+    if not metrics_path.exists() and not run_files.stages_path(run_dir).is_dir():
         raise ConaError(f"{run_dir} is not a run directory: it has no {METRICS_FILE} and no stages/")
     metrics = read_json_lines(metrics_path, required=REQUIRED_METRIC_KEYS)
     decisions = read_json_lines(run_dir / DECISIONS_FILE)
     warnings = [*metrics.warnings, *decisions.warnings]
-    results = _read_stage_files(run_dir, "stage_result.json", warnings)
-    specs = _read_stage_files(run_dir, "spec.json", warnings)
+    results = _read_stage_files(run_dir, run_files.STAGE_RESULT, warnings)
+    specs = _read_stage_files(run_dir, run_files.SPEC, warnings)
     state = None
     try:
         state = load_state(run_dir)
     except (ChainError, TypeError, KeyError) as err:
         warnings.append(
-            f"{run_dir / 'runner_state.json'}: unreadable ({err}); switch costs from stage results"
+            f"{run_files.runner_state_path(run_dir)}: unreadable ({err}); switch costs from stage results"
         )
     if not metrics.records:
         warnings.append(f"{metrics_path}: no metrics yet")
@@ -186,7 +187,7 @@ def load_run(run_dir: Path) -> RunData:
 
 def _read_stage_files(run_dir: Path, name: str, warnings: list[str]) -> dict[int, dict[str, Any]]:
     found: dict[int, dict[str, Any]] = {}
-    for path in sorted((run_dir / "stages").glob(f"*/{name}")):
+    for path in sorted(run_files.stages_path(run_dir).glob(f"*/{name}")):
         if not path.parent.name.isdigit():
             continue
         try:
@@ -291,7 +292,7 @@ def switch_costs(run: RunData) -> list[SwitchCost]:
         }
         parts = {key: value for key, value in parts.items() if value is not None}
         if parts:
-            costs.append(SwitchCost(into_stage=stage, parts=parts, source="stage_result.json"))
+            costs.append(SwitchCost(into_stage=stage, parts=parts, source=run_files.STAGE_RESULT))
     return costs
 
 
@@ -301,7 +302,8 @@ def _switch_costs_from_state(state: RunState) -> list[SwitchCost]:
         # A stage records its switch cost when it is done; a later one shows what is measured so far.
         parts = (stage.switch_cost or switch_cost(previous, stage)) if stage.status != "pending" else {}
         if parts:
-            costs.append(SwitchCost(into_stage=stage.step_num, parts=dict(parts), source="runner_state.json"))
+            source = run_files.RUNNER_STATE
+            costs.append(SwitchCost(into_stage=stage.step_num, parts=dict(parts), source=source))
     return costs
 
 

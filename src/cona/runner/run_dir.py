@@ -17,10 +17,11 @@ import re
 from datetime import UTC, datetime
 from pathlib import Path
 
+from cona import run_files
 from cona.config import ConaConfig
 from cona.errors import LaunchError
 
-LATEST_NAME = "latest"
+LATEST_NAME = run_files.LATEST
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 
 
@@ -66,7 +67,7 @@ def create_run_dir(log_root: Path, run_name: str) -> Path:
 
 def stage_dir(run_dir: Path, stage: int) -> Path:
     """``<run_dir>/stages/<stage>/``, created if missing."""
-    path = Path(run_dir) / "stages" / str(stage)
+    path = run_files.stage_path(run_dir, stage)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -26,10 +26,10 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from cona import run_files
 from cona.engine.checkpoint import LATEST, LATEST_UNIVERSAL, STEP_DIR
 from cona.processes import PROC, pid_alive
 from cona.processes import process_state as process_state  # re-exported: it lived here
-from cona.runner.launch import PIDS_GLOB
 from cona.runner.publish import read_marker
 from cona.runner.report import RunData, load_run, strategy_label
 
@@ -165,7 +165,7 @@ def run_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
 def recorded_processes(run_dir: Path, proc_root: Path = PROC) -> tuple[RecordedProcesses, ...]:
     """The pids records of the newest stage that has any (one per node), each checked for liveness."""
     by_stage: dict[int, list[Path]] = {}
-    for path in Path(run_dir).glob(f"stages/*/{PIDS_GLOB}"):
+    for path in Path(run_dir).glob(f"{run_files.STAGES}/*/{run_files.PIDS_GLOB}"):
         if path.parent.name.isdigit():
             by_stage.setdefault(int(path.parent.name), []).append(path)
     if not by_stage:
@@ -203,7 +203,7 @@ def find_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
     """The processes on this host whose command line names a stage spec of this run directory."""
     if not proc_root.is_dir():
         return Processes(workers=None)
-    marker = str(Path(run_dir).resolve() / "stages") + "/"
+    marker = str(run_files.stages_path(Path(run_dir).resolve())) + "/"
     workers, launchers = [], []
     for entry in proc_root.iterdir():
         if not entry.name.isdigit():
@@ -212,7 +212,7 @@ def find_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue  # ended while we looked, or not ours to read
-        if any(arg.startswith(marker) and arg.endswith("spec.json") for arg in argv):
+        if any(arg.startswith(marker) and arg.endswith(run_files.SPEC) for arg in argv):
             (launchers if "torch.distributed.run" in argv else workers).append(int(entry.name))
     return Processes(workers=tuple(sorted(workers)), launchers=tuple(sorted(launchers)))
 
