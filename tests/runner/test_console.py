@@ -13,8 +13,8 @@ from rich.console import Console
 
 from cona.engine.spec import StageSpec
 from cona.errors import ConfigError
+from cona.jsonl import JsonlTail
 from cona.runner.console import RunConsole, StageMonitor, choose_mode, render_stage
-from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.launch import Topology
 from cona.runner.sequence import StageLaunch
 

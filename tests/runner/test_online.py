@@ -21,10 +21,10 @@ from cona.config import load_config, parse_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ConaError, LaunchError
+from cona.jsonl import JsonlTail
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
 from cona.runner.chain import load_chain
-from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.multinode import NodePlacement, cona_command
 from cona.runner.online import OnlineRun, run_online
 from cona.runner.online_search import Budget, StageSearch

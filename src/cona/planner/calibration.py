@@ -10,7 +10,6 @@ unidentifiable factors at 1 instead of anywhere.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from scipy.optimize import least_squares
 
 from cona.config import ModelConfig, TrainingConfig
 from cona.errors import PlanError
+from cona.jsonl import read_lines
 from cona.planner.flops import ModelShape
 from cona.planner.perf_model import predict
 from cona.planner.systems import System
@@ -154,13 +154,10 @@ def _read_rows(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise PlanError(f"metrics file {path} does not exist")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{path}: line {number}: not valid JSON: {err.msg}") from None
+    for line in read_lines(path):
+        if line.error is not None:
+            raise PlanError(f"{path}: line {line.number}: not valid JSON: {line.error.msg}")
+        rows.append(line.value)
     return rows
 
 

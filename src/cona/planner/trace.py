@@ -10,7 +10,6 @@ power of the tokens, noise scale growing as a power of the loss decrease, Kaplan
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import numpy as np
 from cona import run_files
 from cona.config import TrainingConfig
 from cona.errors import PlanError
+from cona.jsonl import read_lines
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate, NoiseScaleTracker
 from cona.strategy import Strategy
@@ -126,15 +126,11 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
     if not path.is_file():
         raise PlanError(f"--trace: {path} does not exist (give a run directory or its metrics.jsonl)")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{path}: line {number}: not valid JSON: {err.msg}") from None
-        if isinstance(row, dict):
-            rows.append((number, row))
+    for line in read_lines(path):
+        if line.error is not None:
+            raise PlanError(f"{path}: line {line.number}: not valid JSON: {line.error.msg}")
+        if isinstance(line.value, dict):
+            rows.append((line.number, line.value))
     return rows
 
 

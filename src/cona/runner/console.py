@@ -30,6 +30,7 @@ from rich.text import Text
 
 from cona.engine.spec import StageSpec
 from cona.errors import ConfigError
+from cona.jsonl import JsonlTail
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.runner.console_format import (
     StageSnapshot,
@@ -43,7 +44,6 @@ from cona.runner.console_format import (
     stage_progress,
     summary_line,
 )
-from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.report import DECISIONS_FILE, strategy_label
 
 if TYPE_CHECKING:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 from cona import run_files
 from cona.engine.spec import StageResult
+from cona.jsonl import read_records
 from cona.runner.state import RunState
 from cona.strategy import Strategy
 
@@ -41,16 +41,7 @@ def realized_chain(state: RunState, stages: list[dict[str, Any]]) -> dict[str, A
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_records(run_files.metrics_path(run_dir))
 
 
 def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from cona import run_files
 from cona.atomic_files import write_json_atomic
+from cona.jsonl import JsonlTail
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.planner.policy import (
     Candidate,
@@ -40,7 +41,6 @@ from cona.planner.policy import (
     strategy_dict,
 )
 from cona.runner.frontier import FrontierSearch
-from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.run_tracker import RunTracker
 from cona.strategy import Strategy
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from cona import run_files
 from cona.errors import ChainError, ConaError
+from cona.jsonl import read_lines
 from cona.planner.efficiency import NoiseScaleTracker, statistical_efficiency
 from cona.runner.state import RunState, durations, load_state, switch_cost
 
@@ -123,21 +124,12 @@ def strategy_label(strategy: dict[str, Any]) -> str:
 def read_json_lines(path: Path, *, required: Sequence[str] = ()) -> JsonLines:
     """The JSON objects of a JSON-lines file; each line that is not one (or lacks ``required`` keys) is
     skipped with a warning naming the file and line. A missing file reads as empty."""
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return JsonLines(records=(), warnings=())
-    lines = text.split("\n")  # an unterminated last line is the one a writer has not finished
     records, warnings = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        problem = None
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            record, problem = None, f"not valid JSON ({err.msg}, column {err.colno})"
-            if number == len(lines):
+    for line in read_lines(path):
+        record, problem, err = line.value, None, line.error
+        if err is not None:
+            problem = f"not valid JSON ({err.msg}, column {err.colno})"
+            if line.unterminated:  # the line a writer has not finished
                 problem = "truncated last line (being written, or its writer was killed)"
         if record is not None and not isinstance(record, dict):
             problem = f"a JSON {type(record).__name__}, not an object"
@@ -147,7 +139,7 @@ def read_json_lines(path: Path, *, required: Sequence[str] = ()) -> JsonLines:
         if problem is None:
             records.append(record)
         else:
-            warnings.append(f"{path}: line {number}: {problem}; skipped")
+            warnings.append(f"{path}: line {line.number}: {problem}; skipped")
     return JsonLines(records=tuple(records), warnings=tuple(warnings))
 
 
