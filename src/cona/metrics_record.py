@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,10 +152,15 @@ def eval_perplexity(loss: float) -> float:
 def read_metrics(path: Path) -> list[MetricsRecord]:
     """The records of a ``metrics.jsonl`` in file order; a line that is not a record (torn by a killed
     writer, a known key of the wrong type) is skipped. A missing file reads as empty."""
+    return metrics_records(read_records(path))
+
+
+def metrics_records(lines: Iterable[Mapping[str, Any]]) -> list[MetricsRecord]:
+    """The decoded lines that are records (:class:`cona.jsonl.JsonlTail`'s, say), in order."""
     records = []
-    for raw in read_records(path):
+    for line in lines:
         try:
-            records.append(MetricsRecord.from_dict(raw))
+            records.append(MetricsRecord.from_dict(line))
         except ValueError:
-            continue
+            continue  # a known key of the wrong type: not a line CONA wrote
     return records

@@ -32,7 +32,7 @@ from cona.config import TrainingConfig
 from cona.engine.checkpoint import LATEST, TRAINER_STATE_FILE, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
-from cona.jsonl import read_records
+from cona.metrics_record import MetricsRecord, read_metrics
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.runner.chain import ChainConfig
 
@@ -358,10 +358,10 @@ def measured_noise_scale(
 def noise_tracker(run_dir: Path, base_gbs: int, up_to_iteration: int) -> NoiseScaleTracker:
     """The noise-scale tracker fed with metrics.jsonl up to ``up_to_iteration``. A retried stage logs some
     iterations twice: each iteration counts once, its last record."""
-    records: dict[int, dict] = {}
-    for record in read_records(run_files.metrics_path(run_dir)):  # not the line a killed worker was writing
-        if isinstance(record.get("iteration"), int) and record["iteration"] <= up_to_iteration:
-            records[record["iteration"]] = record
+    records: dict[int, MetricsRecord] = {}
+    for record in read_metrics(run_files.metrics_path(run_dir)):  # not the line a killed worker was writing
+        if isinstance(record.iteration, int) and record.iteration <= up_to_iteration:
+            records[record.iteration] = record
     tracker = NoiseScaleTracker(base_batch=base_gbs)
     for iteration in sorted(records):
         tracker = tracker.update_from_metrics(records[iteration])
