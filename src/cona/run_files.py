@@ -53,6 +53,19 @@ FRESH_FILES = (RUNNER_STATE, METRICS, SWITCH_REQUEST, DECISIONS, ONLINE_STAGES, 
 """What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""
 
 
+def rank_log_name(rank: int) -> str:
+    """``rank<r>.log``: the worker's stdout and stderr."""
+    return f"rank{rank}.log"
+
+
+def rank_error_name(rank: int) -> str:
+    """``rank<r>.error``: the exception a worker failed with (JSON)."""
+    return f"rank{rank}.error"
+
+
+RANK_ERROR_GLOB = "rank*.error"
+
+
 def torchrun_log_name(node_rank: int) -> str:
     return TORCHRUN_LOG if node_rank == 0 else f"torchrun.node{node_rank}.log"
 

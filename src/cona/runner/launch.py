@@ -201,7 +201,7 @@ def clear_errors(stage_dir: Path, topology: Topology) -> None:
     nodes' ranks are theirs to clear)."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     for rank in topology.local_ranks:
-        (stage_dir / f"rank{rank}.error").unlink(missing_ok=True)
+        (stage_dir / run_files.rank_error_name(rank)).unlink(missing_ok=True)
 
 
 def launch_env(
@@ -292,19 +292,19 @@ def describe_failure(stage_dir: Path, returncode: int, *, torchrun_log: str = TO
         after = f"; ranks {sorted({error['rank'] for error in errors})} failed after it" if errors else ""
         return (
             f"stage {stage}: rank {rank} was killed by {signal_name} (it wrote no error; "
-            f"log {stage_dir / f'rank{rank}.log'}){after}"
+            f"log {stage_dir / run_files.rank_log_name(rank)}){after}"
         )
     if errors:
         first = min(errors, key=lambda error: error["time"])
         others = sorted({error["rank"] for error in errors} - {first["rank"]})
         also = f"; ranks {others} failed after it" if others else ""
-        error_path = stage_dir / f"rank{first['rank']}.error"
+        error_path = stage_dir / run_files.rank_error_name(first["rank"])
         return (
             f"stage {stage}: rank {first['rank']} failed: {first['type']}: {first['message']} "
             f"(traceback: {error_path}{also})"
         )
     rank = _root_cause_rank(stage_dir / torchrun_log)
-    log = stage_dir / f"rank{rank}.log" if rank is not None else stage_dir / torchrun_log
+    log = stage_dir / run_files.rank_log_name(rank) if rank is not None else stage_dir / torchrun_log
     who = f"rank {rank}" if rank is not None else "the workers"
     tail = " | ".join(_tail(log))
     return f"stage {stage}: {who} failed (torchrun exit code {returncode}); end of {log}: {tail}"
@@ -312,7 +312,7 @@ def describe_failure(stage_dir: Path, returncode: int, *, torchrun_log: str = TO
 
 def _read_errors(stage_dir: Path) -> list[dict]:
     errors = []
-    for path in stage_dir.glob("rank*.error"):
+    for path in stage_dir.glob(run_files.RANK_ERROR_GLOB):
         try:
             error = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from cona import run_files
+from cona.atomic_files import fsync_dir
 from cona.config import ConaConfig
 from cona.errors import LaunchError
 
@@ -105,6 +106,7 @@ def point_latest(run_dir: Path) -> Path:
                 f"{latest} is a real directory; it is reserved for the pointer to the newest run"
             )
         tmp.replace(latest)
+        fsync_dir(latest.parent)
     except OSError as err:  # a full disk or a read-only log_root: one line, not the chain of both attempts
         raise LaunchError(f"cannot write {latest}: {err.strerror or err}") from None
     return latest
