@@ -118,8 +118,9 @@ def test_split_fractions():
 def test_config_show_prints_resolved_values(tmp_path, capsys):
     path = write(tmp_path, model={**MODEL, "vocab_size": 1000})
     assert main(["config", "show", "--config", str(path)]) == 0
-    out = capsys.readouterr().out
-    resolved = json.loads(out.split("\n", 1)[1])
+    captured = capsys.readouterr()
+    resolved = json.loads(captured.out)  # stdout is valid JSON, the file is named on stderr
+    assert captured.err == f"# {path}\n"
     assert resolved["model"]["ffn_hidden"] == 256
     assert resolved["model"]["padded_vocab_size"] == 1024
 

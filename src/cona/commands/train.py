@@ -1,4 +1,4 @@
-"""``cona train``: one fixed strategy (``--dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``), a
+"""``cona train``: one fixed strategy (``--dp D --tp T --pp P --gbs G --mbs M --iters N [--workdir W]``), a
 chain (``--chain FILE``) or online search (``--gpus N`` alone).
 
 The flags become a typed run description (:mod:`cona.commands.train_runs`) and nothing below this module
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from cona.runner.console import RunConsole
     from cona.runner.stage_run import Launcher
 
-FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters", "workdir")
+FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters")
 MULTI_NODE_FLAGS = ("num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
 BACKENDS = ("native", "megatron-deepspeed")
 ONLINE_FLAGS = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "no_botorch")
@@ -37,8 +37,12 @@ ONLINE_FLAGS = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "train",
-        help="Train under a fixed strategy (--dp --tp --pp --gbs --mbs --iters --workdir)",
-        description="Train under one fixed strategy: dp*tp*pp CPU processes or GPUs, for --iters iterations.",
+        help="Train: a fixed strategy, a strategy chain (--chain) or online strategy chaining (--gpus)",
+        description="Train in one of three modes. Fixed strategy: --dp --tp --pp --gbs --mbs --iters "
+        "(dp*tp*pp CPU processes or GPUs). Strategy chain: --chain FILE, its steps one after another. "
+        "Online strategy chaining: --gpus N --system S --initial-gbs G with a budget (--total-iters, "
+        "--total-tokens or --target-ppl); the search chooses and switches the strategies while training. "
+        "Checkpoints go under --workdir (default: the current directory) in every mode.",
     )
     fixed = parser.add_argument_group("fixed strategy")
     for name, help_text in (
@@ -50,7 +54,12 @@ def register(subparsers) -> None:
         ("iters", "iterations to train"),
     ):
         fixed.add_argument(f"--{name}", type=int, default=None, metavar=name[0].upper(), help=help_text)
-    fixed.add_argument("--workdir", type=Path, default=None, help="checkpoints go to WORKDIR/checkpoints/...")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="checkpoints go to WORKDIR/checkpoints/... in every mode (default: the current directory)",
+    )
     parser.add_argument(
         "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
     )
@@ -185,7 +194,7 @@ def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def _train_chain(args: argparse.Namespace, mds: bool) -> None:
-    for names in (FIXED_STRATEGY_FLAGS[:-1], ONLINE_FLAGS):
+    for names in (FIXED_STRATEGY_FLAGS, ONLINE_FLAGS):
         given = _given(args, names)
         if given:
             raise ConaError(
@@ -209,7 +218,7 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
 
         refuse_online()
     _refuse_switch_in_place(args)
-    others = _given(args, FIXED_STRATEGY_FLAGS[:-1])
+    others = _given(args, FIXED_STRATEGY_FLAGS)
     if others:
         raise ConaError(
             "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
@@ -277,7 +286,7 @@ def _refuse_for_one_stage(args: argparse.Namespace, *, across_nodes: bool) -> No
     if missing:
         raise ConaError(
             f"cona train: missing {', '.join(missing)} (a fixed strategy needs --dp --tp --pp "
-            f"--gbs --mbs --iters --workdir)"
+            f"--gbs --mbs --iters)"
         )
 
 

@@ -59,6 +59,11 @@ def device_type(training: TrainingConfig, *, processes: int | None = None) -> st
     return resolved
 
 
+def workdir(flags: Any) -> Path:
+    """``--workdir``, the current directory when not given (the same default in every mode), checked."""
+    return check_workdir(Path(flag(flags, "workdir") or Path.cwd()))
+
+
 def placement(flags: Any) -> NodePlacement:
     """Where this node stands: the placement flags and, inside a Slurm job step, its variables."""
     return resolve_placement({name: flag(flags, name) for name in PLACEMENT_FLAGS}, os.environ)
@@ -69,7 +74,7 @@ def _common(flags: Any, config: ConaConfig, run_name: str, num_nodes: int) -> di
     run_dir = Path(config.training.log_root) / check_run_name(run_name)
     return {
         "config": config,
-        "workdir": check_workdir(Path(flag(flags, "workdir") or Path.cwd())),
+        "workdir": workdir(flags),
         "run_dir": run_dir,
         "base_port": resolve_port_base(flag(flags, "master_port_base"), num_nodes),
         "fresh": bool(flag(flags, "fresh")),
@@ -186,11 +191,11 @@ def _positive(value: Any, name: str, kind: type) -> Any:
 
 
 def fixed_strategy(flags: Any) -> tuple[ConaConfig, Strategy]:
-    """The config and strategy of ``cona train --dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``
+    """The config and strategy of ``cona train --dp D --tp T --pp P --gbs G --mbs M --iters N [--workdir W]``
     (the caller checked that the flags are all given)."""
     if flags.iters <= 0:
         raise ConaError(f"cona train: --iters must be positive, got {flags.iters}")
-    check_workdir(flags.workdir)
+    workdir(flags)
     config = run_config(flag(flags, "config"), flag(flags, "device"))
     return config, strategy_from_flags(flags, config)
 
@@ -201,7 +206,7 @@ def fixed_run(flags: Any, config: ConaConfig, strategy: Strategy) -> FixedRun:
         strategy=strategy,
         iters=flags.iters,
         config=config,
-        workdir=check_workdir(flags.workdir),
+        workdir=workdir(flags),
         device_type=device_type(config.training, processes=strategy.world_size),
         run_name=flag(flags, "run_name"),
         base_port=resolve_port_base(flag(flags, "master_port_base"), num_nodes=1),

@@ -41,6 +41,7 @@ from cona.runner.run_dir import point_latest
 from cona.runner.run_tracker import RunTracker
 from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, torchrun_launcher
 from cona.runner.state import (
+    ONLINE_CHAIN,
     REALIZED_NAME,
     RunState,
     StageState,
@@ -159,7 +160,7 @@ class OnlineSchedule:
             )
         self.records.add(first, action="initial", reason=f"best strategy at --initial-gbs {run.initial_gbs}")
         state = RunState(
-            chain_path="online",
+            chain_path=ONLINE_CHAIN,
             chain_digest=run.identity(),
             config_digest=content_digest(run.config.to_dict()),
             world_size=run.world_size,

@@ -36,6 +36,8 @@ from cona.runner.chain import ChainConfig
 from cona.runner.online_stages import STAGES_NAME
 
 STATE_NAME = "runner_state.json"
+ONLINE_CHAIN = "online"
+"""The ``chain_path`` of an online run's state: its stages come from the search, not from a file."""
 REALIZED_NAME = "realized_chain.json"
 """An online run's realized chain (a chain file that replays it)."""
 FRESH_FILES = (
