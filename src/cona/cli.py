@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "strategies",
     "predict",
     "plan",
+    "systems",
     "ckpt",
     "report",
     "status",
