@@ -127,7 +127,7 @@ def test_config_show_prints_resolved_values(tmp_path, capsys):
 
 def test_cli_error_is_one_line_without_traceback(tmp_path, capsys):
     path = write(tmp_path, model={**MODEL, "heads": "<heads>"})
-    assert main(["config", "show", "--config", str(path)]) == 2
+    assert main(["config", "show", "--config", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("cona: error: ") and "Traceback" not in err and err.count("\n") == 1
 

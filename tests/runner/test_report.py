@@ -170,7 +170,7 @@ def test_cli_report_writes_into_the_run_directory_by_default(tmp_path, capsys):
     assert f"report: {run_dir / 'report' / 'index.html'}" in capsys.readouterr().out
     assert (run_dir / "report" / "index.html").is_file()
 
-    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert main(["report", str(tmp_path / "nowhere")]) == 1
     assert f"cona: error: run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConaError, match="not a run directory"):

@@ -106,7 +106,7 @@ def test_a_fixed_run_into_a_live_checkpoint_folder_is_refused(tmp_path, capsys):
         code = main(["train", *fixed, "--config", str(config), "--workdir", str(tmp_path), "--device", "cpu"])
     finally:
         kill(holder)
-    assert code == 2
+    assert code == 1
     assert f"cona: error: checkpoint folder {layout} is in use by pid {holder.pid}" in capsys.readouterr().err
 
 

@@ -127,7 +127,7 @@ def test_cli_status_finds_the_latest_run_from_the_config(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert "run run_chain_small" in out and "3 of 3 (finished)" in out
 
-    assert main(["status", str(tmp_path / "nowhere")]) == 2
+    assert main(["status", str(tmp_path / "nowhere")]) == 1
     assert f"run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
 
 

@@ -120,11 +120,11 @@ def train_args(
 
 def test_a_bad_layout_is_refused_before_anything_is_launched(tmp_path, capsys):
     config = write_tiny_setup(tmp_path)
-    assert main(train_args(config, tmp_path / "work", dp=1, tp=3)) == 2
+    assert main(train_args(config, tmp_path / "work", dp=1, tp=3)) == 1
     err = capsys.readouterr().err
     assert err.startswith("cona: error: ") and "tp" in err and "heads" in err
     assert not (tmp_path / "logs").exists()  # nothing was started
-    assert main(train_args(config, tmp_path / "work", dp=3, gbs=8, mbs=2)) == 2
+    assert main(train_args(config, tmp_path / "work", dp=3, gbs=8, mbs=2)) == 1
     assert "gbs" in capsys.readouterr().err
 
 

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cona.errors import ConaError
+from cona.errors import ConaError, UsageError
 
 if TYPE_CHECKING:
     from cona.runner.online_options import OnlineRun
@@ -121,7 +121,7 @@ def _demo(args: argparse.Namespace) -> int:
     device = "cuda" if gpus_visible > 0 else "cpu"
     processes = args.gpus if args.gpus is not None else (gpus_visible or CPU_PROCESSES)
     if processes < 1:
-        raise ConaError(f"cona demo --gpus: must be at least 1, got {processes}")
+        raise UsageError(f"cona demo --gpus: must be at least 1, got {processes}")
     data_dir = _demo_data_dir(args.data)
     _ensure_demo_data(data_dir)
     run_root = (args.out / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")).resolve()

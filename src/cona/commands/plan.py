@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from cona.config import ConaConfig, load_config
-from cona.errors import PlanError
+from cona.errors import PlanError, UsageError
 from cona.planner.plan import (
     DEFAULT_SEGMENTS,
     ChainPlan,
@@ -90,10 +90,10 @@ def _run(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace, training=config.training)
     gpus = args.gpus if args.gpus is not None else trace.world_size
     if gpus is None:
-        raise PlanError("--gpus: the trace names no dp/tp/pp to take the GPU count from; pass --gpus")
+        raise UsageError("--gpus: the trace names no dp/tp/pp to take the GPU count from; pass --gpus")
     initial_gbs = args.initial_gbs if args.initial_gbs is not None else int(trace.gbs[0])
     if args.max_gbs < initial_gbs:
-        raise PlanError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
+        raise UsageError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
     dtype = args.dtype or config.training.dtype
     backend = args.backend or trace.backend
     estimator, calibration_note = _estimator(config, trace, system, gpus, dtype, backend)
@@ -137,7 +137,7 @@ def _target(
     base = config.training.base_gbs
     if args.target_ppl is not None or args.target_loss is not None:
         if args.target_ppl is not None and not args.target_ppl > 1:
-            raise PlanError(f"--target-ppl must be above 1, got {args.target_ppl}")
+            raise UsageError(f"--target-ppl must be above 1, got {args.target_ppl}")
         loss = math.log(args.target_ppl) if args.target_ppl is not None else args.target_loss
         progress = target_progress(trace, base, target_loss=loss)
         return (
@@ -158,7 +158,7 @@ def _switch_cost(args: argparse.Namespace, trace: Trace) -> float:
     if args.switch_cost_s is not None:
         return args.switch_cost_s
     if not trace.switch_costs_s:
-        raise PlanError(
+        raise UsageError(
             "--switch-cost-s: the trace has no stage change to measure a switch cost from; pass it"
         )
     return sum(trace.switch_costs_s) / len(trace.switch_costs_s)

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from cona.config import RECOMPUTE, TrainingConfig, load_config
-from cona.errors import PlanError
+from cona.errors import UsageError
 from cona.planner.perf_model import Prediction, predict
 from cona.planner.profiles import BACKENDS
 from cona.planner.systems import System, load_system
@@ -101,10 +101,10 @@ def _run(args: argparse.Namespace) -> int:
 def _strategy(args: argparse.Namespace, training: TrainingConfig) -> Strategy:
     """The flags' strategy; what the flags leave out comes from the config's training section."""
     if args.interleave is not None and args.interleave < 1:
-        raise PlanError(f"--interleave: {args.interleave} must be at least 1")
+        raise UsageError(f"--interleave: {args.interleave} must be at least 1")
     virtual_stages = args.interleave if args.interleave is not None else training.pipeline_virtual_stages
     if args.gpipe and virtual_stages > 1:
-        raise PlanError("--gpipe cannot be combined with interleaving (--interleave or the config's stages)")
+        raise UsageError("--gpipe cannot be combined with interleaving (--interleave or the config's stages)")
     if args.gpipe:
         schedule = "gpipe"
     elif args.interleave is not None:

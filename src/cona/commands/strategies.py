@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cona.config import load_config
-from cona.errors import PlanError
+from cona.errors import UsageError
 from cona.planner.profiles import BACKENDS
 from cona.strategy import Strategy
 
@@ -78,8 +78,9 @@ def _run(args: argparse.Namespace) -> int:
     from cona.planner.space import SpaceOptions
     from cona.planner.systems import load_system
 
-    if args.top < 1:
-        raise PlanError(f"--top must be at least 1, got {args.top}")
+    for flag_name, value in (("--top", args.top), ("--gpus", args.gpus), ("--gbs", args.gbs)):
+        if value < 1:
+            raise UsageError(f"{flag_name} must be at least 1, got {value}")
     config = load_config(args.config)
     system = load_system(args.system)
     options = SpaceOptions(
@@ -123,7 +124,7 @@ def _zero_stages(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise PlanError(
+        raise UsageError(
             f"--zero-stages: expected comma-separated integers like 0,1,2,3, got {text!r}"
         ) from None
 

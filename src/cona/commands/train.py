@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
-from cona.errors import ConaError
+from cona.errors import UsageError
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ def _train_chain(args: argparse.Namespace, mds: bool) -> None:
     for names in (FIXED_STRATEGY_FLAGS, ONLINE_FLAGS):
         given = _given(args, names)
         if given:
-            raise ConaError(
+            raise UsageError(
                 f"cona train: --chain takes the strategies from the chain file; drop {', '.join(given)}"
             )
     if mds:
@@ -220,7 +220,7 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
     _refuse_switch_in_place(args)
     others = _given(args, FIXED_STRATEGY_FLAGS)
     if others:
-        raise ConaError(
+        raise UsageError(
             "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
             f"drop {', '.join(others)}"
         )
@@ -245,7 +245,7 @@ def _console_and_launcher(args: argparse.Namespace) -> Iterator[tuple[RunConsole
 def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
     online = _given(args, ONLINE_FLAGS)
     if online:
-        raise ConaError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
+        raise UsageError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
     across_nodes = [
         f"--{name.replace('_', '-')}" for name in MULTI_NODE_FLAGS if getattr(args, name) not in (None, False)
     ]
@@ -278,13 +278,13 @@ def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
 def _refuse_for_one_stage(args: argparse.Namespace, *, across_nodes: bool) -> None:
     """What a single fixed stage cannot take, and the fixed strategy's flags it needs."""
     if args.fresh and not across_nodes:  # one fixed stage always starts a new run directory
-        raise ConaError("cona train: --fresh goes with --chain, online mode or a run across nodes")
+        raise UsageError("cona train: --fresh goes with --chain, online mode or a run across nodes")
     if getattr(args, "restart_workers", False):  # one stage: there is nothing to restart
-        raise ConaError("cona train: --restart-workers goes with --chain or online mode")
+        raise UsageError("cona train: --restart-workers goes with --chain or online mode")
     _refuse_switch_in_place(args)
     missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
     if missing:
-        raise ConaError(
+        raise UsageError(
             f"cona train: missing {', '.join(missing)} (a fixed strategy needs --dp --tp --pp "
             f"--gbs --mbs --iters)"
         )
@@ -292,7 +292,7 @@ def _refuse_for_one_stage(args: argparse.Namespace, *, across_nodes: bool) -> No
 
 def _refuse_switch_in_place(args: argparse.Namespace) -> None:
     if getattr(args, "switch_in_place", False):
-        raise ConaError(
+        raise UsageError(
             "cona train: --switch-in-place goes with --chain (online mode switches in place whenever the "
             "layout stays and the workers are kept)"
         )
@@ -307,10 +307,10 @@ def _mds_environment(args: argparse.Namespace) -> MdsEnvironment:
 def _megatron_deepspeed(args: argparse.Namespace) -> bool:
     """Whether the run goes through a Megatron-DeepSpeed checkout (``--repo-path`` alone implies it)."""
     if args.backend == "native" and args.repo_path is not None:
-        raise ConaError(
+        raise UsageError(
             "cona train: --repo-path names a Megatron-DeepSpeed checkout; drop it or --backend native"
         )
     mds = args.backend == "megatron-deepspeed" or args.repo_path is not None
     if not mds and (args.mds_python is not None or args.mds_shim is not None):
-        raise ConaError("cona train: --mds-python and --mds-shim go with --backend megatron-deepspeed")
+        raise UsageError("cona train: --mds-python and --mds-shim go with --backend megatron-deepspeed")
     return mds

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import ConaConfig, TrainingConfig, load_config
-from cona.errors import ChainError, ConaError, LaunchError
+from cona.errors import LaunchError, UsageError
 from cona.runner.chain_options import ChainRun
 from cona.runner.fixed import FixedRun
 from cona.runner.launch import resolve_port_base
@@ -116,7 +116,7 @@ def _chain_world_size(flags: Any, chain_path: Path, resolved_device: str) -> int
         return torch.cuda.device_count()
     first = _first_step_world_size(chain_path)
     if first is None:
-        raise ChainError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
+        raise UsageError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
     return first  # the short form on CPU: as many processes as the chain's first step uses
 
 
@@ -140,14 +140,14 @@ def online_run(flags: Any) -> OnlineRun:
     required = {"--gpus": gpus, "--system": flag(flags, "system"), "--initial-gbs": initial_gbs}
     missing = [name for name, value in required.items() if value is None]
     if missing:
-        raise ConaError(f"cona train (online mode): missing {', '.join(missing)}")
+        raise UsageError(f"cona train (online mode): missing {', '.join(missing)}")
     total_iters, total_tokens, target_ppl = _budget(flags, config.training)
     for name, value in (("--gpus", gpus), ("--initial-gbs", initial_gbs)):
         if int(value) < 1:
-            raise ConaError(f"cona train {name}: must be at least 1, got {value}")
+            raise UsageError(f"cona train {name}: must be at least 1, got {value}")
     max_gbs = int(flag(flags, "max_gbs")) if flag(flags, "max_gbs") is not None else int(initial_gbs)
     if max_gbs < int(initial_gbs):
-        raise ConaError(f"cona train --max-gbs {max_gbs} is below --initial-gbs {initial_gbs}")
+        raise UsageError(f"cona train --max-gbs {max_gbs} is below --initial-gbs {initial_gbs}")
     return OnlineRun(
         world_size=int(gpus),
         device_type=device_type(config.training),
@@ -167,14 +167,14 @@ def _budget(flags: Any, training: TrainingConfig) -> tuple[int | None, int | Non
     """``--total-iters``, ``--total-tokens`` and ``--target-ppl``, checked (one of them is required)."""
     given = (flag(flags, "total_iters"), flag(flags, "total_tokens"), flag(flags, "target_ppl"))
     if all(value is None for value in given):
-        raise ConaError("cona train (online mode): give --total-iters, --total-tokens or --target-ppl")
+        raise UsageError("cona train (online mode): give --total-iters, --total-tokens or --target-ppl")
     total_iters = _positive(given[0], "--total-iters", int)
     total_tokens = _positive(given[1], "--total-tokens", int)
     target_ppl = _positive(given[2], "--target-ppl", float)
     if target_ppl is not None and target_ppl <= 1.0:
-        raise ConaError(f"cona train --target-ppl: a perplexity is above 1, got {given[2]}")
+        raise UsageError(f"cona train --target-ppl: a perplexity is above 1, got {given[2]}")
     if total_iters is None and total_tokens is None and training.lr_decay_tokens is None:
-        raise ConaError(
+        raise UsageError(
             "cona train --target-ppl without --total-iters/--total-tokens trains at most to the LR horizon: "
             "set training.lr_decay_tokens in the config"
         )
@@ -186,7 +186,7 @@ def _positive(value: Any, name: str, kind: type) -> Any:
         return None
     converted = kind(value)
     if converted <= 0:
-        raise ConaError(f"cona train {name}: must be positive, got {value}")
+        raise UsageError(f"cona train {name}: must be positive, got {value}")
     return converted
 
 
@@ -194,7 +194,7 @@ def fixed_strategy(flags: Any) -> tuple[ConaConfig, Strategy]:
     """The config and strategy of ``cona train --dp D --tp T --pp P --gbs G --mbs M --iters N [--workdir W]``
     (the caller checked that the flags are all given)."""
     if flags.iters <= 0:
-        raise ConaError(f"cona train: --iters must be positive, got {flags.iters}")
+        raise UsageError(f"cona train: --iters must be positive, got {flags.iters}")
     workdir(flags)
     config = run_config(flag(flags, "config"), flag(flags, "device"))
     return config, strategy_from_flags(flags, config)
