@@ -131,7 +131,7 @@ def test_an_unwritable_out_names_the_flag(project, capsys):
 def test_a_missing_trace_names_the_flag(project, capsys):
     assert (
         main([*BASE_ARGS, "--trace", str(project / "nowhere"), "--switch-cost-s", "1", "--out", "c.json"])
-        == 2
+        == 1
     )
     assert "--trace" in capsys.readouterr().err
 
