@@ -13,11 +13,14 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from cona.config_fields import expect_section, read_json_file, reject_unknown, typed_values
+from cona.config_overrides import FLAG as OVERRIDE_FLAG
+from cona.config_overrides import apply_overrides
 from cona.errors import ConfigError
 
 CONFIG_NAME = ".conaconfig"
@@ -247,12 +250,19 @@ class ConaConfig:
     training: TrainingConfig
     path: Path | None = field(default=None, compare=False)
     """The file it came from (None when built in code)."""
+    overrides: tuple[str, ...] = field(default=(), compare=False)
+    """The ``--set SECTION.KEY=VALUE`` given over the file's keys (already in ``model`` and ``training``;
+    kept to pass on to the runners of the other nodes)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": _section_dict(self.model), "training": _section_dict(self.training)}
 
 
 _TRAINING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
+
+
+def _field_names(section: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(section))
 
 
 def _section_dict(section: Any) -> dict[str, Any]:
@@ -269,8 +279,11 @@ def find_config(start: Path | None = None) -> Path:
     raise ConfigError(f"no {CONFIG_NAME} in {here} or any parent directory; pass --config PATH")
 
 
-def load_config(path: Path | str | None = None, *, check_data_files: bool = False) -> ConaConfig:
-    """Read, resolve and validate a config file (found from the cwd when ``path`` is None)."""
+def load_config(
+    path: Path | str | None = None, *, check_data_files: bool = False, overrides: Sequence[str] = ()
+) -> ConaConfig:
+    """Read, resolve and validate a config file (found from the cwd when ``path`` is None), with the
+    ``--set`` ``overrides`` over its keys (:mod:`cona.config_overrides`)."""
     config_path = Path(path) if path is not None else find_config()
     if config_path.is_dir():
         inside = config_path / CONFIG_NAME
@@ -278,16 +291,21 @@ def load_config(path: Path | str | None = None, *, check_data_files: bool = Fals
         raise ConfigError(f"config file {config_path} is a directory, not a {CONFIG_NAME} file{hint}")
     if not config_path.is_file():
         raise ConfigError(f"config file {config_path} does not exist")
-    raw = read_json_file(config_path)
-    config = parse_config(raw, source=config_path)
+    known = {"model": _field_names(ModelConfig), "training": _field_names(TrainingConfig)}
+    raw = apply_overrides(read_json_file(config_path), overrides, known_keys=known, path_keys=PATH_KEYS)
+    where = f"{config_path} with {' '.join(f'{OVERRIDE_FLAG} {o}' for o in overrides)}" if overrides else None
+    config = parse_config(raw, source=config_path, where=where)
+    if overrides:
+        config = dataclasses.replace(config, overrides=tuple(overrides))
     if check_data_files:
         check_training_files(config)
     return config
 
 
-def parse_config(raw: Any, *, source: Path | None = None) -> ConaConfig:
-    """Validate a decoded JSON object; ``source`` names the file in errors and anchors relative paths."""
-    where = str(source) if source is not None else "<config>"
+def parse_config(raw: Any, *, source: Path | None = None, where: str | None = None) -> ConaConfig:
+    """Validate a decoded JSON object; ``source`` names the file in errors (``where`` instead, when given)
+    and anchors relative paths."""
+    where = where or (str(source) if source is not None else "<config>")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be an object with sections 'model' and 'training'")
     reject_unknown(raw, ("model", "training"), where, prefix="")

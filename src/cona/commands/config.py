@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from cona.commands.config_flags import add_config_flags
 from cona.config import load_config
 
 
@@ -20,12 +21,12 @@ def register(subparsers) -> None:
         description="Print the resolved config as JSON on stdout (defaults and derived values filled); "
         "the file it came from is named on stderr.",
     )
-    show.add_argument("--config", default=None, help="config file (default: .conaconfig in cwd or a parent)")
+    add_config_flags(show)
     show.set_defaults(func=_show)
 
 
 def _show(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, overrides=args.overrides)
     resolved = config.to_dict()
     resolved["model"]["ffn_hidden"] = config.model.ffn_size
     if config.model.vocab_size is not None:

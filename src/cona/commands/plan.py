@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+from cona.commands.config_flags import add_config_flags
 from cona.config import ConaConfig, load_config
 from cona.errors import PlanError, UsageError
 from cona.planner.plan import (
@@ -72,9 +73,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: training.dtype"
     )
-    parser.add_argument(
-        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
-    )
+    add_config_flags(parser)
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -85,7 +84,7 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, overrides=args.overrides)
     system = load_system(args.system)
     trace = read_trace(args.trace, training=config.training)
     gpus = args.gpus if args.gpus is not None else trace.world_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from cona.commands.config_flags import add_config_flags
 from cona.config import RECOMPUTE, TrainingConfig, load_config
 from cona.errors import UsageError
 from cona.planner.perf_model import Prediction, predict
@@ -72,9 +73,7 @@ def register(subparsers) -> None:
         default=None,
         help="training precision (default: training.dtype)",
     )
-    parser.add_argument(
-        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
-    )
+    add_config_flags(parser)
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -86,7 +85,7 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, overrides=args.overrides)
     system = load_system(args.system)
     strategy = _strategy(args, config.training)
     dtype = args.dtype or config.training.dtype

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cona.commands.config_flags import add_config_flags
 from cona.config import load_config
 from cona.errors import UsageError
 from cona.planner.profiles import BACKENDS
@@ -46,9 +47,7 @@ def register(subparsers) -> None:
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--system", required=True, help="system name (e.g. a100_80g) or system JSON file")
     parser.add_argument("--gbs", type=int, required=True, help="global batch size in samples")
-    parser.add_argument(
-        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
-    )
+    add_config_flags(parser)
     parser.add_argument("--top", type=int, default=10, help="how many strategies to show (default 10)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument(
@@ -81,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     for flag_name, value in (("--top", args.top), ("--gpus", args.gpus), ("--gbs", args.gbs)):
         if value < 1:
             raise UsageError(f"{flag_name} must be at least 1, got {value}")
-    config = load_config(args.config)
+    config = load_config(args.config, overrides=args.overrides)
     system = load_system(args.system)
     options = SpaceOptions(
         zero_stages=_zero_stages(args.zero_stages), allow_cross_node_tp=args.allow_cross_node_tp

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cona.commands.config_flags import add_config_flags
 from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
 from cona.errors import UsageError
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
@@ -60,9 +61,7 @@ def register(subparsers) -> None:
         default=None,
         help="checkpoints go to WORKDIR/checkpoints/... in every mode (default: the current directory)",
     )
-    parser.add_argument(
-        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
-    )
+    add_config_flags(parser)
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),

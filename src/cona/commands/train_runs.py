@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,12 @@ def flag(flags: Any, name: str) -> Any:
     return getattr(flags, name, None)
 
 
-def run_config(config_path: str | Path | None, device: str | None) -> ConaConfig:
-    """The config (``--config``, else the discovered ``.conaconfig``; data files checked), with
-    ``--device`` overriding ``training.device`` and the log root made absolute."""
-    config = resolve_log_root(load_config(config_path, check_data_files=True))
+def run_config(
+    config_path: str | Path | None, device: str | None, overrides: Sequence[str] | None = ()
+) -> ConaConfig:
+    """The config (``--config``, else the discovered ``.conaconfig``; data files checked) with the
+    ``--set`` overrides, ``--device`` overriding ``training.device`` and the log root made absolute."""
+    config = resolve_log_root(load_config(config_path, check_data_files=True, overrides=overrides or ()))
     if device is None:
         return config
     return dataclasses.replace(config, training=dataclasses.replace(config.training, device=device))
@@ -86,7 +89,7 @@ def chain_run(flags: Any, *, chain: Path | None = None, run_name: str | None = N
     """``cona train --chain FILE [--config] [--device] [--workdir] [--gpus | --num-nodes --gpus-per-node]
     [--run-name] [--master-port-base] [--quiet] [--fresh] [--switch-in-place]`` (``chain`` and
     ``run_name`` replace the flags' for a chain the command wrote itself)."""
-    config = run_config(flag(flags, "config"), flag(flags, "device"))
+    config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     resolved = device_type(config.training)
     nodes = placement(flags)
     chain_path = Path(chain or flags.chain)
@@ -133,7 +136,7 @@ def _first_step_world_size(chain_path: Path) -> int | None:
 def online_run(flags: Any) -> OnlineRun:
     """``cona train --gpus N --system S --initial-gbs G0 --max-gbs G (--total-iters I | --total-tokens T |
     --target-ppl P) [--no-botorch] [--config] [--device] [--workdir] [--run-name]``."""
-    config = run_config(flag(flags, "config"), flag(flags, "device"))
+    config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     nodes = placement(flags)
     gpus = nodes.num_nodes * nodes.gpus_per_node if nodes.num_nodes > 1 else flag(flags, "gpus")
     initial_gbs = flag(flags, "initial_gbs")
@@ -196,7 +199,7 @@ def fixed_strategy(flags: Any) -> tuple[ConaConfig, Strategy]:
     if flags.iters <= 0:
         raise UsageError(f"cona train: --iters must be positive, got {flags.iters}")
     workdir(flags)
-    config = run_config(flag(flags, "config"), flag(flags, "device"))
+    config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     return config, strategy_from_flags(flags, config)
 
 

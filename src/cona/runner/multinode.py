@@ -270,6 +270,8 @@ def cona_command(
     ]  # fmt: skip
     if config.path is not None:
         command += ["--config", str(Path(config.path).resolve())]
+    for override in config.overrides:  # the same config on every node
+        command += ["--set", override]
     if nodes.hostfile is not None:
         command += ["--hostfile", str(nodes.hostfile)]
     return command + (["--quiet"] if quiet else [])
