@@ -54,25 +54,18 @@ def test_json_ranking_matches_the_exhaustive_search(capsys, config_path):
         assert key in rows[0]
 
 
-def test_bayesian_search_is_the_default(capsys, config_path, monkeypatch):
+def test_a_small_space_is_searched_exhaustively_by_default_and_botorch_forces_bo(
+    capsys, config_path, monkeypatch
+):
     monkeypatch.setattr(
         search,
         "bayesian_search",
         functools.partial(search.bayesian_search, max_gp_updates=1, max_local_rounds=0),
     )
-    out = run_json(
-        capsys,
-        "--gpus",
-        "8",
-        "--system",
-        "a100_80g",
-        "--gbs",
-        "64",
-        "--config",
-        str(config_path),
-        "--top",
-        "2",
-    )
+    args = ["--gpus", "8", "--system", "a100_80g", "--gbs", "64", "--config", str(config_path), "--top", "2"]
+    default = run_json(capsys, *args)
+    assert default["method"] == "exhaustive" and default["evaluations"] == default["space_size"]
+    out = run_json(capsys, *args, "--botorch")
     assert out["method"] == "bayesian"
     assert out["evaluations"] <= search.BOOTSTRAP_SAMPLES + 1 < out["space_size"]
     assert len(out["candidates"]) == 2

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from cona.commands.config_flags import add_config_flags
+from cona.commands.search_flags import add_search_flags, botorch_choice
 from cona.config import ConaConfig, load_config
 from cona.errors import PlanError, UsageError
 from cona.planner.plan import (
@@ -62,7 +63,7 @@ def register(subparsers) -> None:
         default=None,
         help="seconds a switch costs (default: the mean measured at the trace's stage changes)",
     )
-    parser.add_argument("--no-botorch", action="store_true", help="exhaustive search instead of BO")
+    add_search_flags(parser)
     parser.add_argument("--hysteresis", type=float, default=DEFAULT_HYSTERESIS, help="switch margin (0.05)")
     parser.add_argument(
         "--segments",
@@ -103,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         dtype=dtype,
         options=space_options(config.training),
         estimator=estimator,
-        botorch=not args.no_botorch,
+        botorch=botorch_choice(args),
     )
     policy = PolicySettings.from_training(config.training, max_gbs=args.max_gbs, hysteresis=args.hysteresis)
     progress, target_note = _target(args, config, trace, initial_gbs)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cona.commands.config_flags import add_config_flags
+from cona.commands.search_flags import add_search_flags, botorch_choice
 from cona.config import load_config
 from cona.errors import UsageError
 from cona.planner.profiles import BACKENDS
@@ -50,11 +51,7 @@ def register(subparsers) -> None:
     add_config_flags(parser)
     parser.add_argument("--top", type=int, default=10, help="how many strategies to show (default 10)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    parser.add_argument(
-        "--no-botorch",
-        action="store_true",
-        help="evaluate every strategy (exhaustive) instead of Bayesian optimisation",
-    )
+    add_search_flags(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the Bayesian search (default 0)")
     parser.add_argument(
         "--zero-stages", default="0,1,2,3", help="comma-separated ZeRO stages to consider (default 0,1,2,3)"
@@ -73,7 +70,7 @@ def register(subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     # Imported here so that `cona --help` does not load the planner (and BoTorch's torch).
-    from cona.planner.search import bayesian_search, exhaustive_search
+    from cona.planner.search_choice import search_strategies
     from cona.planner.space import SpaceOptions
     from cona.planner.systems import load_system
 
@@ -85,10 +82,8 @@ def _run(args: argparse.Namespace) -> int:
     options = SpaceOptions(
         zero_stages=_zero_stages(args.zero_stages), allow_cross_node_tp=args.allow_cross_node_tp
     )
-    search = exhaustive_search if args.no_botorch else bayesian_search
-    extra = {} if args.no_botorch else {"seed": args.seed}
     started = time.perf_counter()
-    result = search(
+    result = search_strategies(
         config.model,
         system,
         args.gpus,
@@ -97,7 +92,8 @@ def _run(args: argparse.Namespace) -> int:
         dtype=config.training.dtype,
         top_k=max(args.top, EXPLAIN_POOL),
         backend=args.backend,
-        **extra,
+        botorch=botorch_choice(args),
+        seed=args.seed,
     )
     seconds = time.perf_counter() - started
     header = {

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cona.commands.config_flags import add_config_flags
+from cona.commands.search_flags import add_search_flags
 from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
 from cona.errors import UsageError
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
 FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters")
 MULTI_NODE_FLAGS = ("num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
 BACKENDS = ("native", "megatron-deepspeed")
-ONLINE_FLAGS = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "no_botorch")
+ONLINE_FLAGS = (
+    "system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "botorch", "no_botorch"
+)  # fmt: skip
 
 
 def register(subparsers) -> None:
@@ -149,12 +152,7 @@ def _add_online_flags(parser: argparse.ArgumentParser) -> None:
     online.add_argument(
         "--target-ppl", type=float, default=None, help="stop at the first evaluation with perplexity <= this"
     )
-    online.add_argument(
-        "--no-botorch",
-        action="store_true",
-        default=None,
-        help="search each frontier exhaustively instead of by Bayesian optimisation",
-    )
+    add_search_flags(online)
 
 
 def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:

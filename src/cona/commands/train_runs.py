@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cona.commands.search_flags import botorch_choice
 from cona.config import ConaConfig, TrainingConfig, load_config
 from cona.errors import LaunchError, UsageError
 from cona.runner.chain_options import ChainRun
@@ -135,7 +136,7 @@ def _first_step_world_size(chain_path: Path) -> int | None:
 
 def online_run(flags: Any) -> OnlineRun:
     """``cona train --gpus N --system S --initial-gbs G0 --max-gbs G (--total-iters I | --total-tokens T |
-    --target-ppl P) [--no-botorch] [--config] [--device] [--workdir] [--run-name]``."""
+    --target-ppl P) [--botorch | --exhaustive] [--config] [--device] [--workdir] [--run-name]``."""
     config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     nodes = placement(flags)
     gpus = nodes.num_nodes * nodes.gpus_per_node if nodes.num_nodes > 1 else flag(flags, "gpus")
@@ -160,7 +161,7 @@ def online_run(flags: Any) -> OnlineRun:
         total_iters=total_iters,
         total_tokens=total_tokens,
         target_ppl=target_ppl,
-        botorch=not flag(flags, "no_botorch"),
+        botorch=botorch_choice(flags),
         nodes=nodes,
         **_common(flags, config, flag(flags, "run_name") or "online", nodes.num_nodes),
     )

@@ -38,7 +38,7 @@ from cona.planner.policy import (
     next_frontier,
     next_gbs,
 )
-from cona.planner.search import bayesian_search, exhaustive_search
+from cona.planner.search_choice import search_strategies
 from cona.planner.space import SpaceOptions
 from cona.planner.systems import System
 from cona.planner.throughput import ThroughputEstimator
@@ -172,7 +172,9 @@ class SearchSettings:
     dtype: str = "bf16"
     options: SpaceOptions | None = None
     calibration: Calibration | None = None
-    botorch: bool = True
+    botorch: bool | None = None
+    """True: Bayesian optimisation, False: exhaustive, None: chosen by the size of the space
+    (:func:`cona.planner.search_choice.uses_botorch`)."""
     backend: str = "native"
     """The backend whose profile predicts the strategies (:data:`cona.planner.profiles.BACKENDS`)."""
     estimator: ThroughputEstimator | None = None
@@ -186,8 +188,7 @@ RERANKED = 16
 
 def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Candidate:
     """The fastest strategy at ``gbs`` that fits, with its expected throughput (PlanError when none fits)."""
-    run = bayesian_search if search.botorch else exhaustive_search
-    result = run(
+    result = search_strategies(
         config.model,
         search.system,
         search.n_gpus,
@@ -197,6 +198,7 @@ def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Cand
         calibration=None if search.estimator is not None else search.calibration,
         top_k=1 if search.estimator is None else RERANKED,
         backend=search.backend,
+        botorch=search.botorch,
     )
     if search.estimator is None:
         return Candidate(
