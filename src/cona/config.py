@@ -181,8 +181,11 @@ class TrainingConfig:
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases and norm weights)."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
     adam_beta2: float = 0.95
+    """AdamW's second-moment decay."""
     adam_eps: float = 1e-8
+    """AdamW's epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables it."""
     split: str = "949,50,1"
@@ -215,9 +218,11 @@ class TrainingConfig:
     log_root: str = "logs"
     """Run directories are created under this."""
     wandb_project: str | None = None
-    """W&B project; W&B is off when omitted."""
+    """W&B project; W&B is off when omitted (``wandb_mode`` alone does not turn it on)."""
     wandb_dir: str | None = None
+    """Where W&B writes its files (W&B's default when omitted)."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """W&B's mode when ``wandb_project`` is set (offline: synced later with ``wandb sync``)."""
     tensorboard_dir: str | None = None
     """TensorBoard event directory; off when omitted."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -225,6 +230,7 @@ class TrainingConfig:
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence when tp > 1."""
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule when pp > 1."""
     pipeline_virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B only)."""
     compile: bool | None = None
