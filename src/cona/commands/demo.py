@@ -155,7 +155,7 @@ def demo_system(gpu_name: str | None) -> str:
             return system
     raise ConaError(
         f"cona demo: no system description for the GPU {gpu_name!r}; run cona train --system with one "
-        f"(cona predict lists them)"
+        f"(cona systems lists them)"
     )
 
 

@@ -44,7 +44,9 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--trace", required=True, help="run directory or metrics.jsonl")
     parser.add_argument("--out", required=True, help="chain config to write (JSON)")
-    parser.add_argument("--system", required=True, help="system name (e.g. a100_80g) or system JSON file")
+    parser.add_argument(
+        "--system", required=True, help="system name (cona systems lists them) or system JSON file"
+    )
     parser.add_argument("--gpus", type=int, default=None, help="GPU count (default: the trace's)")
     parser.add_argument("--initial-gbs", type=int, default=None, help="first gbs (default: the trace's)")
     parser.add_argument("--max-gbs", type=int, required=True, help="largest gbs the frontier may reach")

@@ -34,7 +34,9 @@ def register(subparsers) -> None:
         description="Predict one strategy's iteration time (split into compute, communication, pipeline "
         "bubble, optimizer) and memory per GPU for the model of a .conaconfig on a system.",
     )
-    parser.add_argument("--system", required=True, help="system name (e.g. a100_80g) or a system JSON file")
+    parser.add_argument(
+        "--system", required=True, help="system name (cona systems lists them) or a system JSON file"
+    )
     for flag, text in (
         ("--dp", "data-parallel degree"),
         ("--tp", "tensor-parallel degree"),

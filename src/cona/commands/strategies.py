@@ -46,7 +46,9 @@ def register(subparsers) -> None:
         "by predicted iteration time, with the time split and memory of each.",
     )
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    parser.add_argument("--system", required=True, help="system name (e.g. a100_80g) or system JSON file")
+    parser.add_argument(
+        "--system", required=True, help="system name (cona systems lists them) or system JSON file"
+    )
     parser.add_argument("--gbs", type=int, required=True, help="global batch size in samples")
     add_config_flags(parser)
     parser.add_argument("--top", type=int, default=10, help="how many strategies to show (default 10)")

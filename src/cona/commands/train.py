@@ -141,7 +141,7 @@ def _add_backend_flags(parser: argparse.ArgumentParser) -> None:
 def _add_online_flags(parser: argparse.ArgumentParser) -> None:
     online = parser.add_argument_group("online strategy chaining (--gpus without --chain)")
     online.add_argument(
-        "--system", default=None, help="system the performance model plans for (cona predict lists them)"
+        "--system", default=None, help="system the performance model plans for (cona systems lists them)"
     )
     online.add_argument("--initial-gbs", type=int, default=None, help="global batch size of the first stage")
     online.add_argument(
