@@ -133,6 +133,20 @@ def test_a_checkout_path_with_the_native_backend_is_refused(tmp_path, capsys):
     assert "--repo-path names a Megatron-DeepSpeed checkout" in capsys.readouterr().err
 
 
+def test_workdir_defaults_to_the_current_directory_in_every_mode(tmp_path, monkeypatch):
+    config = write_tiny_setup(tmp_path)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    captured = []
+    monkeypatch.setattr("cona.runner.fixed.run_fixed", lambda run, console: captured.append(run))
+    monkeypatch.setattr("cona.runner.online.run_online", lambda run, **_: captured.append(run))
+    fixed = ["--dp", "1", "--tp", "1", "--pp", "1", "--gbs", "8", "--mbs", "2", "--iters", "1"]
+    online = ["--gpus", "1", "--system", "cpu_gloo", "--initial-gbs", "2", "--total-iters", "2"]
+    for mode in (fixed, online):
+        assert main(["train", "--config", str(config), *mode, "--device", "cpu"]) == 0
+    assert [run.workdir for run in captured] == [tmp_path / "here"] * 2
+
+
 def test_missing_fixed_strategy_flags_are_named(tmp_path, capsys):
     assert main(["train", "--dp", "2"]) == 2
     err = capsys.readouterr().err
