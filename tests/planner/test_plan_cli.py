@@ -8,7 +8,7 @@ import math
 import pytest
 
 from cona.cli import main
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.runner.chain import load_chain
 
 CONFIG = {

@@ -13,7 +13,7 @@ from chain_fakes import chain_run, write_tiny_config
 from test_train_cli import write_tiny_setup
 
 from cona.cli import main
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.errors import LaunchError
 from cona.runner import multinode
 from cona.runner.chain import load_chain

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from chain_fakes import write_tiny_config
 
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, after_switch, initial_state
 from cona.planner.systems import load_system

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cona.config import load_config
+from cona.config_file import load_config
 
 
 def register(subparsers) -> None:

@@ -11,7 +11,8 @@ import json
 import math
 from pathlib import Path
 
-from cona.config import ConaConfig, load_config
+from cona.config import ConaConfig
+from cona.config_file import load_config
 from cona.errors import PlanError
 from cona.planner.plan import (
     DEFAULT_SEGMENTS,

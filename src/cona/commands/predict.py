@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from cona.config import RECOMPUTE, TrainingConfig, load_config
+from cona.config import RECOMPUTE, TrainingConfig
+from cona.config_file import load_config
 from cona.errors import PlanError
 from cona.planner.perf_model import Prediction, predict
 from cona.planner.profiles import BACKENDS

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.errors import PlanError
 from cona.planner.profiles import BACKENDS
 from cona.strategy import Strategy

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cona.config import ConaConfig, TrainingConfig, load_config
+from cona.config import ConaConfig, TrainingConfig
+from cona.config_file import load_config
 from cona.errors import ChainError, ConaError, LaunchError
 from cona.runner.chain_options import ChainRun
 from cona.runner.fixed import FixedRun
