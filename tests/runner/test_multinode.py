@@ -17,13 +17,13 @@ from cona.config_file import load_config
 from cona.errors import LaunchError
 from cona.runner import multinode
 from cona.runner.chain import load_chain
+from cona.runner.chain_options import runner_command
 from cona.runner.multinode import (
     NodePlacement,
     RemoteRunners,
     expand_nodelist,
     parse_hostfile,
     resolve_placement,
-    runner_command,
 )
 from cona.runner.multinode_sync import Coordinator, follow
 

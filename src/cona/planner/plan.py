@@ -25,7 +25,7 @@ import numpy as np
 
 from cona.config import ConaConfig, TrainingConfig
 from cona.errors import PlanError
-from cona.planner.calibration import Calibration
+from cona.planner.calibration_factors import Calibration
 from cona.planner.chains import NoiseProfile, chain_time, optimal_assignment, raw_tokens, segment_times
 from cona.planner.efficiency import NoiseScaleEstimate
 from cona.planner.policy import (

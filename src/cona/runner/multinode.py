@@ -29,7 +29,6 @@ from cona.errors import LaunchError
 
 if TYPE_CHECKING:
     from cona.config import ConaConfig
-    from cona.runner.chain_options import ChainRun
 
 SSH_OPTIONS_ENV = "CONA_SSH_OPTIONS"
 """Extra ssh options for starting the other nodes (shell syntax), e.g. ``-p 2222 -i ~/.ssh/cluster``."""
@@ -234,19 +233,6 @@ def check_local_address(addr: str) -> None:
 
 
 # ---------------------------------------------------------------- ssh start of the other nodes
-
-
-def runner_command(run: ChainRun) -> list[str]:
-    """The ``cona train --chain`` command of this run, for the runners node 0 starts on the other hosts."""
-    return cona_command(
-        ["--chain", str(run.chain_path.resolve())],
-        config=run.config,
-        nodes=run.nodes,
-        run_dir=run.run_dir,
-        workdir=run.workdir,
-        base_port=run.base_port,
-        quiet=run.quiet,
-    )
 
 
 def cona_command(

@@ -33,9 +33,8 @@ from cona.runner.chain import (
     load_chain,
     planned_tokens,
 )
-from cona.runner.chain_options import ChainRun
+from cona.runner.chain_options import ChainRun, runner_command
 from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
-from cona.runner.multinode import runner_command
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.run_dir import point_latest
 from cona.runner.run_lock import lock_directory
