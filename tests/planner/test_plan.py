@@ -23,12 +23,12 @@ from cona.planner.plan import (
     simulate,
     space_options,
     target_progress,
-    trace_progress,
 )
 from cona.planner.policy import Candidate, PolicySettings
 from cona.planner.simulate import HostBound, MeasurementNoise, simulate_against_truth, true_candidates
 from cona.planner.systems import load_system
 from cona.planner.trace import LossCurve, read_trace, synthetic_trace
+from cona.planner.trace_progress import trace_progress
 from cona.runner.chain import parse_chain
 from cona.strategy import Strategy
 

@@ -15,8 +15,6 @@ from matplotlib.image import imread
 from cona.cli import main
 from cona.errors import ConaError
 from cona.runner.report import (
-    build_report,
-    distinct_names,
     load_run,
     noise_series,
     predicted_throughput,
@@ -24,6 +22,7 @@ from cona.runner.report import (
     stage_summaries,
     switch_costs,
 )
+from cona.runner.report_build import build_report, distinct_names
 from cona.runner.report_figures import FIGURE_NAMES
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
