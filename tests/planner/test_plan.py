@@ -29,7 +29,7 @@ from cona.planner.simulate import HostBound, MeasurementNoise, simulate_against_
 from cona.planner.systems import load_system
 from cona.planner.trace import LossCurve, read_trace, synthetic_trace
 from cona.planner.trace_progress import trace_progress
-from cona.runner.chain import parse_chain
+from cona.runner.schedules.chain import parse_chain
 from cona.strategy import Strategy
 
 GPT_1_3B = ModelConfig(name="gpt-1.3b", layers=24, hidden=2048, heads=16, seq=2048, vocab_size=50257)

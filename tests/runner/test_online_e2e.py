@@ -12,8 +12,8 @@ from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_l
 
 from cona.cli import main
 from cona.config_file import load_config
-from cona.runner.online import OnlineRun, run_online
 from cona.runner.run_dir import resolve_log_root
+from cona.runner.schedules.online import OnlineRun, run_online
 from cona.runner.state import load_state
 from cona.runner.worker_session import WorkerSession
 

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
 def run_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from cona.runner.status import collect_status, render_status
+    from cona.runner.views.status import collect_status, render_status
 
     run_dir = args.run_dir if args.run_dir is not None else latest_run_dir(args.config)
     render_status(collect_status(run_dir), Console(highlight=False))

@@ -1,6 +1,7 @@
 """``cona report``'s whole job: load the runs, draw the figures, write ``index.html``.
 
-Apart from :mod:`cona.runner.report` (what the figures and the page read from a run directory), which the
+Apart from :mod:`cona.runner.views.report` (what the figures and the page read from a run directory), which
+the
 figure and page modules import, so nothing imports back.
 """
 
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cona.errors import ConaError
-from cona.runner.report import RunData, load_run
-from cona.runner.report_figures import draw_all
-from cona.runner.report_html import write_html
+from cona.runner.views.report import RunData, load_run
+from cona.runner.views.report_figures import draw_all
+from cona.runner.views.report_html import write_html
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ the ``SLURM_*`` variables, give a :class:`NodePlacement`. Node 0 is the master's
 ranks 1, 2, ... in hostfile order.
 
 **Start.** Every node runs the same command; the runners agree on every stage boundary through a store
-node 0's runner hosts (:mod:`cona.runner.multinode_sync`). Without ``--no-ssh`` node 0 starts the other
+node 0's runner hosts (:mod:`cona.runner.nodes.multinode_sync`). Without ``--no-ssh`` node 0 starts the other
 runners over ssh (:class:`RemoteRunners`).
 """
 

@@ -17,7 +17,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter
 
 from cona.planner.efficiency import MIN_SAMPLES
-from cona.runner.report import (
+from cona.runner.views.report import (
     SWITCH_PARTS,
     RunData,
     StageSummary,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cona.config import ConaConfig
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
-from cona.runner.multinode import NodePlacement, cona_command
+from cona.runner.nodes.multinode import NodePlacement, cona_command
 
 
 @dataclass(frozen=True, kw_only=True)

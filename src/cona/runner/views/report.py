@@ -6,7 +6,8 @@ lag behind. Everything here reads what is there, turns what it cannot read into 
 file (and line), and never raises for a damaged file; only a directory that is not a run directory at all is
 an error.
 
-The figures are drawn by :mod:`cona.runner.report_figures`, the page by :mod:`cona.runner.report_html`.
+The figures are drawn by :mod:`cona.runner.views.report_figures`, the page by
+:mod:`cona.runner.views.report_html`.
 """
 
 from __future__ import annotations
