@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cona.cli import main
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.config_overrides import parse_override
 from cona.errors import ConfigError, UsageError
 
@@ -97,11 +97,11 @@ def test_config_show_strategies_and_predict_take_set(config_path, capsys):
 def test_train_takes_set_and_the_other_nodes_get_it(tmp_path, monkeypatch, capsys):
     from tests.runner.test_train_cli import write_tiny_setup
 
-    from cona.runner.multinode import cona_command
+    from cona.runner.nodes.multinode import cona_command
 
     config = write_tiny_setup(tmp_path)
     captured = []
-    monkeypatch.setattr("cona.runner.online.run_online", lambda run, **_: captured.append(run))
+    monkeypatch.setattr("cona.runner.schedules.online.run_online", lambda run, **_: captured.append(run))
     online = ["train", "--config", str(config), "--system", "cpu_gloo", "--initial-gbs", "2", "--gpus", "2"]
     online += ["--total-iters", "4", "--set", "training.base_lr=5e-4"]
     assert main(online) == 0, capsys.readouterr().err

@@ -14,9 +14,7 @@ from matplotlib.image import imread
 
 from cona.cli import main
 from cona.errors import ConaError
-from cona.runner.report import (
-    build_report,
-    distinct_names,
+from cona.runner.views.report import (
     load_run,
     noise_series,
     predicted_throughput,
@@ -24,7 +22,8 @@ from cona.runner.report import (
     stage_summaries,
     switch_costs,
 )
-from cona.runner.report_figures import FIGURE_NAMES
+from cona.runner.views.report_build import build_report, distinct_names
+from cona.runner.views.report_figures import FIGURE_NAMES
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

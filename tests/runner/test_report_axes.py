@@ -8,9 +8,9 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 from tests.runner.test_status import FIXTURE
 
-from cona.runner.report import load_run, stage_summaries
-from cona.runner.report_axes import SwitchLabel, draw_switch_labels, label_log_axis, legend_beside
-from cona.runner.report_figures import _loss_figure
+from cona.runner.views.report import load_run, stage_summaries
+from cona.runner.views.report_axes import SwitchLabel, draw_switch_labels, label_log_axis, legend_beside
+from cona.runner.views.report_figures import _loss_figure
 
 
 def labelled_ticks(ax) -> dict[float, str]:

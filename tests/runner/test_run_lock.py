@@ -17,12 +17,12 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.cli import main
 from cona.commands import train_runs
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir
 from cona.processes import running
 from cona.runner.launch import start_torchrun
 from cona.runner.run_lock import RunLocked, lock_directory, lock_path, run_locks
-from cona.runner.sequence import run_chain
+from cona.runner.schedules.sequence import run_chain
 from cona.strategy import Strategy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from cona.cli import main
 from cona.runner.launch import PIDS_FILE, Topology, record_exit, record_pids
 from cona.runner.run_dir import point_latest
 from cona.runner.state import load_state, save_state
-from cona.runner.status import (
+from cona.runner.views.status import (
     collect_status,
     find_processes,
     pid_alive,

@@ -139,7 +139,7 @@ def test_workdir_defaults_to_the_current_directory_in_every_mode(tmp_path, monke
     monkeypatch.chdir(tmp_path / "here")
     captured = []
     monkeypatch.setattr("cona.runner.fixed.run_fixed", lambda run, console: captured.append(run))
-    monkeypatch.setattr("cona.runner.online.run_online", lambda run, **_: captured.append(run))
+    monkeypatch.setattr("cona.runner.schedules.online.run_online", lambda run, **_: captured.append(run))
     fixed = ["--dp", "1", "--tp", "1", "--pp", "1", "--gbs", "8", "--mbs", "2", "--iters", "1"]
     online = ["--gpus", "1", "--system", "cpu_gloo", "--initial-gbs", "2", "--total-iters", "2"]
     for mode in (fixed, online):

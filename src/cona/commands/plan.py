@@ -13,7 +13,8 @@ from pathlib import Path
 
 from cona.commands.config_flags import add_config_flags
 from cona.commands.search_flags import add_search_flags, botorch_choice
-from cona.config import ConaConfig, load_config
+from cona.config import ConaConfig
+from cona.config_file import load_config
 from cona.errors import PlanError, UsageError
 from cona.planner.plan import (
     DEFAULT_SEGMENTS,
@@ -193,7 +194,7 @@ def _estimator(
 
 
 def _check_chain(raw: dict, out: Path, config: ConaConfig, gpus: int, dtype: str) -> None:
-    from cona.runner.chain import parse_chain  # deferred: it imports the engine (torch)
+    from cona.runner.schedules.chain import parse_chain  # deferred: it imports the engine (torch)
 
     parse_chain(raw, source=out, config=config, world_size=gpus, dtype=dtype, workdir=Path.cwd())
 

@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 def run_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from cona.runner.status import collect_status, render_status
+    from cona.runner.views.status import collect_status, render_status
 
     run_dir = args.run_dir if args.run_dir is not None else latest_run_dir(args.config, args.overrides)
     render_status(collect_status(run_dir), Console(highlight=False))
@@ -40,7 +40,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 def latest_run_dir(config_path: str | None, overrides: Sequence[str] = ()) -> Path:
     """The run ``<log_root>/latest`` names, with log_root from the config (relative to its file)."""
-    from cona.config import load_config
+    from cona.config_file import load_config
     from cona.runner.run_dir import resolve_latest, resolve_log_root
 
     config = resolve_log_root(load_config(config_path, overrides=overrides))

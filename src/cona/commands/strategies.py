@@ -12,7 +12,7 @@ import numpy as np
 
 from cona.commands.config_flags import add_config_flags
 from cona.commands.search_flags import add_search_flags, botorch_choice
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.errors import UsageError
 from cona.planner.profiles import BACKENDS
 from cona.strategy import Strategy

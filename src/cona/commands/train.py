@@ -3,9 +3,12 @@ chain (``--chain FILE``) or online search (``--gpus N`` alone).
 
 The flags become a typed run description (:mod:`cona.commands.train_runs`) and nothing below this module
 sees them; every mode then runs through the one stage driver (:mod:`cona.runner.driver`): a chain from its
-file (:mod:`cona.runner.sequence`; a fixed strategy is a one-stage chain, its layout checked before anything
-is launched), online mode from the policy (:mod:`cona.runner.online`). Every mode also runs across nodes
-(--num-nodes, --hostfile; :mod:`cona.runner.across_nodes`). ``--backend megatron-deepspeed --repo-path PATH``
+file (:mod:`cona.runner.schedules.sequence`; a fixed strategy is a one-stage chain, its layout checked before
+anything
+is launched), online mode from the policy (:mod:`cona.runner.schedules.online`). Every mode also runs across
+nodes
+(--num-nodes, --hostfile; :mod:`cona.runner.nodes.across_nodes`). ``--backend megatron-deepspeed --repo-path
+PATH``
 (``--repo-path`` alone implies it) runs the fixed and chain modes through a Megatron-DeepSpeed checkout
 (:mod:`cona.backends.megatron_deepspeed`).
 """
@@ -27,8 +30,8 @@ from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 
 if TYPE_CHECKING:
     from cona.backends.megatron_deepspeed.environment import MdsEnvironment
-    from cona.runner.console import RunConsole
     from cona.runner.stage_run import Launcher
+    from cona.runner.views.console import RunConsole
 
 FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters")
 MULTI_NODE_FLAGS = ("num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
@@ -203,7 +206,7 @@ def _train_chain(args: argparse.Namespace, mds: bool) -> None:
         environment = _mds_environment(args)
         run_mds_chain(chain_run(args), environment)
         return
-    from cona.runner.sequence import run_chain  # imports torch: not at `cona --help`
+    from cona.runner.schedules.sequence import run_chain  # imports torch: not at `cona --help`
 
     with _console_and_launcher(args) as (console, launcher):
         run_chain(chain_run(args), launcher=launcher, out=console.message)
@@ -221,7 +224,7 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
             "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
             f"drop {', '.join(others)}"
         )
-    from cona.runner.online import run_online  # imports torch: not at `cona --help` time
+    from cona.runner.schedules.online import run_online  # imports torch: not at `cona --help` time
 
     with _console_and_launcher(args) as (console, launcher):
         run_online(online_run(args), launcher=launcher, out=console.message)
@@ -231,7 +234,7 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
 def _console_and_launcher(args: argparse.Namespace) -> Iterator[tuple[RunConsole, Launcher]]:
     """The console of a chain or online run and its stage launcher (a worker session unless
     ``--restart-workers``), shown through the console."""
-    from cona.runner.console import RunConsole
+    from cona.runner.views.console import RunConsole
     from cona.runner.worker_session import stage_launcher
 
     console = RunConsole.for_stdout(quiet=args.quiet)
@@ -249,13 +252,13 @@ def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
     _refuse_for_one_stage(args, across_nodes=bool(across_nodes))
     config, strategy = fixed_strategy(args)
     from cona.engine.parallel_dims import validate_layout  # imports torch: not at `cona --help` time
-    from cona.runner.console import RunConsole
+    from cona.runner.views.console import RunConsole
 
     console = RunConsole.for_stdout(quiet=args.quiet)
     validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
     if not mds and across_nodes:  # a one-stage chain; each node checks its own GPUs
-        from cona.runner.fixed_across_nodes import write_fixed_chain
-        from cona.runner.sequence import run_chain, torchrun_launcher
+        from cona.runner.nodes.fixed_across_nodes import write_fixed_chain
+        from cona.runner.schedules.sequence import run_chain, torchrun_launcher
 
         chain_path, run_name = write_fixed_chain(config, strategy, args.iters, args.run_name)
         run = chain_run(args, chain=chain_path, run_name=run_name)

@@ -31,7 +31,7 @@ from cona.planner.systems import System
 from cona.strategy import Strategy, StrategyArray
 
 if TYPE_CHECKING:
-    from cona.planner.calibration import Calibration
+    from cona.planner.calibration_factors import Calibration
 
 BOOTSTRAP_SAMPLES = 10
 """Random strategies evaluated before the first Gaussian-process fit, one per (tp, pp) layout first

@@ -32,8 +32,8 @@ from cona.engine.checkpoint import LATEST, TRAINER_STATE_FILE, read_checkpoint_i
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
-from cona.runner.chain import ChainConfig
-from cona.runner.online_stages import STAGES_NAME
+from cona.runner.schedules.chain import ChainConfig
+from cona.runner.schedules.online_stages import STAGES_NAME
 
 STATE_NAME = "runner_state.json"
 ONLINE_CHAIN = "online"

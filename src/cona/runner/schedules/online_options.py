@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import ConaConfig
-from cona.runner.chain import content_digest
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
-from cona.runner.multinode import NodePlacement
+from cona.runner.nodes.multinode import NodePlacement
+from cona.runner.schedules.chain import content_digest
 
 
 @dataclass(frozen=True, kw_only=True)

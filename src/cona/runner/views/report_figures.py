@@ -17,7 +17,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter
 
 from cona.planner.efficiency import MIN_SAMPLES
-from cona.runner.report import (
+from cona.runner.views.report import (
     SWITCH_PARTS,
     RunData,
     StageSummary,
@@ -28,7 +28,7 @@ from cona.runner.report import (
     stage_summaries,
     switch_costs,
 )
-from cona.runner.report_axes import SwitchLabel, draw_switch_labels, label_log_axis, legend_beside
+from cona.runner.views.report_axes import SwitchLabel, draw_switch_labels, label_log_axis, legend_beside
 
 DPI = 110
 SWITCH_STYLE = {"linestyle": "--", "linewidth": 1.0, "alpha": 0.8}

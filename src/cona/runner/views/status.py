@@ -31,8 +31,8 @@ from cona.processes import PROC, pid_alive
 from cona.processes import process_state as process_state  # re-exported: it lived here
 from cona.runner.launch import PIDS_GLOB
 from cona.runner.publish import read_marker
-from cona.runner.report import RunData, load_run, strategy_label
 from cona.runner.state import ONLINE_CHAIN
+from cona.runner.views.report import RunData, load_run, strategy_label
 
 
 @dataclass(frozen=True, kw_only=True)

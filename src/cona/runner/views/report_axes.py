@@ -1,5 +1,5 @@
-"""Axis helpers of the report figures (:mod:`cona.runner.report_figures`): log axes whose ticks can be read
-at every value plotted, switch labels that do not overlap, legends beside the axes instead of on a line."""
+"""Axis helpers of the report figures (:mod:`cona.runner.views.report_figures`): log axes whose ticks can
+be read at every value plotted, switch labels that do not overlap, legends beside the axes, not on a line."""
 
 from __future__ import annotations
 
