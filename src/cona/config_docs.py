@@ -9,12 +9,12 @@ README holds exactly what this writes; after changing a field, regenerate the ta
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
 import json
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -90,17 +90,19 @@ def replace_block(text: str, block: str) -> str:
     return text[:start] + block + text[end:]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Print or rewrite the README's config-key tables.")
-    parser.add_argument("--write", type=Path, default=None, metavar="README", help="rewrite the block there")
-    args = parser.parse_args(argv)
-    block = config_keys_markdown()
-    if args.write is None:
-        print(block)
+def main(argv: list[str]) -> int:
+    """``python -m cona.config_docs``: print the block; ``--write README.md``: rewrite it there. (No
+    argparse here: the command-line layer is cli.py and commands/; this is a maintainer's tool.)"""
+    if not argv:
+        print(config_keys_markdown())
         return 0
-    args.write.write_text(replace_block(args.write.read_text(), block))
+    if len(argv) != 2 or argv[0] != "--write":
+        print("usage: python -m cona.config_docs [--write README.md]", file=sys.stderr)
+        return 2
+    readme = Path(argv[1])
+    readme.write_text(replace_block(readme.read_text(), config_keys_markdown()))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
