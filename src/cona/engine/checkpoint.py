@@ -272,8 +272,7 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
         os.replace(tmp_dir, final_dir)
         fsync_dir(final_dir.parent)
         return
-    if exchange_paths(tmp_dir, final_dir):
-        fsync_dir(final_dir.parent)
+    if exchange_paths(tmp_dir, final_dir):  # durable (fsynced) before the old copy goes
         _remove(tmp_dir)  # now the old copy
         return
     owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
@@ -285,8 +284,7 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
 
 
 def _write_marker(marker: Path, target_name: str, owner: str = "") -> None:
-    """Atomically replace a marker file with the directory name it points at (its temporary is a
-    ``.tmp-*`` entry of the layout, which a later save of the same owner cleans up after a kill)."""
+    """Atomically replace a marker file with the directory name it points at (a ``.tmp-*`` temporary)."""
     write_atomic(marker, target_name + "\n", tmp=marker.with_name(_tmp_name(marker.name, owner)))
 
 

@@ -34,9 +34,11 @@ from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.metrics_record import MetricsRecord, read_metrics
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
-from cona.runner.chain import ChainConfig
+from cona.runner.schedules.chain import ChainConfig
 
 STATE_NAME = run_files.RUNNER_STATE
+ONLINE_CHAIN = "online"
+"""The ``chain_path`` of an online run's state: its stages come from the search, not from a file."""
 STATE_VERSION = 1
 Status = Literal["pending", "running", "trained", "published", "pruned", "done"]
 STATUSES: tuple[Status, ...] = ("pending", "running", "trained", "published", "pruned", "done")

@@ -41,8 +41,8 @@ from cona.planner.policy import (
     next_frontier,
     strategy_dict,
 )
-from cona.runner.frontier import FrontierSearch
-from cona.runner.run_tracker import RunTracker
+from cona.runner.schedules.frontier import FrontierSearch
+from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
 DECISIONS_NAME = run_files.DECISIONS
