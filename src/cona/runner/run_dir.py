@@ -1,12 +1,8 @@
 """The run directory ``<log_root>/<run_name>/`` and the ``<log_root>/latest`` pointer to it.
 
-Layout::
-
-    <log_root>/<run_name>/metrics.jsonl         rank 0 of every stage appends here
-    <log_root>/<run_name>/switch_request.json   written by the runner's search, read by the workers
-    <log_root>/<run_name>/stages/<N>/           spec.json, stage_result.json, rank<r>.log, rank<r>.error
-    <log_root>/latest                           symlink to the newest run (a text file naming it where
-                                                symlinks are not available)
+Making them (a new run's directory refused when it exists, a stage's directory, the ``latest`` pointer: a
+symlink, or a text file naming the run where symlinks are not available); the names of the files inside are
+:mod:`cona.run_files`'s.
 """
 
 from __future__ import annotations
