@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cona.engine.checkpoint import resolve_checkpoint
 from cona.engine.spec import StageResult, StageSpec
-from cona.errors import ChainError, LaunchError
+from cona.errors import ChainError, LaunchError, UsageError
 from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.run_dir import point_latest
@@ -72,7 +72,7 @@ def run_chain(
 def _in_place(run: ChainRun, launcher: Launcher) -> bool:
     """``--switch-in-place``, refused where the stages do not share their worker processes."""
     if run.switch_in_place and not keeps_workers(launcher):
-        raise ChainError(
+        raise UsageError(
             "--switch-in-place needs the worker processes kept from one stage to the next: one node, the "
             "native backend and no --restart-workers"
         )
