@@ -209,6 +209,12 @@ class TrainingConfig:
     """Stop the run (non-zero exit) after this many consecutive steps skipped for non-finite gradients."""
     divergence_loss_factor: float = 10.0
     """Stop the run when a metrics line's mean loss exceeds this times the lowest one so far (0: never)."""
+    save_interval: int | None = None
+    """Iterations between periodic checkpoints inside a stage (null: none by iteration count)."""
+    save_interval_minutes: float | None = 30.0
+    """Minutes between periodic checkpoints inside a stage (null: none by time). Written in the background."""
+    keep_checkpoints: int = 2
+    """Periodic checkpoints kept per stage; older ones are removed once a newer one is complete."""
     log_root: str = "logs"
     """Run directories are created under this."""
     wandb_project: str | None = None
@@ -407,9 +413,13 @@ def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> N
         "fallback_patience",
         "pipeline_virtual_stages",
         "max_skipped_steps",
+        "keep_checkpoints",
     ):
         if getattr(training, key) <= 0:
             fail(f"training.{key}", "must be positive")
+    for key in ("save_interval", "save_interval_minutes"):
+        if getattr(training, key) is not None and getattr(training, key) <= 0:
+            fail(f"training.{key}", "must be positive (or null: no periodic checkpoints by this measure)")
     if training.eval_every_tokens is not None and training.eval_every_tokens <= 0:
         fail("training.eval_every_tokens", "must be positive (or null: every eval_interval iterations)")
     if training.divergence_loss_factor != 0 and training.divergence_loss_factor <= 1:

@@ -289,8 +289,9 @@ class StageDriver:
         )
 
     def stage_spec(self, state: RunState, stage: StageState) -> StageSpec:
-        """The spec of the stage's next attempt: from its own newest checkpoint if an attempt saved one, else
-        from what it planned to load, or in place."""
+        """The spec of the stage's next attempt: from its own newest checkpoint if an attempt saved one (a
+        periodic one, or its last), else from what it planned to load, or in place. It saves periodically
+        as ``training.save_interval`` and ``save_interval_minutes`` say."""
         # A token budget has no stop iteration: any iteration past the start is the stage's own.
         span = dataclasses.replace(stage, target_iteration=stage.target_iteration or sys.maxsize)
         own = own_checkpoint(span, self.layout_dir(stage.step_num))
@@ -312,6 +313,8 @@ class StageDriver:
             lr_factor=stage.lr_factor,
             min_lr_factor=stage.min_lr_factor,
             save_at_end=True,
+            save_interval=self.run.config.training.save_interval,
+            save_interval_minutes=self.run.config.training.save_interval_minutes,
         )
 
     # --- launching --------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from cona.planner.systems import load_system
 from cona.runner.chain import content_digest
 from cona.runner.driver import Plan, drive, keeps_workers, start_text
 from cona.runner.multinode import cona_command
-from cona.runner.online_memory import Memory, resumed_memory
+from cona.runner.online_memory import Memory, resumed_memory, tracker_at_resume
 from cona.runner.online_options import OnlineRun
 from cona.runner.online_report import print_summary, realized_chain
 from cona.runner.online_search import Budget, FrontierSearch, PendingSwitch, StageOutcome, StageSearch
@@ -210,7 +210,7 @@ class OnlineSchedule:
             launched_at=time.time(),
             settings=memory.settings,
             policy_state=memory.policy_state,
-            tracker=memory.tracker,
+            tracker=tracker_at_resume(self.run, memory, stage.step_num, spec.load_path),
             frontier=self.frontier,
             budget=self.budget,
             pending=memory.pending,

@@ -39,12 +39,13 @@ def refuse_online() -> None:
 
 
 def train_fixed(run: FixedRun, env: MdsEnvironment, *, node_flags: Sequence[str] = ()) -> RunState:
-    """``cona train --dp .. --iters N --workdir W --repo-path PATH``: a one-stage chain in a new run
-    directory. ``node_flags``: the multi-node flags given, which this backend refuses."""
+    """``cona train --dp .. --iters N --workdir W --repo-path PATH``: a one-stage chain in its run
+    directory (resumed when it exists). ``node_flags``: the multi-node flags given, which this backend
+    refuses."""
     if node_flags:
         raise ConfigError(f"{', '.join(node_flags)}: the Megatron-DeepSpeed backend runs on one node for now")
     check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
-    chain = one_stage_chain(run, run.new_run_dir())
+    chain = one_stage_chain(run, run.open_run_dir())
     return run_mds_chain(chain, env)
 
 
