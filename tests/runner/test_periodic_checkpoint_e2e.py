@@ -22,10 +22,12 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.cli import main
 from cona.commands import train_runs
+from cona.engine.spec import StageSpec
 from cona.runner import stage_run
 from cona.runner.launch import run_stage
 from cona.runner.sequence import run_chain
 from cona.runner.stage_run import StageLaunch
+from cona.runner.worker_session import WorkerSession, stage_launcher
 
 HERE = Path(__file__).resolve().parent
 CHILD_TIMEOUT_S = 480
@@ -199,3 +201,46 @@ def test_a_chain_killed_mid_stage_resumes_from_the_stage_s_periodic_checkpoint(t
                                "iteration=6, consumed_samples=72")  # fmt: skip
     assert [stage.status for stage in state.stages] == ["done", "done"]
     assert_same_training(tmp_path / "logs" / "kill", tmp_path / "logs" / "whole", total_samples=total)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_stage_continued_in_place_and_killed_resumes_from_its_periodic_checkpoint(tmp_path, monkeypatch):
+    """An in-place stage has no checkpoint at its start: without a periodic one a kill would retrain stage 1
+    up to the switch (:mod:`cona.runner.in_place`); with it, the stage resumes from it."""
+    for name, value in TRACE_ENV.items():
+        monkeypatch.setenv(name, value)
+    config = with_training(write_config_and_data(tmp_path), **PERIODIC)
+    first = {"dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 4, "train_iters": 3, "is_initial": True}
+    second = {"dp": 2, "tp": 1, "pp": 1, "gbs": 16, "mbs": 4, "extra_iters": 5}  # the same layout: in place
+    chain = write_chain(tmp_path / "chain.json", [first, second])
+    total = 3 * 8 + 5 * 16
+    reference = chain_args(config, chain, tmp_path / "whole", "whole", stages=2)
+    reference.switch_in_place = True
+    with stage_launcher(restart_workers=False) as launcher:
+        run_chain(train_runs.chain_run(reference), launcher=launcher, out=lambda line: None)
+    args = chain_args(config, chain, tmp_path, "kill", stages=2)
+    args.switch_in_place = True
+
+    def killed_run() -> None:
+        env = {**os.environ, **kill_env(stage=2, at=7, once_saved=6)}
+        with WorkerSession(worker_module="kill_mid_stage_worker", env=env) as launcher:
+            run_chain(train_runs.chain_run(args), launcher=launcher, out=lambda line: None)
+
+    wait_status = killed_in_own_process_group(killed_run)
+    assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
+    run_dir = tmp_path / "logs" / "kill"
+    assert StageSpec.read(run_dir / "stages" / "2" / "spec.json").continue_in_place
+    layout = tmp_path / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    assert (layout / "latest").read_text().strip() == "global_step6"
+
+    lines: list[str] = []
+    args.master_port_base = free_port_base(2)
+    with stage_launcher(restart_workers=False) as launcher:
+        state = run_chain(train_runs.chain_run(args), launcher=launcher, out=lines.append)
+    assert lines[0].startswith(f"resuming run kill at stage 2 (running) from {layout / 'global_step6'}")
+    assert not any("retraining" in line for line in lines), lines
+    spec = StageSpec.read(run_dir / "stages" / "2" / "spec.json")
+    assert not spec.continue_in_place and spec.load_path == layout / "global_step6"
+    assert [stage.status for stage in state.stages] == ["done", "done"]
+    assert_same_training(run_dir, tmp_path / "logs" / "whole", total_samples=total)
