@@ -111,7 +111,7 @@ def test_run_directory_of_another_chain_or_config_is_refused(tmp_path):
     setup_run(tmp_path)
     run(tmp_path, FakeEngine())
     (tmp_path / "chain.json").write_text(json.dumps(seed_shaped_chain(ITERS + 1)))
-    with pytest.raises(ChainError, match="was made for a different chain"):
+    with pytest.raises(ChainError, match="step 1 of .*chain.json changed after it ran; only steps not yet"):
         run(tmp_path, FakeEngine())
     (tmp_path / "chain.json").write_text(json.dumps(seed_shaped_chain(ITERS)))
     config = json.loads((tmp_path / ".conaconfig").read_text())
@@ -119,6 +119,32 @@ def test_run_directory_of_another_chain_or_config_is_refused(tmp_path):
     (tmp_path / ".conaconfig").write_text(json.dumps(config))
     with pytest.raises(ChainError, match="was made for a different .conaconfig"):
         run(tmp_path, FakeEngine())
+
+
+def test_a_chain_edited_after_a_crash_continues_with_the_steps_not_yet_started_as_edited(tmp_path):
+    chain_path = setup_run(tmp_path)
+    wait_status = run_until_killed(tmp_path, chain_path, "training")  # in stage 2, after its checkpoint at 4
+    assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
+    chain = seed_shaped_chain(ITERS)
+    edited_running = json.loads(json.dumps(chain))
+    edited_running["steps"][1]["extra_iters"] = ITERS + 2
+    chain_path.write_text(json.dumps(edited_running))
+    with pytest.raises(ChainError, match="step 2 of .*chain.json changed after it started; only steps not"):
+        run(tmp_path, FakeEngine())
+    chain["steps"][2]["target_iters"] = 3 * ITERS + 2  # stage 3 has not started: it may change
+    added = {key: value for key, value in chain["steps"][2].items() if key != "target_iters"}
+    chain["steps"].append({**added, "step_num": 4, "extra_iters": 1})  # and a step may be added
+    chain_path.write_text(json.dumps(chain))
+    engine = FakeEngine()
+    lines, state = run(tmp_path, engine)
+    assert lines[0].startswith("resuming run run at stage 2 (running)")
+    assert lines[0].endswith("edited after step 2 started: steps 3..4 as the file now says")
+    assert engine.launches[0].spec.load_path == tmp_path / tiny_layout(1, 1, 4) / "global_step4"
+    assert [spec.target_iteration for spec in (launch.spec for launch in engine.launches)] == [6, 11, 12]
+    assert [stage.status for stage in state.stages] == ["done"] * 4
+    assert state.stages[-1].consumed_samples == 3 * 8 + 3 * 16 + 5 * 32 + 1 * 32
+    lines, _ = run(tmp_path, FakeEngine())
+    assert lines[0].startswith("run run already finished at iteration 12")
 
 
 def test_a_stage_that_stops_short_is_an_error(tmp_path):

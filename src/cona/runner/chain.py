@@ -125,6 +125,8 @@ class ChainConfig:
     """The file it came from."""
     digest: str = ""
     """sha256 of the file's JSON content (key order and whitespace ignored): identifies the chain of a run."""
+    step_digests: tuple[str, ...] = ()
+    """The same of each step's entry: which steps an edit after a crash changed."""
 
     def rules_after(self, step_num: int) -> tuple[PruneRule, ...]:
         return tuple(rule for rule in self.pruning if rule.stage == step_num)
@@ -183,7 +185,13 @@ def parse_chain(
     rules = tuple(_parse_rule(item, index, where) for index, item in enumerate(raw_rules))
     for index, rule in enumerate(rules):
         _check_pruning(rule, index, steps, config, dtype, workdir, where)
-    return ChainConfig(steps=steps, pruning=rules, path=source, digest=content_digest(raw))
+    return ChainConfig(
+        steps=steps,
+        pruning=rules,
+        path=source,
+        digest=content_digest(raw),
+        step_digests=tuple(content_digest(item) for item in raw_steps),
+    )
 
 
 def _parse_step(item: Any, index: int, where: str) -> ChainStep:

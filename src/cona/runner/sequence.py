@@ -33,6 +33,7 @@ from cona.runner.chain import (
     load_chain,
     planned_tokens,
 )
+from cona.runner.chain_edit import continue_edited
 from cona.runner.chain_options import ChainRun
 from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
 from cona.runner.multinode import runner_command
@@ -41,7 +42,7 @@ from cona.runner.run_dir import point_latest
 from cona.runner.run_lock import lock_directory
 from cona.runner.run_tracker import RunTracker
 from cona.runner.stage_run import Launcher, StageLaunch, StageLR, checkpoint_dtype, torchrun_launcher
-from cona.runner.state import RunState, StageState, finished_result, open_run
+from cona.runner.state import RunState, StageState, finished_result, load_state, open_run
 from cona.strategy import Strategy
 
 __all__ = ["ChainRun", "ChainSchedule", "Launcher", "StageLaunch", "run_chain", "torchrun_launcher"]
@@ -111,6 +112,8 @@ class ChainSchedule:
         run = self.run
         for step in self.chain.steps:
             lock_directory(self.layout_dir(step), "checkpoint folder")
+        earlier = None if run.fresh else load_state(run.run_dir)
+        edit = continue_edited(earlier, self.chain, run.run_dir)[1] if earlier is not None else None
         state, first_line = open_run(
             run.run_dir,
             chain=self.chain,
@@ -119,7 +122,7 @@ class ChainSchedule:
             fresh=run.fresh,
             layout_dirs=[self.layout_dir(step) for step in self.chain.steps],
         )
-        self.out(first_line)
+        self.out(first_line if edit is None else f"{first_line}; {edit}")
         point_latest(run.run_dir)
         self.finished_before = state.current is None
         return state

@@ -10,8 +10,9 @@ work is idempotent, so a rerun after a SIGKILL anywhere simply redoes the step t
 - ``trained``: the stage's checkpoint is complete and recorded; publishing is (re)done.
 - ``published``: pruning is (re)done.  ``pruned``: only the bookkeeping of ``done`` is left.
 
-The file also names the chain and config it was made for (content hashes), so a run directory is never
-continued with a different chain or config. Besides the state itself this module reads what a run
+The file also names the chain and config it was made for (content hashes, the chain's also per step), so a
+run directory is never continued with a different config, nor a chain whose started steps changed
+(:mod:`cona.runner.chain_edit`). Besides the state itself this module reads what a run
 directory records for the runner: the checkpoint a resume continues from, a stage result written after the
 runner died, the switch-cost split from the workers' timings, and the noise scale measured so far.
 """
@@ -101,6 +102,8 @@ class RunState:
     config_digest: str
     world_size: int
     stages: tuple[StageState, ...]
+    step_digests: tuple[str, ...] = ()
+    """The digest of each chain step as the run took it (:mod:`cona.runner.chain_edit`); empty online."""
 
     @property
     def current(self) -> StageState | None:
@@ -195,7 +198,7 @@ def load_state(run_dir: Path) -> RunState | None:
     if raw.pop("version", None) != STATE_VERSION:
         raise ChainError(f"{path}: run state from another cona version; rerun with --fresh to start over")
     stages = tuple(StageState(**{**stage, "pruned": tuple(stage["pruned"])}) for stage in raw.pop("stages"))
-    return RunState(**raw, stages=stages)
+    return RunState(**raw | {"step_digests": tuple(raw.get("step_digests", ()))}, stages=stages)
 
 
 def open_run(
@@ -222,6 +225,7 @@ def open_run(
             world_size=world_size,
             num_stages=len(chain.steps),
         )
+        state = dataclasses.replace(state, step_digests=chain.step_digests)
         save_state(run_dir, state)
         return (
             state,
