@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -119,6 +120,14 @@ def test_run_directory_of_another_chain_or_config_is_refused(tmp_path):
     (tmp_path / ".conaconfig").write_text(json.dumps(config))
     with pytest.raises(ChainError, match="was made for a different .conaconfig"):
         run(tmp_path, FakeEngine())
+
+
+def test_the_same_chain_into_another_workdir_is_refused_instead_of_finished(tmp_path):
+    setup_run(tmp_path)
+    run(tmp_path, FakeEngine())
+    moved = dataclasses.replace(chain_run(tmp_path, tmp_path / "chain.json"), workdir=tmp_path / "other")
+    with pytest.raises(ChainError, match=r"was made for --workdir .*; pass --fresh to start it over"):
+        run_chain(moved, launcher=FakeEngine(), out=lambda line: None)
 
 
 def test_a_chain_edited_after_a_crash_continues_with_the_steps_not_yet_started_as_edited(tmp_path):

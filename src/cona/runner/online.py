@@ -135,6 +135,7 @@ class OnlineSchedule:
                 chain_digest=run.identity(),
                 config_digest=content_digest(run.config.to_dict()),
                 world_size=run.world_size,
+                workdir=run.workdir,
             )
             self.records.load()
             self.out(f"resuming online run {run_dir.name} at stage {len(state.stages)} ({run_dir})")
@@ -164,6 +165,7 @@ class OnlineSchedule:
             config_digest=content_digest(run.config.to_dict()),
             world_size=run.world_size,
             stages=(StageState(step_num=1),),
+            workdir=str(Path(run.workdir).resolve()),
         )
         save_state(run.run_dir, state)
         self.out(f"starting online run {run.run_dir.name} (run directory {run.run_dir})")

@@ -16,11 +16,12 @@ from cona.engine.checkpoint_info import read_checkpoint_info
 from cona.errors import CheckpointError
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state
+from cona.runner.noise_history import noise_tracker
 from cona.runner.online_options import OnlineRun
 from cona.runner.online_report import stage_rows
 from cona.runner.online_search import PendingSwitch
 from cona.runner.online_stages import StageRecords
-from cona.runner.state import RunState, noise_tracker
+from cona.runner.state import RunState
 
 
 @dataclass

@@ -121,6 +121,7 @@ class ChainSchedule:
             world_size=run.world_size,
             fresh=run.fresh,
             layout_dirs=[self.layout_dir(step) for step in self.chain.steps],
+            workdir=run.workdir,
         )
         self.out(first_line if edit is None else f"{first_line}; {edit}")
         point_latest(run.run_dir)
