@@ -244,3 +244,26 @@ def test_a_stage_continued_in_place_and_killed_resumes_from_its_periodic_checkpo
     assert not spec.continue_in_place and spec.load_path == layout / "global_step6"
     assert [stage.status for stage in state.stages] == ["done", "done"]
     assert_same_training(run_dir, tmp_path / "logs" / "whole", total_samples=total)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_saves_by_time_happen_at_the_step_rank_0_s_clock_picks_and_the_newest_are_kept(tmp_path):
+    """``save_interval_minutes`` alone: rank 0's clock decides, every rank saves at the same step (else the
+    collective save would hang), at most ``keep_checkpoints`` periodic ones stay beside the last."""
+    config = with_training(
+        write_tiny_setup(tmp_path), save_interval=None, save_interval_minutes=1e-4, keep_checkpoints=1
+    )
+    assert main(train_args(config, tmp_path / "work", "--run-name", "timed", iters=8)) == 0
+    layout = tmp_path / "work" / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    states = {
+        path.name: json.loads((path / "trainer_state.json").read_text())
+        for path in layout.glob("global_step*")
+    }
+    periodic = sorted(name for name, state in states.items() if state["periodic"])
+    assert len(periodic) == 1 and periodic[0] != "global_step8", states.keys()
+    assert (
+        states["global_step8"]["periodic"] is False
+        and (layout / "latest").read_text().strip() == "global_step8"
+    )
+    assert not any(path.name.startswith(".tmp-") for path in layout.iterdir())
