@@ -38,7 +38,7 @@ from cona.engine.train_model import PendingStepOutput, TrainingModel
 
 Batch = list[tuple[Tensor, Tensor]]
 RUNNER_GONE = "runner_gone"
-"""What :func:`switch_requested` says when the runner is gone: every rank then exits at once."""
+"""What :func:`step_boundary` says when the runner is gone: every rank then exits at once."""
 GNS_MIN_STEPS_PER_LINE = 2
 """Measured steps before each metrics line where the difference estimator needs two consecutive gradients
 (one where a step's pieces or micro-batches give the small batches at the same parameters)."""
@@ -210,13 +210,6 @@ class Boundary:
     """``save_interval_minutes`` passed since the last periodic save started."""
     pending_written: bool = False
     """The periodic save in flight is written: it can be published without waiting."""
-
-
-def switch_requested(
-    request_path: Path, group: dist.ProcessGroup | None, runner_watch: RunnerWatch | None = None
-) -> str | None:
-    """The stop reason a switch request asks for (see :func:`step_boundary`)."""
-    return step_boundary(request_path, group, runner_watch).switch
 
 
 def step_boundary(
