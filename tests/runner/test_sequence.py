@@ -156,6 +156,50 @@ def test_a_chain_edited_after_a_crash_continues_with_the_steps_not_yet_started_a
     assert lines[0].startswith("run run already finished at iteration 12")
 
 
+def test_a_first_step_continues_from_a_given_checkpoint_of_another_run(tmp_path):
+    (tmp_path / "first").mkdir()
+    setup_run(tmp_path / "first")
+    run(tmp_path / "first", FakeEngine())
+    given = tmp_path / "first" / tiny_layout(1, 1, 4) / "global_step9"
+    step = {**seed_shaped_chain(ITERS)["steps"][2], "is_initial": True, "load_checkpoint": str(given)}
+    del step["target_iters"], step["load_dp"], step["load_tp"], step["load_pp"]
+    setup_run(tmp_path, {"steps": [{**step, "step_num": 1, "extra_iters": 2}]})
+    engine = FakeEngine()
+    lines, state = run(tmp_path, engine)
+    (launch,) = engine.launches
+    assert launch.spec.load_path == given and launch.spec.target_iteration == 11
+    assert launch.spec.planned_tokens == (FINAL_SAMPLES + 2 * 32) * 8  # the horizon counts the given tokens
+    assert any("iterations 9->11" in line and f"load {given}" in line for line in lines), lines
+    assert stage_books(state) == [("done", 9, 11, FINAL_SAMPLES + 64, (FINAL_SAMPLES + 64) * 8)]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"load_checkpoint": "nowhere"}, "step 1: load_checkpoint: checkpoint .*nowhere does not exist"),
+        ({"load_checkpoint": 3}, r"steps\[0\] \(step_num 1\): load_checkpoint: expected a path"),
+        ({"load_checkpoint": f"given/{tiny_layout(1, 2, 2)}"}, "train_iters: 3 is not past the iteration"),
+    ],
+)
+def test_a_given_checkpoint_is_refused_in_one_line(tmp_path, change, expected):
+    (tmp_path / "given").mkdir()
+    setup_run(tmp_path / "given")
+    run(tmp_path / "given", FakeEngine())  # its first layout's latest: global_step3
+    chain = seed_shaped_chain(ITERS)
+    chain["steps"][0].update(change)
+    setup_run(tmp_path, chain)
+    with pytest.raises(ChainError, match=expected):
+        run(tmp_path, FakeEngine())
+
+
+def test_only_the_first_step_loads_a_given_checkpoint(tmp_path):
+    chain = seed_shaped_chain(ITERS)
+    chain["steps"][1]["load_checkpoint"] = "x"
+    setup_run(tmp_path, chain)
+    with pytest.raises(ChainError, match="step 2: load_checkpoint: only the initial step loads a given"):
+        run(tmp_path, FakeEngine())
+
+
 def test_a_stage_that_stops_short_is_an_error(tmp_path):
     setup_run(tmp_path)
 

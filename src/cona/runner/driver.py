@@ -89,6 +89,8 @@ class Schedule(Protocol):
     """A token budget that stops every stage (None: none)."""
     reports_switch_cost: bool
     """Print the split of each switch's cost when a stage is done."""
+    first_iteration: int
+    """The iteration the first stage starts at (0, or that of a checkpoint it is given to load)."""
 
     run_tracker: RunTracker
     """Where the schedule logs its decisions and switches; set by the driver before the first stage."""
@@ -272,7 +274,7 @@ class StageDriver:
     def _plan(self, state: RunState, stage: StageState) -> StageState:
         """Fix the stage's start, stop, load path and LR factors (kept for every relaunch)."""
         number = stage.step_num
-        start = state.stage(number - 1).last_iteration if number > 1 else 0
+        start = state.stage(number - 1).last_iteration if number > 1 else self.schedule.first_iteration
         lr = stage_lr(self.run.run_dir, self.run.config.training, self.schedule.strategy(number).gbs, start)
         in_place = self.continues_in_place(state, number)
         plan = self.schedule.plan(state, stage, start=start, lr=lr, in_place=in_place)

@@ -87,6 +87,7 @@ class OnlineSchedule:
     """The stages the online policy decides (see :class:`cona.runner.driver.Schedule`)."""
 
     reports_switch_cost = False  # the summary table at the end shows the switches' costs
+    first_iteration = 0
 
     def __init__(self, run: OnlineRun, *, out: Callable[[str], None], in_place: bool) -> None:
         self.run, self.out = run, out

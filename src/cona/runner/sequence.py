@@ -95,6 +95,7 @@ class ChainSchedule:
         """Steps that keep the previous step's layout continue its state in memory."""
         self.dtype = checkpoint_dtype(run.config.training, run.device_type)
         self.planned_tokens = planned_tokens(chain, run.config.model.seq)
+        self.first_iteration = chain.start_iteration
         self.finished_before = False
         self.run_tracker = RunTracker.off()
 
@@ -136,7 +137,10 @@ class ChainSchedule:
                 f"{self.chain.path}: step {step.step_num}: stops at iteration {target}, but its "
                 f"checkpoint is already at iteration {start}"
             )
-        load_path = None if step.is_initial or in_place else self._planned_load(state, step)
+        if in_place or step.is_initial:
+            load_path = None if in_place else self.chain.start_checkpoint  # scratch, or the given one
+        else:
+            load_path = self._planned_load(state, step)
         record = {
             "start_iteration": start,
             "target_iteration": target,
