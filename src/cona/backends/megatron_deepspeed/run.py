@@ -69,6 +69,11 @@ def run_mds_chain(
     chain = load_chain(
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
     )
+    if chain.start_checkpoint is not None:
+        raise ChainError(
+            f"{chain.path}: step 1: load_checkpoint: the Megatron-DeepSpeed backend starts a chain from "
+            "scratch for now; use the native backend"
+        )
     strategies = [step.strategy(run.config) for step in chain.steps]
     stops = [end for _, end in planned_iterations(chain)]
     for strategy in strategies:
