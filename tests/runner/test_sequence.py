@@ -24,7 +24,7 @@ from chain_fakes import (
 
 from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.data.indexed import IndexedDatasetWriter
-from cona.errors import ChainError, LaunchError
+from cona.errors import ChainError, CheckpointError, LaunchError
 from cona.runner.publish import LATEST_UNIVERSAL
 from cona.runner.sequence import run_chain
 from cona.runner.state import load_state
@@ -297,3 +297,15 @@ def test_sigkill_then_rerun_finishes_with_the_same_books(tmp_path, kill_point, u
         p.name for p in (tmp_path / "checkpoints").rglob("*") if p.name.endswith((".tmp", ".deleting"))
     ]
     assert leftovers == []
+
+
+def test_a_second_run_in_the_same_workdir_never_replaces_the_first_one_s_checkpoints(tmp_path):
+    setup_run(tmp_path)
+    run(tmp_path, FakeEngine())
+    first = {path: path.stat().st_mtime for path in (tmp_path / "checkpoints").rglob("global_step*")}
+    other = dataclasses.replace(
+        chain_run(tmp_path, tmp_path / "chain.json"), run_dir=tmp_path / "logs" / "other"
+    )
+    with pytest.raises(CheckpointError, match=r"stage 1: .*global_step3 is another run's checkpoint"):
+        run_chain(other, launcher=FakeEngine(), out=lambda line: None)
+    assert {path: path.stat().st_mtime for path in (tmp_path / "checkpoints").rglob("global_step*")} == first

@@ -94,6 +94,7 @@ __all__ = [
     "TRAINER_STATE_FILE",
     "CheckpointInfo",
     "PendingSave",
+    "another_runs_checkpoint",
     "layout_dir",
     "load_checkpoint",
     "load_model_tensors",
@@ -108,6 +109,8 @@ __all__ = [
     "verify_complete",
 ]
 
+RUN_KEY = "run"
+"""The trainer_state key naming the run that saved a checkpoint (:func:`tmp_owner` of its run directory)."""
 TMP_PREFIX = ".tmp-"
 OWNER_TAG = "-of-"
 OWNER_CHARS = 12
@@ -263,9 +266,12 @@ def _is_own_tmp(name: str, owner: str) -> bool:
 
 def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str:
     """Rank 0 removes the stale temporaries of this owner's earlier crashed saves (another run's, maybe in
-    progress, stay), creates a fresh one and tells all."""
+    progress, stay), creates a fresh one and tells all; or refuses (every rank) to replace another run's
+    ``global_step<iteration>``."""
     names: list[str | None] = [None, None]  # the name, or why rank 0 could not make it
     if rank() == 0:
+        names[1] = another_runs_checkpoint(layout_dir / f"global_step{iteration}", owner)
+    if rank() == 0 and names[1] is None:
         try:
             layout_dir.mkdir(parents=True, exist_ok=True)
             for stale in layout_dir.glob(f"{TMP_PREFIX}*"):
@@ -274,13 +280,28 @@ def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str
             names[0] = _tmp_name(f"global_step{iteration}", owner)
             (layout_dir / names[0]).mkdir()
         except OSError as err:
-            names[1] = str(err)
+            names[1] = f"saving a checkpoint into {layout_dir} failed on rank 0: {err}"
     if distributed():
         dist.broadcast_object_list(names, src=0)
     if names[1] is not None:
-        raise CheckpointError(f"saving a checkpoint into {layout_dir} failed on rank 0: {names[1]}")
+        raise CheckpointError(names[1])
     assert names[0] is not None
     return names[0]
+
+
+def another_runs_checkpoint(final_dir: Path, owner: str) -> str | None:
+    """Why ``final_dir`` may not be replaced by run ``owner`` (None: it may): its trainer_state names
+    another run."""
+    try:
+        saved = json.loads((final_dir / TRAINER_STATE_FILE).read_text()).get(RUN_KEY) if owner else None
+    except (OSError, ValueError, AttributeError):
+        return None  # none there, or not a complete checkpoint of any run
+    if not isinstance(saved, str) or saved == owner:
+        return None
+    return (
+        f"{final_dir} is another run's checkpoint (its trainer_state.json names run {saved}); refusing to "
+        f"replace it: give this run a --workdir of its own"
+    )
 
 
 def _write_json_files(directory: Path, documents: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from cona.engine.checkpoint import (
     LATEST,
+    RUN_KEY,
     STEP_DIR,
     TRAINER_STATE_FILE,
     PendingSave,
@@ -37,7 +38,6 @@ from cona.engine.checkpoint import (
 from cona.errors import CheckpointError
 
 PERIODIC_KEY = "periodic"
-RUN_KEY = "run"
 
 
 @dataclass(kw_only=True)

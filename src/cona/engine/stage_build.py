@@ -25,6 +25,7 @@ from cona.config import ConaConfig
 from cona.data.gpt_dataset import build_datasets
 from cona.engine.checkpoint import (
     PROBE_FILE,
+    RUN_KEY,
     PendingSave,
     layout_dir,
     load_checkpoint,
@@ -37,7 +38,7 @@ from cona.engine.divergence import DivergenceWatch
 from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
 from cona.engine.parallel_dims import build_mesh
-from cona.engine.periodic_save import PERIODIC_KEY, RUN_KEY, PeriodicSaves
+from cona.engine.periodic_save import PERIODIC_KEY, PeriodicSaves
 from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
 from cona.engine.spec import StageSpec
 from cona.engine.step_modes import resolved_dtype

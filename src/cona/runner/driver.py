@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from cona.engine.checkpoint import layout_dir
+from cona.engine.checkpoint import another_runs_checkpoint, layout_dir, tmp_owner
 from cona.engine.spec import StageResult, StageSpec
+from cona.errors import CheckpointError
 from cona.runner.across_nodes import node_topology, run_across_nodes
 from cona.runner.chain_options import ChainRun
 from cona.runner.in_place import replay_in_place
@@ -323,7 +324,13 @@ class StageDriver:
 
     def _launch(self, state: RunState, spec: StageSpec, number: int) -> tuple[RunState, float]:
         """Start one attempt of the stage and wait for it; returns the state (attempt counted) and the time
-        it was launched."""
+        it was launched. Refused before it starts where its last save would replace another run's
+        checkpoint."""
+        if spec.target_iteration is not None:
+            final = self.layout_dir(number) / f"global_step{spec.target_iteration}"
+            refusal = another_runs_checkpoint(final, tmp_owner(self.run.run_dir))
+            if refusal is not None:
+                raise CheckpointError(f"stage {number}: {refusal}")
         spec_path = spec.write(spec.stage_dir / "spec.json")
         spec.result_path.unlink(missing_ok=True)
         spec.switch_request_path.unlink(missing_ok=True)  # an earlier attempt's request is not this one's
