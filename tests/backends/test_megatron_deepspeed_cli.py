@@ -99,17 +99,17 @@ def test_backend_flag_needs_a_checkout(tmp_path, capsys):
     chain.write_text('{"steps": [{"step_num": 1, "dp": 2, "tp": 1, "pp": 1, "gbs": 4, "mbs": 1, '
                      '"train_iters": 2, "is_initial": true}]}')  # fmt: skip
     argv = ["train", "--config", str(config), "--chain", str(chain), "--gpus", "2"]
-    assert main([*argv, "--backend", "megatron-deepspeed"]) == 2
+    assert main([*argv, "--backend", "megatron-deepspeed"]) == 1
     assert "--repo-path (or CONA_MEGATRON_DEEPSPEED) must name a Megatron-DeepSpeed checkout" in _error(
         capsys
     )
-    assert main([*argv, "--repo-path", str(tmp_path)]) == 2
+    assert main([*argv, "--repo-path", str(tmp_path)]) == 1
     assert "not a Megatron-DeepSpeed checkout (no pretrain_gpt.py)" in _error(capsys)
 
 
 def test_online_mode_is_refused_with_the_reason(tmp_path, capsys):
     repo, _ = _fake_checkout(tmp_path)
-    assert main(["train", "--gpus", "2", "--initial-gbs", "4", "--repo-path", str(repo)]) == 2
+    assert main(["train", "--gpus", "2", "--initial-gbs", "4", "--repo-path", str(repo)]) == 1
     err = _error(capsys)
     assert "online mode" in err and "gradient noise scale" in err and "native backend" in err
 
@@ -124,10 +124,10 @@ def test_repo_path_contradicting_the_native_backend(tmp_path, capsys):
 
 def test_fixed_mode_refuses_what_the_backend_cannot_run_before_any_launch(tmp_path, capsys):
     repo, python = _fake_checkout(tmp_path)
-    assert main(_fixed(tmp_path, _config(tmp_path, normalization="layernorm"), repo, python)) == 2
+    assert main(_fixed(tmp_path, _config(tmp_path, normalization="layernorm"), repo, python)) == 1
     assert "model.normalization=layernorm" in _error(capsys)
     (tmp_path / "b").mkdir()
-    assert main(_fixed(tmp_path, _config(tmp_path / "b"), repo, python)) == 2  # rmsnorm, but no tokenizer
+    assert main(_fixed(tmp_path, _config(tmp_path / "b"), repo, python)) == 1  # rmsnorm, but no tokenizer
     assert "training.vocab_file is required by the Megatron-DeepSpeed backend" in _error(capsys)
     assert not (tmp_path / "w").exists() and not (tmp_path / "logs").exists()  # nothing was started
     assert not (tmp_path / "b" / "logs").exists()
@@ -160,7 +160,7 @@ def test_fixed_mode_is_a_one_stage_chain_in_a_new_run_directory(tmp_path, capsys
 def test_fixed_mode_refuses_several_nodes(tmp_path, capsys):
     repo, python = _fake_checkout(tmp_path)
     argv = _fixed(tmp_path, _config(tmp_path), repo, python) + ["--num-nodes", "2", "--gpus-per-node", "1"]
-    assert main(argv) == 2
+    assert main(argv) == 1
     assert "--num-nodes, --gpus-per-node: the Megatron-DeepSpeed backend runs on one node for now" in _error(
         capsys
     )

@@ -37,7 +37,7 @@ from cona.backends.megatron_deepspeed.environment import (
 )
 from cona.backends.megatron_deepspeed.run import run_mds_chain
 from cona.commands.train_runs import chain_run as chain_run_from_args
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.engine.optim import lr_schedule
 from cona.errors import ChainError, CheckpointError, LaunchError
 from cona.runner.launch import check_port_free

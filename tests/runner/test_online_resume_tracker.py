@@ -9,10 +9,10 @@ import types
 import torch
 from chain_fakes import write_tiny_config
 
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.engine.checkpoint import save_checkpoint
 from cona.runner.noise_history import noise_tracker
-from cona.runner.online_memory import tracker_at_resume
+from cona.runner.schedules.online_memory import tracker_at_resume
 from cona.strategy import Strategy
 
 RECORD = {"gns_small_sqr": 2.0, "gns_big_sqr": 1.2, "gns_small_batch": 2, "gns_big_batch": 8}

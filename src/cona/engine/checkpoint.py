@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cona.atomic_files import fsync_dir, write_atomic, write_json_atomic
 from cona.config import ConaConfig
 from cona.engine.checkpoint_dcp import METADATA_FILE, dcp_async_save, dcp_save, failure_line
 from cona.engine.checkpoint_files import (
@@ -200,11 +201,7 @@ def start_checkpoint(
         "model_tensors": sorted(model_state),
         "optimizer_tensors": sorted(optim_state),
     }
-    documents = {
-        TRAINER_STATE_FILE: trainer_state,
-        CONFIG_FILE: config.to_dict(),
-        STRATEGY_FILE: dataclasses.asdict(strategy),
-    } | ({PROBE_FILE: probe} if probe is not None else {})
+    documents = _documents(trainer_state, config, strategy, probe)
 
     def complete() -> None:
         barrier()
@@ -219,6 +216,15 @@ def start_checkpoint(
             _write_marker(layout_dir / LATEST, final_dir.name, owner)
 
     return PendingSave(final_dir=final_dir, files_written=files_written, complete=complete)
+
+
+def _documents(trainer_state: dict, config: ConaConfig, strategy: Strategy, probe: dict | None) -> dict:
+    """The JSON files a checkpoint holds beside its shards."""
+    return {
+        TRAINER_STATE_FILE: trainer_state,
+        CONFIG_FILE: config.to_dict(),
+        STRATEGY_FILE: dataclasses.asdict(strategy),
+    } | ({PROBE_FILE: probe} if probe is not None else {})
 
 
 @contextlib.contextmanager
@@ -305,8 +311,8 @@ def another_runs_checkpoint(final_dir: Path, owner: str) -> str | None:
 
 
 def _write_json_files(directory: Path, documents: dict[str, Any]) -> None:
-    for name, document in documents.items():
-        (directory / name).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    for name, document in documents.items():  # fsynced: the directory's rename publishes them
+        write_json_atomic(directory / name, document, sort_keys=True)
 
 
 def _publish(tmp_dir: Path, final_dir: Path) -> None:
@@ -315,22 +321,22 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
     copy moves aside first (complete under ``.tmp-replaced-``) and only the two renames lie between."""
     if not final_dir.exists():
         os.replace(tmp_dir, final_dir)
+        fsync_dir(final_dir.parent)
         return
-    if exchange_paths(tmp_dir, final_dir):
+    if exchange_paths(tmp_dir, final_dir):  # durable (fsynced) before the old copy goes
         _remove(tmp_dir)  # now the old copy
         return
     owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
     aside = final_dir.with_name(_tmp_name(f"replaced-{final_dir.name}", owner))
     os.replace(final_dir, aside)
     os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
     _remove(aside)
 
 
 def _write_marker(marker: Path, target_name: str, owner: str = "") -> None:
-    """Atomically replace a marker file with the directory name it points at."""
-    tmp = marker.with_name(_tmp_name(marker.name, owner))
-    tmp.write_text(target_name + "\n")
-    os.replace(tmp, marker)
+    """Atomically replace a marker file with the directory name it points at (a ``.tmp-*`` temporary)."""
+    write_atomic(marker, target_name + "\n", tmp=marker.with_name(_tmp_name(marker.name, owner)))
 
 
 def _gather_tied_groups(model_parts: list[nn.Module]) -> list[list[str]]:

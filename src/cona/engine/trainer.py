@@ -27,7 +27,7 @@ from torch import Tensor
 
 from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
 from cona.engine.divergence import DivergenceWatch
-from cona.engine.metrics import MASKED_TOKENS, MetricsLogger, model_flops_utilization
+from cona.engine.metrics import MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
 from cona.engine.periodic_save import PeriodicSaves
 from cona.engine.probe import ProbeBatch
@@ -35,6 +35,7 @@ from cona.engine.session import RunnerWatch, leave_orphaned
 from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.engine.step_trace import StepTrace
 from cona.engine.train_model import PendingStepOutput, TrainingModel
+from cona.metrics_record import MetricsRecord
 
 Batch = list[tuple[Tensor, Tensor]]
 RUNNER_GONE = "runner_gone"
@@ -312,14 +313,11 @@ def _maybe_log(
     means = interval.means()  # waits for the device: the elapsed time then covers the interval's steps
     elapsed = time.perf_counter() - interval.started
     record = _record(ctx, progress, interval, means, lr, elapsed)
-    if eval_due:
+    if eval_due:  # BERT's eval_ppl is over the masked tokens only
         eval_loss = ctx.model.eval_loss(ctx.eval_batches)
-        record["eval_loss"] = eval_loss
-        record["eval_ppl"] = math.exp(eval_loss) if eval_loss < 700 else math.inf
-        if spec.config.model.family == "bert":
-            record["eval_ppl_tokens"] = MASKED_TOKENS  # BERT's eval_ppl is over the masked tokens only
+        record = record.with_evaluation(eval_loss, masked_tokens=spec.config.model.family == "bert")
     if ctx.logger is not None:
-        ctx.logger.write(record)
+        ctx.logger.write(record.to_dict())
     if ctx.divergence is not None:  # after the line is written: the run's last line shows why it stopped
         steps, skipped = interval.steps, means["skipped_steps"]
         ctx.divergence.check(iteration=progress.iteration, loss=means["loss"], steps=steps, skipped=skipped)
@@ -333,39 +331,39 @@ def _record(
     means: dict[str, float],
     lr: float,
     elapsed: float,
-) -> dict[str, Any]:
+) -> MetricsRecord:
     spec = ctx.spec
     strategy = spec.strategy
     step_time = elapsed / interval.steps
     tokens_per_s = strategy.gbs * spec.config.model.seq / step_time
     last = interval.last
     assert last is not None  # a log boundary always follows at least one step
-    return {
-        "stage": spec.stage,
-        "iteration": progress.iteration,
-        "consumed_samples": progress.consumed_samples,
-        "consumed_tokens": progress.consumed_tokens,
-        "loss": means["loss"],
-        "lr": lr,
-        "gbs": strategy.gbs,
-        "mbs": strategy.mbs,
-        "dp": strategy.dp,
-        "tp": strategy.tp,
-        "pp": strategy.pp,
-        "step_time_s": step_time,
-        "tokens_per_s": tokens_per_s,
-        "mfu": model_flops_utilization(
+    return MetricsRecord(
+        stage=spec.stage,
+        iteration=progress.iteration,
+        consumed_samples=progress.consumed_samples,
+        consumed_tokens=progress.consumed_tokens,
+        loss=means["loss"],
+        lr=lr,
+        gbs=strategy.gbs,
+        mbs=strategy.mbs,
+        dp=strategy.dp,
+        tp=strategy.tp,
+        pp=strategy.pp,
+        step_time_s=step_time,
+        tokens_per_s=tokens_per_s,
+        mfu=model_flops_utilization(
             tokens_per_s, ctx.flops_per_token, ctx.peak_flops_per_device, strategy.world_size
         ),
-        "grad_norm": means["grad_norm"],
-        "gns_small_sqr": means["gns_small_sqr"],
-        "gns_big_sqr": means["gns_big_sqr"],
-        "gns_small_batch": last.gns_small_batch,
-        "gns_big_batch": last.gns_big_batch,
-        "steps_in_interval": interval.steps,
-        "skipped_steps": means["skipped_steps"],
-        "time": time.time(),
-    }
+        grad_norm=means["grad_norm"],
+        gns_small_sqr=means["gns_small_sqr"],
+        gns_big_sqr=means["gns_big_sqr"],
+        gns_small_batch=last.gns_small_batch,
+        gns_big_batch=last.gns_big_batch,
+        steps_in_interval=interval.steps,
+        skipped_steps=means["skipped_steps"],
+        time=time.time(),
+    )
 
 
 def fixed_eval_batches(

@@ -2,12 +2,13 @@
 
 The run directory is named by the UTC time and the layout unless ``--run-name`` names it; the strategy is
 written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage driver as every
-chain is (:func:`cona.runner.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun; the last line
+chain is (:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun; the
+last line
 says where it stopped and saved. Rerunning the same command with the same ``--run-name`` resumes the run
 from its newest checkpoint (periodic ones included, ``training.save_interval[_minutes]``); ``--fresh``
 starts it over; a run directory that holds no fixed run is refused. The Megatron-DeepSpeed backend runs its
 fixed mode the same way; across nodes the run name is the strategy's, so that every node agrees on it
-(:mod:`cona.runner.fixed_across_nodes`).
+(:mod:`cona.runner.nodes.fixed_across_nodes`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cona import run_files
 from cona.config import ConaConfig
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
-from cona.runner.chain_options import ChainRun
-from cona.runner.fixed_across_nodes import fixed_chain, write_chain
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.nodes.fixed_across_nodes import fixed_chain, write_chain
 from cona.runner.run_dir import check_run_name, create_run_dir, default_run_name, point_latest
+from cona.runner.schedules.chain_options import ChainRun
 from cona.strategy import Strategy
 
 if TYPE_CHECKING:
-    from cona.runner.console import RunConsole
-
-FIXED_CHAIN_NAME = "fixed_chain.json"
+    from cona.runner.views.console import RunConsole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,7 @@ class FixedRun:
             how = "" if self.run_name else f" (after an interruption, add --run-name {name} to resume it)"
             print(f"run directory: {run_dir}{how}", flush=True)
             return run_dir
-        if not (run_dir / FIXED_CHAIN_NAME).is_file():
+        if not (run_dir / run_files.FIXED_CHAIN).is_file():
             raise LaunchError(
                 f"run directory {run_dir} already exists and holds no fixed run to resume; pick another "
                 f"--run-name"
@@ -74,7 +74,7 @@ class FixedRun:
 
 def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
     """The fixed run as the chain of one initial step, written to ``<run_dir>/fixed_chain.json``."""
-    chain_path = run_dir / FIXED_CHAIN_NAME
+    chain_path = run_dir / run_files.FIXED_CHAIN
     write_chain(chain_path, fixed_chain(run.strategy, run.iters))
     return ChainRun(
         chain_path=chain_path,
@@ -92,14 +92,14 @@ def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
 def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
     """Train the one stage to ``run.iters`` through the stage driver and print where it stopped; returns
     its result."""
-    from cona.runner.sequence import run_chain  # imports torch
+    from cona.runner.schedules.sequence import run_chain  # imports torch
     from cona.runner.stage_run import torchrun_launcher
 
     run_dir = run.open_run_dir()
     run_chain(
         one_stage_chain(run, run_dir), launcher=console.launcher(torchrun_launcher), out=console.message
     )
-    spec = StageSpec.read(run_dir / "stages" / "1" / "spec.json")
+    spec = StageSpec.read(run_files.spec_path(run_dir, 1))
     result = StageResult.read(spec.result_path)
     print(
         f"stage {result.stage} {result.reason} at iteration {result.last_iteration} "

@@ -3,10 +3,11 @@ for an online run's search after a resume)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from cona import run_files
 from cona.config import TrainingConfig
+from cona.metrics_record import MetricsRecord, read_metrics
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 
 
@@ -20,16 +21,10 @@ def measured_noise_scale(
 def noise_tracker(run_dir: Path, base_gbs: int, up_to_iteration: int) -> NoiseScaleTracker:
     """The noise-scale tracker fed with metrics.jsonl up to ``up_to_iteration``. A retried stage logs some
     iterations twice: each iteration counts once, its last record."""
-    records: dict[int, dict] = {}
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the line a killed worker was writing
-            if isinstance(record.get("iteration"), int) and record["iteration"] <= up_to_iteration:
-                records[record["iteration"]] = record
+    records: dict[int, MetricsRecord] = {}
+    for record in read_metrics(run_files.metrics_path(run_dir)):  # not the line a killed worker was writing
+        if isinstance(record.iteration, int) and record.iteration <= up_to_iteration:
+            records[record.iteration] = record
     tracker = NoiseScaleTracker(base_batch=base_gbs)
     for iteration in sorted(records):
         tracker = tracker.update_from_metrics(records[iteration])

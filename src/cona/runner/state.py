@@ -12,7 +12,7 @@ work is idempotent, so a rerun after a SIGKILL anywhere simply redoes the step t
 
 The file also names the chain and config it was made for (content hashes, the chain's also per step), so a
 run directory is never continued with a different config, nor a chain whose started steps changed
-(:mod:`cona.runner.chain_edit`). Besides the state itself this module reads what a run
+(:mod:`cona.runner.schedules.chain_edit`). Besides the state itself this module reads what a run
 directory records for the runner: the checkpoint a resume continues from, a stage result written after the
 runner died, and the switch-cost split from the workers' timings (the noise scale measured so far:
 :mod:`cona.runner.noise_history`).
@@ -22,31 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.engine.checkpoint import LATEST, TRAINER_STATE_FILE, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
-from cona.runner.chain import ChainConfig
-from cona.runner.online_stages import STAGES_NAME
+from cona.runner.schedules.chain import ChainConfig
 
-STATE_NAME = "runner_state.json"
-REALIZED_NAME = "realized_chain.json"
-"""An online run's realized chain (a chain file that replays it)."""
-FRESH_FILES = (
-    STATE_NAME,
-    "metrics.jsonl",
-    "switch_request.json",
-    "decisions.jsonl",
-    STAGES_NAME,
-    REALIZED_NAME,
-)
-"""What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""
+STATE_NAME = run_files.RUNNER_STATE
+ONLINE_CHAIN = "online"
+"""The ``chain_path`` of an online run's state: its stages come from the search, not from a file."""
 STATE_VERSION = 1
 Status = Literal["pending", "running", "trained", "published", "pruned", "done"]
 STATUSES: tuple[Status, ...] = ("pending", "running", "trained", "published", "pruned", "done")
@@ -102,7 +93,8 @@ class RunState:
     world_size: int
     stages: tuple[StageState, ...]
     step_digests: tuple[str, ...] = ()
-    """The digest of each chain step as the run took it (:mod:`cona.runner.chain_edit`); empty online."""
+    """The digest of each chain step as the run took it (:mod:`cona.runner.schedules.chain_edit`); empty
+    online."""
     workdir: str | None = None
     """The (resolved) --workdir its checkpoints go to; with the run directory, the run's identity."""
 
@@ -169,20 +161,12 @@ def trained(stage: StageState, result: StageResult, launched: float | None) -> S
 
 
 def state_path(run_dir: Path) -> Path:
-    return Path(run_dir) / STATE_NAME
+    return run_files.runner_state_path(run_dir)
 
 
 def save_state(run_dir: Path, state: RunState) -> None:
     """Write the state atomically: a kill leaves either the old or the new file, never half of one."""
-    path = state_path(run_dir)
-    tmp = path.with_name(f".{path.name}.tmp")
-    body = {"version": STATE_VERSION, **dataclasses.asdict(state)}
-    with open(tmp, "w") as handle:
-        json.dump(body, handle, indent=1)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(state_path(run_dir), {"version": STATE_VERSION, **dataclasses.asdict(state)})
 
 
 def load_state(run_dir: Path) -> RunState | None:
@@ -248,9 +232,9 @@ def open_run(
 
 def discard_run(run_dir: Path) -> None:
     """``--fresh``: remove what an earlier run left in ``run_dir`` (its state, stages and logs)."""
-    for name in FRESH_FILES:
+    for name in run_files.FRESH_FILES:
         (run_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "stages", ignore_errors=True)
+    shutil.rmtree(run_files.stages_path(run_dir), ignore_errors=True)
 
 
 def resume_line(state: RunState, run_name: str, layout_dirs: Sequence[Path]) -> str:

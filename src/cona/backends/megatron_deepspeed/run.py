@@ -1,6 +1,7 @@
 """``cona train --backend megatron-deepspeed --repo-path PATH``: fixed and chain modes through a checkout.
 
-Both modes run through :func:`cona.runner.sequence.run_chain` with this backend's launcher and publisher (a
+Both modes run through :func:`cona.runner.schedules.sequence.run_chain` with this backend's launcher and
+publisher (a
 fixed strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage
 state machine, the backend says how a stage is launched, saved and verified, so the run directory, its state
 and its resume behave as the native backend's. Everything this backend cannot run is refused before the
@@ -19,10 +20,10 @@ from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_lay
 from cona.backends.megatron_deepspeed.stage import MdsBackend
 from cona.backends.megatron_deepspeed.universal import check_reshardable
 from cona.errors import ChainError, ConfigError
-from cona.runner.chain import load_chain, planned_iterations
-from cona.runner.chain_options import ChainRun
 from cona.runner.fixed import FixedRun, one_stage_chain
-from cona.runner.sequence import run_chain
+from cona.runner.schedules.chain import load_chain, planned_iterations
+from cona.runner.schedules.chain_options import ChainRun
+from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import checkpoint_dtype
 from cona.runner.state import RunState
 from cona.strategy import Strategy

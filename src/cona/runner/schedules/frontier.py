@@ -1,0 +1,90 @@
+"""The online search's frontier: the best strategy of a global batch size (every one the planner proposes is
+engine-valid: :mod:`cona.layout_rules`) and the throughput the decisions should expect of it
+(:class:`cona.planner.throughput.ThroughputEstimator` over the run's measured points)."""
+
+from __future__ import annotations
+
+from cona.config import ConaConfig
+from cona.errors import PlanError
+from cona.planner.plan import space_options
+from cona.planner.policy import Candidate
+from cona.planner.search_choice import search_strategies
+from cona.planner.systems import System
+from cona.planner.throughput import Point, ThroughputEstimator, model_step_seconds
+from cona.strategy import Strategy
+
+
+class FrontierSearch:
+    """The best strategy of a gbs and its expected throughput: the search ranks by the raw model
+    (cached per gbs: the model does not change), then its top strategies are re-ranked by the run's
+    :class:`ThroughputEstimator` (measured where measured, else the model corrected in shape on every
+    measured point)."""
+
+    def __init__(
+        self,
+        *,
+        config: ConaConfig,
+        system: System,
+        n_gpus: int,
+        dtype: str,
+        botorch: bool | None = None,
+        top_k: int = 16,
+    ) -> None:
+        self.config, self.system, self.n_gpus, self.dtype = config, system, n_gpus, dtype
+        self.botorch, self.top_k = botorch, top_k
+        self.options = space_options(config.training)
+        self.estimator = ThroughputEstimator(seq=config.model.seq)
+        self._cache: dict[int, list[tuple[Strategy, float]]] = {}
+
+    def add_measurement(
+        self, strategy: Strategy, tokens_per_s: float, *, intervals: int = 1, source: str = ""
+    ) -> None:
+        """A measured throughput (``intervals`` log intervals; one from the same ``source`` replaces the
+        last) joins the estimator, which refits its shape on every point."""
+        point = Point(
+            strategy=strategy,
+            tokens_per_s=tokens_per_s,
+            model_step_s=self.model_step_s(strategy),
+            intervals=intervals,
+            source=source,
+        )
+        self.estimator = self.estimator.with_point(point)
+
+    def model_step_s(self, strategy: Strategy) -> float:
+        return float(model_step_seconds(self.config.model, [strategy], self.system, self.dtype)[0])
+
+    def predicted_tokens_per_s(self, strategy: Strategy) -> float:
+        """The estimator's throughput of one strategy (its measured value when it has one)."""
+        return self.estimator.estimate(strategy, self.model_step_s(strategy)).tokens_per_s
+
+    def __call__(self, gbs: int) -> Candidate | None:
+        if gbs not in self._cache:
+            self._cache[gbs] = self._search(gbs)
+        ranked = self._cache[gbs]
+        if not ranked:
+            return None
+        best = self.estimator.ranked([s for s, _ in ranked], [t for _, t in ranked])[0]
+        return Candidate(
+            strategy=best.strategy, predicted_tokens_per_s=best.tokens_per_s, throughput_source=best.source
+        )
+
+    def _search(self, gbs: int) -> list[tuple[Strategy, float]]:
+        """The model's ``top_k`` strategies of ``gbs`` with their raw model step seconds."""
+        try:
+            result = search_strategies(
+                self.config.model,
+                self.system,
+                self.n_gpus,
+                gbs,
+                options=self.options,
+                dtype=self.dtype,
+                top_k=self.top_k,
+                botorch=self.botorch,
+            )
+        except PlanError:
+            return []  # nothing valid or fitting at this gbs: the frontier skips it
+        # Every candidate of the space is one the engine trains (the space applies cona.layout_rules).
+        return [
+            (result.candidates[row], float(result.prediction.iteration_time_s[row]))
+            for row in range(len(result.candidates))
+        ]

@@ -1,0 +1,93 @@
+"""What an online run's policy remembers from one stage to the next, and how it is rebuilt after a resume.
+
+Between stages of one runner process the search hands its outcome to the next stage's search; after a kill,
+the same memory is rebuilt from the run directory: the noise-scale tracker from ``metrics.jsonl``, the
+measured switch costs from the run state (in-place switches apart from those through a checkpoint, as the
+policy keeps them), and the earlier stages' measured throughputs (the fallback targets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from cona.engine.checkpoint_info import read_checkpoint_info
+from cona.errors import CheckpointError
+from cona.planner.efficiency import NoiseScaleTracker
+from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state
+from cona.runner.noise_history import noise_tracker
+from cona.runner.schedules.online_options import OnlineRun
+from cona.runner.schedules.online_search import PendingSwitch
+from cona.runner.schedules.online_stages import StageRecords
+from cona.runner.state import RunState
+from cona.runner.views.online_report import stage_rows
+
+
+@dataclass
+class Memory:
+    """What carries from one stage's search to the next."""
+
+    settings: PolicySettings
+    policy_state: PolicyState
+    tracker: NoiseScaleTracker
+    pending: PendingSwitch | None = None
+
+
+def resumed_memory(run: OnlineRun, state: RunState, records: StageRecords, *, in_place: bool) -> Memory:
+    """The memory at the start of the current stage of ``state``, from the run directory's files."""
+    training = run.config.training
+    current = state.current
+    assert current is not None
+    tracker = noise_tracker(run.run_dir, training.base_gbs, current.start_iteration or 0)
+    policy_state = _with_switch_costs(initial_state(records.candidate(len(state.stages))), state, records)
+    earlier = len(state.stages) - 1
+    if earlier:
+        rates = stage_rows(run.run_dir, state, records.entries)
+        finished = tuple(
+            FinishedStage(
+                strategy=records.strategy(row["stage"]), measured_tokens_per_s=row["tokens_per_s"] or 0.0
+            )
+            for row in rates[:earlier]
+        )
+        policy_state = dataclasses.replace(policy_state, earlier=finished)
+    overrides = {"in_place": in_place, **run.policy_overrides}
+    settings = PolicySettings.from_training(training, max_gbs=run.max_gbs, **overrides)
+    return Memory(settings=settings, policy_state=policy_state, tracker=tracker)
+
+
+def _with_switch_costs(policy_state: PolicyState, state: RunState, records: StageRecords) -> PolicyState:
+    """The mean measured cost of the switches so far, in place and through a checkpoint apart."""
+    costs: dict[bool, list[float]] = {True: [], False: []}
+    for stage in state.stages:
+        if stage.switch_cost:
+            costs[records.continues_in_place(stage.step_num)].append(sum(stage.switch_cost.values()))
+    if costs[False]:
+        mean = sum(costs[False]) / len(costs[False])
+        policy_state = dataclasses.replace(
+            policy_state, measured_switch_cost_s=mean, switches=len(costs[False])
+        )
+    if costs[True]:
+        mean = sum(costs[True]) / len(costs[True])
+        policy_state = dataclasses.replace(
+            policy_state, measured_in_place_cost_s=mean, in_place_switches=len(costs[True])
+        )
+    return policy_state
+
+
+def tracker_at_resume(
+    run: OnlineRun, memory: Memory, stage: int, load_path: Path | None
+) -> NoiseScaleTracker:
+    """The noise-scale tracker a stage's attempt starts its search with: the memory's, or, when the attempt
+    resumes from a checkpoint the stage itself saved (periodic, or a relaunch), rebuilt from metrics.jsonl
+    up to that checkpoint's iteration, so the search sees each of the stage's lines once, as an
+    uninterrupted stage would."""
+    if load_path is None:
+        return memory.tracker
+    try:
+        saved = read_checkpoint_info(load_path).trainer_state
+    except CheckpointError:
+        return memory.tracker
+    if saved.get("stage") != stage or not isinstance(saved.get("iteration"), int):
+        return memory.tracker
+    return noise_tracker(run.run_dir, run.config.training.base_gbs, saved["iteration"])

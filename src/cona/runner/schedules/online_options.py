@@ -1,0 +1,82 @@
+"""The description of an online run (``cona train --gpus N --system S --initial-gbs G0 ...``; made from the
+flags, and checked, by :mod:`cona.commands.train_runs`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cona.config import ConaConfig
+from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.nodes.multinode import NodePlacement
+from cona.runner.schedules.chain import content_digest
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnlineRun:
+    """What ``cona train`` in online mode was asked to do."""
+
+    config: ConaConfig
+    workdir: Path
+    run_dir: Path
+    world_size: int
+    device_type: str
+    system: str
+    initial_gbs: int
+    max_gbs: int
+    total_iters: int | None = None
+    total_tokens: int | None = None
+    target_ppl: float | None = None
+    botorch: bool | None = None
+    """True: each gbs's best strategy by Bayesian optimisation, False: exhaustively, None: chosen by the
+    size of the space (:func:`cona.planner.search_choice.uses_botorch`)."""
+    base_port: int | None = DEFAULT_MASTER_PORT_BASE
+    """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
+    fresh: bool = False
+    quiet: bool = False
+    policy_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """PolicySettings fields to override (tests and the demo), e.g. ``{"hysteresis": 0.0}``."""
+    noise_scale_floor: float | None = None
+    """Decide as if the noise scale were at least this (samples); every decision logs both numbers. For
+    the demo and tests: a short run of a tiny model measures a noise scale far below where a switch pays."""
+    nodes: NodePlacement = NodePlacement()
+    """Where this node stands in a multi-node run (one node by default); node 0 searches and decides."""
+
+    def mode_args(self) -> list[str]:
+        """The flags that decide this run's stages, for the runners node 0 starts on the other hosts."""
+        args = [
+            "--system",
+            self.system,
+            "--initial-gbs",
+            str(self.initial_gbs),
+            "--max-gbs",
+            str(self.max_gbs),
+        ]
+        for flag, value in (
+            ("--total-iters", self.total_iters),
+            ("--total-tokens", self.total_tokens),
+            ("--target-ppl", self.target_ppl),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        return args + {None: [], True: ["--botorch"], False: ["--exhaustive"]}[self.botorch]
+
+    def identity(self) -> str:
+        """A digest of what decides the run's stages: a run directory is only continued with the same."""
+        keys = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "botorch")
+        chosen = {key: getattr(self, key) for key in keys}
+        return content_digest(chosen | {"policy": self.policy_overrides, "floor": self.noise_scale_floor})
+
+    @property
+    def planned_tokens(self) -> int:
+        """The LR schedule's horizon: the token budget, else training.lr_decay_tokens, else the tokens of
+        --total-iters at the initial gbs (a larger gbs later ends the cosine early; set lr_decay_tokens)."""
+        training = self.config.training
+        if self.total_tokens is not None:
+            return self.total_tokens
+        if training.lr_decay_tokens is not None:
+            return training.lr_decay_tokens
+        assert self.total_iters is not None, "an online run has a budget"
+        return self.total_iters * self.initial_gbs * self.config.model.seq
