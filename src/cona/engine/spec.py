@@ -59,7 +59,9 @@ class StageSpec:
     save_at_end: bool = True
     """Save a checkpoint when the stop rule is met (a switch request always saves)."""
     save_interval: int | None = None
-    """Also save every this many iterations; None saves only at the end and on a switch."""
+    """Also save every this many iterations (in the background, :mod:`cona.engine.periodic_save`)."""
+    save_interval_minutes: float | None = None
+    """Also save every this many minutes; with ``save_interval`` None too, only at the end and on a switch."""
     continue_in_place: bool = False
     """Take over the model, optimizer and data the session's previous stage left in memory (an in-place
     switch: only gbs, mbs and the LR change) instead of loading ``load_path``; refused unless the state in
@@ -78,7 +80,14 @@ class StageSpec:
             raise ConfigError("stage spec: a stop rule is required (target_iteration and/or max_tokens)")
         if self.planned_tokens <= 0:
             raise ConfigError(f"stage spec: planned_tokens must be positive, got {self.planned_tokens}")
-        for name in ("target_iteration", "max_tokens", "eval_interval", "eval_iters", "save_interval"):
+        for name in (
+            "target_iteration",
+            "max_tokens",
+            "eval_interval",
+            "eval_iters",
+            "save_interval",
+            "save_interval_minutes",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"stage spec: {name} must be positive, got {value}")

@@ -42,6 +42,8 @@ def replay_in_place(
             target_iteration=stage.last_iteration,
             max_tokens=None,
             save_at_end=False,
+            save_interval=None,  # its state is rebuilt, not new: nothing to keep of it
+            save_interval_minutes=None,
             hand_over_in_place=True,
         )
         out(

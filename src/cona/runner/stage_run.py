@@ -27,8 +27,9 @@ from cona.engine.switch_check import VERDICT_FILE, Verdict, read_verdict
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.lr_scaling import ScaledLR, scaled_lr
 from cona.runner.launch import WORKER_MODULE, Topology, run_stage
+from cona.runner.noise_history import measured_noise_scale
 from cona.runner.run_lock import lock_directory, locking
-from cona.runner.state import StageState, load_state, measured_noise_scale, state_path
+from cona.runner.state import StageState, load_state, state_path
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,10 +10,12 @@ work is idempotent, so a rerun after a SIGKILL anywhere simply redoes the step t
 - ``trained``: the stage's checkpoint is complete and recorded; publishing is (re)done.
 - ``published``: pruning is (re)done.  ``pruned``: only the bookkeeping of ``done`` is left.
 
-The file also names the chain and config it was made for (content hashes), so a run directory is never
-continued with a different chain or config. Besides the state itself this module reads what a run
+The file also names the chain and config it was made for (content hashes, the chain's also per step), so a
+run directory is never continued with a different config, nor a chain whose started steps changed
+(:mod:`cona.runner.schedules.chain_edit`). Besides the state itself this module reads what a run
 directory records for the runner: the checkpoint a resume continues from, a stage result written after the
-runner died, the switch-cost split from the workers' timings, and the noise scale measured so far.
+runner died, and the switch-cost split from the workers' timings (the noise scale measured so far:
+:mod:`cona.runner.noise_history`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,9 @@ from typing import Any, Literal
 
 from cona import run_files
 from cona.atomic_files import write_json_atomic
-from cona.config import TrainingConfig
 from cona.engine.checkpoint import LATEST, TRAINER_STATE_FILE, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
-from cona.metrics_record import MetricsRecord, read_metrics
-from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.runner.schedules.chain import ChainConfig
 
 STATE_NAME = run_files.RUNNER_STATE
@@ -93,6 +92,11 @@ class RunState:
     config_digest: str
     world_size: int
     stages: tuple[StageState, ...]
+    step_digests: tuple[str, ...] = ()
+    """The digest of each chain step as the run took it (:mod:`cona.runner.schedules.chain_edit`); empty
+    online."""
+    workdir: str | None = None
+    """The (resolved) --workdir its checkpoints go to; with the run directory, the run's identity."""
 
     @property
     def current(self) -> StageState | None:
@@ -179,7 +183,7 @@ def load_state(run_dir: Path) -> RunState | None:
     if raw.pop("version", None) != STATE_VERSION:
         raise ChainError(f"{path}: run state from another cona version; rerun with --fresh to start over")
     stages = tuple(StageState(**{**stage, "pruned": tuple(stage["pruned"])}) for stage in raw.pop("stages"))
-    return RunState(**raw, stages=stages)
+    return RunState(**raw | {"step_digests": tuple(raw.get("step_digests", ()))}, stages=stages)
 
 
 def open_run(
@@ -190,6 +194,7 @@ def open_run(
     world_size: int,
     fresh: bool,
     layout_dirs: Sequence[Path],
+    workdir: Path | None = None,
 ) -> tuple[RunState, str]:
     """Load the run's state (refusing another chain's or config's) or start a new one (``fresh`` discards the
     old one first). Returns it with the line that says which, naming the checkpoint a resume continues from.
@@ -206,6 +211,8 @@ def open_run(
             world_size=world_size,
             num_stages=len(chain.steps),
         )
+        workdir_text = str(Path(workdir).resolve()) if workdir is not None else None
+        state = dataclasses.replace(state, step_digests=chain.step_digests, workdir=workdir_text)
         save_state(run_dir, state)
         return (
             state,
@@ -213,7 +220,12 @@ def open_run(
             f"(run directory {run_dir})",
         )
     check_same_run(
-        state, run_dir=run_dir, chain_digest=chain.digest, config_digest=config_digest, world_size=world_size
+        state,
+        run_dir=run_dir,
+        chain_digest=chain.digest,
+        config_digest=config_digest,
+        world_size=world_size,
+        workdir=workdir,
     )
     return state, resume_line(state, run_dir.name, layout_dirs)
 
@@ -266,13 +278,21 @@ def resume_checkpoint(state: RunState, current: StageState, layout_dir: Path) ->
 
 
 def check_same_run(
-    state: RunState, *, run_dir: Path, chain_digest: str, config_digest: str, world_size: int
+    state: RunState,
+    *,
+    run_dir: Path,
+    chain_digest: str,
+    config_digest: str,
+    world_size: int,
+    workdir: Path | None = None,
 ) -> None:
-    """Refuse to continue a run directory made for another chain, config or process count."""
+    """Refuse to continue a run directory made for another chain, config, process count or workdir."""
+    resolved = str(Path(workdir).resolve()) if workdir is not None else None
     mismatches = [
         (state.chain_digest != chain_digest, f"a different chain (it ran {state.chain_path})"),
         (state.config_digest != config_digest, "a different .conaconfig"),
         (state.world_size != world_size, f"{state.world_size} processes, not {world_size}"),
+        (None not in (state.workdir, resolved) and state.workdir != resolved, f"--workdir {state.workdir}"),
     ]
     for differs, why in mismatches:
         if differs:
@@ -348,23 +368,3 @@ def durations(timings: dict[str, float], launched: float | None) -> dict[str, fl
         "save_s": (timings.get("probe_done", timings.get("train_done")), timings.get("save_done")),
     }
     return {key: end - begin for key, (begin, end) in spans.items() if begin is not None and end is not None}
-
-
-def measured_noise_scale(
-    run_dir: Path, training: TrainingConfig, up_to_iteration: int
-) -> NoiseScaleEstimate | None:
-    """The gradient noise scale measured so far (metrics.jsonl up to ``up_to_iteration``), for adascale."""
-    return noise_tracker(run_dir, training.base_gbs, up_to_iteration).estimate()
-
-
-def noise_tracker(run_dir: Path, base_gbs: int, up_to_iteration: int) -> NoiseScaleTracker:
-    """The noise-scale tracker fed with metrics.jsonl up to ``up_to_iteration``. A retried stage logs some
-    iterations twice: each iteration counts once, its last record."""
-    records: dict[int, MetricsRecord] = {}
-    for record in read_metrics(run_files.metrics_path(run_dir)):  # not the line a killed worker was writing
-        if isinstance(record.iteration, int) and record.iteration <= up_to_iteration:
-            records[record.iteration] = record
-    tracker = NoiseScaleTracker(base_batch=base_gbs)
-    for iteration in sorted(records):
-        tracker = tracker.update_from_metrics(records[iteration])
-    return tracker

@@ -40,12 +40,13 @@ def refuse_online() -> None:
 
 
 def train_fixed(run: FixedRun, env: MdsEnvironment, *, node_flags: Sequence[str] = ()) -> RunState:
-    """``cona train --dp .. --iters N --workdir W --repo-path PATH``: a one-stage chain in a new run
-    directory. ``node_flags``: the multi-node flags given, which this backend refuses."""
+    """``cona train --dp .. --iters N --workdir W --repo-path PATH``: a one-stage chain in its run
+    directory (resumed when it exists). ``node_flags``: the multi-node flags given, which this backend
+    refuses."""
     if node_flags:
         raise ConfigError(f"{', '.join(node_flags)}: the Megatron-DeepSpeed backend runs on one node for now")
     check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
-    chain = one_stage_chain(run, run.new_run_dir())
+    chain = one_stage_chain(run, run.open_run_dir())
     return run_mds_chain(chain, env)
 
 
@@ -69,6 +70,11 @@ def run_mds_chain(
     chain = load_chain(
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
     )
+    if chain.start_checkpoint is not None:
+        raise ChainError(
+            f"{chain.path}: step 1: load_checkpoint: the Megatron-DeepSpeed backend starts a chain from "
+            "scratch for now; use the native backend"
+        )
     strategies = [step.strategy(run.config) for step in chain.steps]
     stops = [end for _, end in planned_iterations(chain)]
     for strategy in strategies:

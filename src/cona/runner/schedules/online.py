@@ -36,7 +36,7 @@ from cona.runner.driver import Plan, drive, keeps_workers, start_text
 from cona.runner.nodes.multinode import cona_command
 from cona.runner.run_dir import point_latest
 from cona.runner.schedules.chain import content_digest
-from cona.runner.schedules.online_memory import Memory, resumed_memory
+from cona.runner.schedules.online_memory import Memory, resumed_memory, tracker_at_resume
 from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.schedules.online_search import (
     Budget,
@@ -96,6 +96,7 @@ class OnlineSchedule:
     """The stages the online policy decides (see :class:`cona.runner.driver.Schedule`)."""
 
     reports_switch_cost = False  # the summary table at the end shows the switches' costs
+    first_iteration = 0
 
     def __init__(self, run: OnlineRun, *, out: Callable[[str], None], in_place: bool) -> None:
         self.run, self.out = run, out
@@ -144,6 +145,7 @@ class OnlineSchedule:
                 chain_digest=run.identity(),
                 config_digest=content_digest(run.config.to_dict()),
                 world_size=run.world_size,
+                workdir=run.workdir,
             )
             self.records.load()
             self.out(f"resuming online run {run_dir.name} at stage {len(state.stages)} ({run_dir})")
@@ -173,6 +175,7 @@ class OnlineSchedule:
             config_digest=content_digest(run.config.to_dict()),
             world_size=run.world_size,
             stages=(StageState(step_num=1),),
+            workdir=str(Path(run.workdir).resolve()),
         )
         save_state(run.run_dir, state)
         self.out(f"starting online run {run.run_dir.name} (run directory {run.run_dir})")
@@ -219,7 +222,7 @@ class OnlineSchedule:
             launched_at=time.time(),
             settings=memory.settings,
             policy_state=memory.policy_state,
-            tracker=memory.tracker,
+            tracker=tracker_at_resume(self.run, memory, stage.step_num, spec.load_path),
             frontier=self.frontier,
             budget=self.budget,
             pending=memory.pending,
