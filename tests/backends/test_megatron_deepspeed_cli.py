@@ -107,11 +107,25 @@ def test_backend_flag_needs_a_checkout(tmp_path, capsys):
     assert "not a Megatron-DeepSpeed checkout (no pretrain_gpt.py)" in _error(capsys)
 
 
-def test_online_mode_is_refused_with_the_reason(tmp_path, capsys):
-    repo, _ = _fake_checkout(tmp_path)
-    assert main(["train", "--gpus", "2", "--initial-gbs", "4", "--repo-path", str(repo)]) == 2
-    err = _error(capsys)
-    assert "online mode" in err and "gradient noise scale" in err and "native backend" in err
+def test_online_mode_refuses_what_the_backend_cannot_run_before_any_launch(tmp_path, capsys):
+    repo, python = _fake_checkout(tmp_path)
+    online = ["train", "--gpus", "2", "--system", "cpu_gloo", "--initial-gbs", "4", "--total-iters", "4"]
+    online += ["--repo-path", str(repo), "--mds-python", str(python), "--workdir", str(tmp_path / "w")]
+    assert main([*online, "--config", str(_config(tmp_path, normalization="layernorm"))]) == 2
+    assert "model.normalization=layernorm" in _error(capsys)
+    (repo / "megatron" / "model" / "transformer.py").write_text(
+        "query_layer = mixed_x_layer[:, :, :self.projection_size]\n"
+    )  # the blocked QKV layout of 676a482c and later
+    (tmp_path / "b").mkdir()
+    text = json.loads(_config(tmp_path / "b").read_text())
+    text["training"].update(vocab_file=str(tmp_path / "v.json"), merge_file=str(tmp_path / "m.txt"))
+    (tmp_path / "v.json").write_text("{}")
+    (tmp_path / "m.txt").write_text("")
+    (tmp_path / "b" / ".conaconfig").write_text(json.dumps(text))
+    assert main([*online, "--config", str(tmp_path / "b" / ".conaconfig")]) == 2
+    assert "online mode may change tp and mbs" in _error(capsys)
+    assert not (tmp_path / "w").exists() and not (tmp_path / "logs").exists()
+    assert not (tmp_path / "b" / "logs").exists()
 
 
 def test_repo_path_contradicting_the_native_backend(tmp_path, capsys):

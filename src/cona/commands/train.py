@@ -13,6 +13,7 @@ is launched), online mode from the policy (:mod:`cona.runner.online`). Every mod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -204,10 +205,6 @@ def _train_chain(args: argparse.Namespace, mds: bool) -> None:
 
 
 def _train_online(args: argparse.Namespace, mds: bool) -> None:
-    if mds:
-        from cona.backends.megatron_deepspeed.run import refuse_online
-
-        refuse_online()
     _refuse_switch_in_place(args)
     others = _given(args, FIXED_STRATEGY_FLAGS[:-1])
     if others:
@@ -215,6 +212,12 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
             "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
             f"drop {', '.join(others)}"
         )
+    if mds:
+        from cona.backends.megatron_deepspeed.run import BACKEND_NAME, run_mds_online
+
+        run = dataclasses.replace(online_run(args), backend=BACKEND_NAME)
+        run_mds_online(run, _mds_environment(args))
+        return
     from cona.runner.online import run_online  # imports torch: not at `cona --help` time
 
     with _console_and_launcher(args) as (console, launcher):

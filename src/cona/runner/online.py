@@ -30,13 +30,14 @@ from cona.errors import ChainError, LaunchError
 from cona.planner.policy import Candidate
 from cona.planner.systems import load_system
 from cona.runner.chain import content_digest
-from cona.runner.driver import Plan, drive, keeps_workers, start_text
+from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
 from cona.runner.multinode import cona_command
 from cona.runner.online_memory import Memory, resumed_memory
 from cona.runner.online_options import OnlineRun
 from cona.runner.online_report import print_summary, realized_chain
 from cona.runner.online_search import Budget, FrontierSearch, PendingSwitch, StageOutcome, StageSearch
 from cona.runner.online_stages import StageRecords
+from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
 from cona.runner.run_tracker import RunTracker
 from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, torchrun_launcher
@@ -60,8 +61,10 @@ def run_online(
     *,
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
+    publisher: Publisher = publish,
 ) -> RunState:
     """Run (or resume) an online run to its end; writes realized_chain.json and prints the summary.
+    ``launcher`` and ``publisher``: the backend's (the Megatron-DeepSpeed backend passes its own).
 
     Across nodes node 0 searches, decides and announces every stage; the other nodes run their share of
     each (:mod:`cona.runner.across_nodes`)."""
@@ -79,6 +82,7 @@ def run_online(
         lambda stage_launcher: OnlineSchedule(run, out=out, in_place=keeps_workers(stage_launcher)),
         launcher=launcher,
         out=out,
+        publisher=publisher,
         remote_command=remote_command if run.nodes.num_nodes > 1 else (),
     )
 
@@ -98,6 +102,7 @@ class OnlineSchedule:
             n_gpus=run.world_size,
             dtype=system.resolve_dtype(checkpoint_dtype(training, run.device_type)),
             botorch=run.botorch,
+            backend=run.backend,
         )
         self.budget = Budget(
             total_iters=run.total_iters,

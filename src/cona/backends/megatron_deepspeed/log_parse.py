@@ -12,8 +12,13 @@ and after an evaluation ``validation loss at iteration 10 | lm loss value: 1.08E
 ``--skip-train``). A training record is held back until the next line that is not its evaluation, so that an
 evaluation at the same iteration lands in that record (as the native engine writes it).
 
-Megatron-DeepSpeed reports no gradient-noise-scale inputs, so the ``gns_*`` keys are null (online mode, which
-needs them, refuses this backend).
+Megatron-DeepSpeed reports no gradient-noise-scale inputs; CONA's hooks in the launched processes
+(``launched/cona_megatron_hooks.py``) print them just before the iteration line they belong to::
+
+    cona gns | iteration 6 | small sqr: 1.2E-01 | big sqr: 3.4E-02 | small batch: 1 | big batch: 4 | ...
+
+and they fill that record's ``gns_*`` keys (null where no such line came: a run without the hooks). The
+hooks' ``cona stop | iteration N | reason: switch_requested`` line says why the stage left its loop.
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ _EVALUATION = re.compile(
     r"validation loss at (?:iteration (\d+)(?: on (\d+)-sample draw from (validation|test) set)?|(.*?)) \|"
     r" lm loss value: ([-+0-9.eEnaif]+) \|"
 )
+_GNS = re.compile(r"cona gns \| iteration (\d+) \|")
+_STOP = re.compile(
+    r"cona stop \| iteration (\d+) \| consumed samples: (\d+) \| consumed tokens: (\d+) \| reason: ([a-z_]+)"
+)
+GNS_KEYS = {
+    "small sqr": "gns_small_sqr",
+    "big sqr": "gns_big_sqr",
+    "small batch": "gns_small_batch",
+    "big batch": "gns_big_batch",
+}
 TRAIN_KEYS = {
     "consumed samples": "consumed_samples",
     "consumed tokens": "consumed_tokens",
@@ -69,6 +84,38 @@ def parse_training_line(line: str) -> dict[str, float] | None:
     return values
 
 
+def parse_gns_line(line: str) -> tuple[int, dict[str, float]] | None:
+    """The iteration and ``gns_*`` values of a ``cona gns`` line (None for any other line)."""
+    match = _GNS.search(line)
+    if match is None:
+        return None
+    values: dict[str, float] = {}
+    for part in line[match.end() :].split("|"):
+        field_match = _FIELD.fullmatch(part)
+        if field_match and field_match.group(1) in GNS_KEYS:
+            values[GNS_KEYS[field_match.group(1)]] = float(field_match.group(2))
+    return int(match.group(1)), values
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stop:
+    """The hooks' ``cona stop`` line: where and why the stage left Megatron's loop."""
+
+    iteration: int
+    consumed_samples: int
+    consumed_tokens: int
+    reason: str
+    """``completed`` (its stop iteration) or ``switch_requested``."""
+
+
+def parse_stop_line(line: str) -> Stop | None:
+    match = _STOP.search(line)
+    if match is None:
+        return None
+    iteration, samples, tokens = (int(match.group(index)) for index in (1, 2, 3))
+    return Stop(iteration=iteration, consumed_samples=samples, consumed_tokens=tokens, reason=match.group(4))
+
+
 def parse_evaluation_line(line: str) -> Evaluation | None:
     match = _EVALUATION.search(line)
     if match is None:
@@ -96,9 +143,21 @@ class MetricsRecorder:
     """Every evaluation line seen (switch verification reads the final draws)."""
     last: dict[str, Any] | None = None
     """The newest training record (written or pending)."""
+    stop: Stop | None = None
+    """The hooks' stop line, when one came."""
     _pending: dict[str, Any] | None = None
+    _gns: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Gradient-noise values waiting for their iteration's training line."""
 
     def feed(self, line: str) -> None:
+        gns = parse_gns_line(line)
+        if gns is not None:
+            self._gns[gns[0]] = gns[1]
+            return
+        stop = parse_stop_line(line)
+        if stop is not None:
+            self.stop = stop
+            return
         evaluation = parse_evaluation_line(line)
         if evaluation is not None:
             self.evaluations.append(evaluation)
@@ -128,6 +187,7 @@ class MetricsRecorder:
         strategy = self.strategy
         gbs = int(values.get("gbs", strategy.gbs))
         step_time = values["step_time_ms"] / 1000.0 if "step_time_ms" in values else math.nan
+        gns = self._gns.pop(iteration, {})
         return {
             "backend": "megatron-deepspeed",  # the planner predicts this run with that backend's profile
             "stage": self.stage,
@@ -145,10 +205,10 @@ class MetricsRecorder:
             "tokens_per_s": gbs * self.seq / step_time if step_time > 0 else math.nan,
             "mfu": None,
             "grad_norm": values.get("grad_norm", math.nan),
-            "gns_small_sqr": None,
-            "gns_big_sqr": None,
-            "gns_small_batch": None,
-            "gns_big_batch": None,
+            "gns_small_sqr": gns.get("gns_small_sqr"),
+            "gns_big_sqr": gns.get("gns_big_sqr"),
+            "gns_small_batch": int(gns["gns_small_batch"]) if "gns_small_batch" in gns else None,
+            "gns_big_batch": int(gns["gns_big_batch"]) if "gns_big_batch" in gns else None,
             "steps_in_interval": steps,
             "skipped_steps": values.get("skipped", 0.0),
             "time": time.time(),

@@ -1,20 +1,24 @@
-"""``cona train --backend megatron-deepspeed --repo-path PATH``: fixed and chain modes through a checkout.
+"""``cona train --backend megatron-deepspeed --repo-path PATH``: fixed, chain and online modes via a checkout.
 
-Both modes run through :func:`cona.runner.sequence.run_chain` with this backend's launcher and publisher (a
-fixed strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage
-state machine, the backend says how a stage is launched, saved and verified, so the run directory, its state
-and its resume behave as the native backend's. Everything this backend cannot run is refused before the
-first launch: online mode (Megatron-DeepSpeed reports no gradient-noise inputs), several nodes (not verified
-yet), a tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a
-checkout, and the config keys :func:`.commands.check_supported` names.
+Fixed and chain modes run through :func:`cona.runner.sequence.run_chain`, online mode through
+:func:`cona.runner.online.run_online`, with this backend's launcher and publisher (a fixed strategy is a
+one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage state machine, the
+backend says how a stage is launched, saved and verified, so the run directory, its state and its resume
+behave as the native backend's. Online mode gets its gradient-noise inputs from CONA's hooks in the launched
+processes (``launched/``), and its stages stop at the search's switch request through the same hooks.
+Everything this backend cannot run is refused before the first launch: several nodes (not verified yet), a
+tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a checkout
+(online mode: such a checkout at all, since the policy may choose either), and the config keys
+:func:`.commands.check_supported` names.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
-from cona.backends.megatron_deepspeed.commands import chain_shape, check_supported
+from cona.backends.megatron_deepspeed.commands import chain_shape, check_supported, online_shape
 from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_layout
 from cona.backends.megatron_deepspeed.stage import MdsBackend
 from cona.backends.megatron_deepspeed.universal import check_reshardable
@@ -22,6 +26,8 @@ from cona.errors import ChainError, ConfigError
 from cona.runner.chain import load_chain, planned_iterations
 from cona.runner.chain_options import ChainRun
 from cona.runner.fixed import FixedRun, one_stage_chain
+from cona.runner.online import run_online
+from cona.runner.online_options import OnlineRun
 from cona.runner.sequence import run_chain
 from cona.runner.stage_run import checkpoint_dtype
 from cona.runner.state import RunState
@@ -30,12 +36,46 @@ from cona.strategy import Strategy
 BACKEND_NAME = "megatron-deepspeed"
 
 
-def refuse_online() -> None:
-    raise ConfigError(
-        f"cona train --backend {BACKEND_NAME}: online mode (--gpus without --chain) needs the gradient noise "
-        "scale, which Megatron-DeepSpeed does not report; run online mode with the native backend, or give "
-        "--chain FILE or a fixed strategy"
+def run_mds_online(run: OnlineRun, env: MdsEnvironment, *, out: Callable[[str], None] = print) -> RunState:
+    """``cona train --gpus N --repo-path PATH ...``: the online policy decides the stages, this backend runs
+    them (every switch through a checkpoint: the launcher keeps no workers between stages)."""
+    if run.nodes.num_nodes > 1:
+        raise ChainError(
+            f"--num-nodes {run.nodes.num_nodes}: the Megatron-DeepSpeed backend runs on one node for now; "
+            "use the native backend"
+        )
+    config = run.config
+    check_supported(config, Strategy(dp=run.world_size, tp=1, pp=1, mbs=1, gbs=run.initial_gbs,
+                                     zero_stage=config.training.zero_stage), run.device_type)  # fmt: skip
+    if qkv_layout(env.repo) == "blocked":
+        raise ChainError(
+            f"--repo-path {env.repo}: online mode may change tp and mbs, which this checkout (commit "
+            "676a482c or later: blocked fused-QKV layout) cannot do; use an older checkout, or a chain"
+        )
+    backend = MdsBackend(
+        env=env,
+        shape=online_shape(config, world_size=run.world_size, max_samples=online_max_samples(run)),
+        device_type=run.device_type,
+        base_env=dict(os.environ),
+        switch_requests=True,
+        out=out,
     )
+    return run_online(run, launcher=backend.launch, publisher=backend.publish, out=out)
+
+
+def online_max_samples(run: OnlineRun) -> int:
+    """A bound on the samples and, times the largest gbs, on the iterations of an online run: its
+    ``--train-samples``, constant over the run (see :func:`.commands.online_shape`). The gbs never falls
+    below ``--initial-gbs``, so a token budget is reached within ``budget samples / initial gbs``
+    iterations."""
+    seq = run.config.model.seq
+    total_tokens = run.total_tokens if run.total_tokens is not None else run.config.training.lr_decay_tokens
+    bounds = [] if run.total_iters is None else [run.total_iters]
+    if total_tokens is not None:
+        bounds.append(math.ceil(math.ceil(total_tokens / seq) / run.initial_gbs))
+    if not bounds:
+        raise ConfigError("online mode: give --total-iters or --total-tokens (or training.lr_decay_tokens)")
+    return min(bounds) * run.max_gbs
 
 
 def train_fixed(run: FixedRun, env: MdsEnvironment, *, node_flags: Sequence[str] = ()) -> RunState:
