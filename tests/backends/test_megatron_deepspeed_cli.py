@@ -171,10 +171,11 @@ def test_fixed_mode_is_a_one_stage_chain_in_a_new_run_directory(tmp_path, capsys
     ]
 
 
-def test_fixed_mode_refuses_several_nodes(tmp_path, capsys):
+def test_several_nodes_started_over_ssh_are_refused(tmp_path, capsys):
     repo, python = _fake_checkout(tmp_path)
+    (tmp_path / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     argv = _fixed(tmp_path, _config(tmp_path), repo, python) + ["--num-nodes", "2", "--gpus-per-node", "1"]
-    assert main(argv) == 2
-    assert "--num-nodes, --gpus-per-node: the Megatron-DeepSpeed backend runs on one node for now" in _error(
+    assert main([*argv, "--hostfile", str(tmp_path / "hostfile"), "--master-addr", "127.0.0.1"]) == 2
+    assert "with the Megatron-DeepSpeed backend start every node's runner yourself (--no-ssh" in _error(
         capsys
     )

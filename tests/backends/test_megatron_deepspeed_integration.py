@@ -35,13 +35,15 @@ from cona.backends.megatron_deepspeed.environment import (
     qkv_layout,
     resolve_environment,
 )
-from cona.backends.megatron_deepspeed.run import run_mds_chain
+from cona.backends.megatron_deepspeed.run import run_mds_chain, run_mds_online
 from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.config import load_config
 from cona.data.preprocess import PreprocessOptions, preprocess
 from cona.engine.optim import lr_schedule
 from cona.errors import ChainError, CheckpointError, LaunchError
 from cona.runner.launch import check_port_free
+from cona.runner.online_options import OnlineRun
+from cona.runner.run_dir import resolve_log_root
 from cona.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,3 +202,59 @@ def test_verification_refuses_the_tp_switch_without_the_repairs(env, data_prefix
     verdict = json.loads((tmp_path / "logs" / "it" / "stages" / "2" / "switch_check.json").read_text())
     assert verdict["status"] == "failed" and verdict["difference"] > verdict["tolerance"]
     assert not (tmp_path / "work" / "checkpoints" / "gpt-mds" / "z1" / "fp32" / "tp2_pp1_dp1_sp1").exists()
+
+
+ONLINE_ITERS = 30
+
+
+def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(env, data_prefix, tmp_path):
+    """Online mode through the checkout: the hooks' gradient-noise lines and Megatron's step times reach
+    the decisions, a switch goes through the checkpoint, ds_to_universal and verification, and
+    ``realized_chain.json`` replays through the same backend to the same books and losses."""
+    if qkv_layout(env.repo) == "blocked":
+        pytest.skip("online mode is refused on a blocked-QKV checkout (covered by the CLI tests)")
+    args = _setup(tmp_path, data_prefix, CHAIN)
+    config = resolve_log_root(load_config(args.config))
+    run = OnlineRun(
+        config=config,
+        workdir=tmp_path / "work",
+        run_dir=tmp_path / "logs" / "online",
+        world_size=2,
+        device_type="cpu",
+        system="cpu_gloo",
+        initial_gbs=4,
+        max_gbs=8,
+        total_iters=ONLINE_ITERS,
+        botorch=False,
+        base_port=None,
+        quiet=True,
+        # A 30-iteration run of this model measures a noise scale of a few samples, where no larger batch
+        # pays, and a Megatron restart costs more than the rest of the run: decide as a long run would.
+        noise_scale_floor=1000.0,
+        policy_overrides={"predicted_switch_cost_s": 0.0},
+        backend="megatron-deepspeed",
+    )
+    lines: list[str] = []
+    state = run_mds_online(run, env, out=lines.append)
+
+    assert len(state.stages) >= 2 and state.stages[-1].last_iteration == ONLINE_ITERS
+    decisions = [json.loads(line) for line in (run.run_dir / "decisions.jsonl").read_text().splitlines()]
+    switch = next(d for d in decisions if d["decision"] == "switch")
+    assert switch["measured_noise_scale"] is not None and switch["measured_noise_scale"] > 0
+    assert switch["current"]["measured_tokens_per_s"] > 0  # from the log's step times
+    checks = _checks(run.run_dir)
+    assert checks and all(check["status"] == "passed" for check in checks.values())
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Every stage's first step is unpaired (one small batch per step: the difference estimator), the others
+    # carry the hooks' gradient-noise inputs.
+    firsts = {stage.start_iteration + 1 for stage in state.stages}
+    assert all(r["gns_big_sqr"] is not None for r in records if r["iteration"] not in firsts)
+
+    args.chain, args.run_name = str(run.run_dir / "realized_chain.json"), "replay"
+    replayed = run_mds_chain(chain_run_from_args(args), env)
+    books = [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in replayed.stages]
+    assert books == [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in state.stages]
+    replay_records = (tmp_path / "logs" / "replay" / "metrics.jsonl").read_text().splitlines()
+    replay_losses = {r["iteration"]: r["loss"] for r in map(json.loads, replay_records)}
+    online_losses = {record["iteration"]: record["loss"] for record in records}
+    assert replay_losses == pytest.approx(online_losses, rel=1e-5)

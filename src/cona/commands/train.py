@@ -250,19 +250,24 @@ def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
 
     console = RunConsole.for_stdout(quiet=args.quiet)
     validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
-    if not mds and across_nodes:  # a one-stage chain; each node checks its own GPUs
+    if across_nodes:  # a one-stage chain; each node checks its own GPUs
         from cona.runner.fixed_across_nodes import write_fixed_chain
         from cona.runner.sequence import run_chain, torchrun_launcher
 
         chain_path, run_name = write_fixed_chain(config, strategy, args.iters, args.run_name)
         run = chain_run(args, chain=chain_path, run_name=run_name)
+        if mds:
+            from cona.backends.megatron_deepspeed.run import run_mds_chain
+
+            run_mds_chain(run, _mds_environment(args))
+            return
         run_chain(run, launcher=console.launcher(torchrun_launcher), out=console.message)
         return
     run = fixed_run(args, config, strategy)
     if mds:
         from cona.backends.megatron_deepspeed.run import train_fixed
 
-        train_fixed(run, _mds_environment(args), node_flags=across_nodes)
+        train_fixed(run, _mds_environment(args))
         return
     from cona.runner.fixed import run_fixed
 

@@ -6,9 +6,10 @@ one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the
 backend says how a stage is launched, saved and verified, so the run directory, its state and its resume
 behave as the native backend's. Online mode gets its gradient-noise inputs from CONA's hooks in the launched
 processes (``launched/``), and its stages stop at the search's switch request through the same hooks.
-Everything this backend cannot run is refused before the first launch: several nodes (not verified yet), a
-tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a checkout
-(online mode: such a checkout at all, since the policy may choose either), and the config keys
+Across nodes every node's runner starts its share of each stage with ``deepspeed --no_ssh`` (:mod:`.nodes`).
+Everything this backend cannot run is refused before the first launch: node 0 starting the other nodes
+over ssh, a tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a
+checkout (online mode: such a checkout at all, since the policy may choose either), and the config keys
 :func:`.commands.check_supported` names.
 """
 
@@ -26,6 +27,7 @@ from cona.errors import ChainError, ConfigError
 from cona.runner.chain import load_chain, planned_iterations
 from cona.runner.chain_options import ChainRun
 from cona.runner.fixed import FixedRun, one_stage_chain
+from cona.runner.multinode import NodePlacement
 from cona.runner.online import run_online
 from cona.runner.online_options import OnlineRun
 from cona.runner.sequence import run_chain
@@ -39,11 +41,7 @@ BACKEND_NAME = "megatron-deepspeed"
 def run_mds_online(run: OnlineRun, env: MdsEnvironment, *, out: Callable[[str], None] = print) -> RunState:
     """``cona train --gpus N --repo-path PATH ...``: the online policy decides the stages, this backend runs
     them (every switch through a checkpoint: the launcher keeps no workers between stages)."""
-    if run.nodes.num_nodes > 1:
-        raise ChainError(
-            f"--num-nodes {run.nodes.num_nodes}: the Megatron-DeepSpeed backend runs on one node for now; "
-            "use the native backend"
-        )
+    check_nodes(run.nodes)
     config = run.config
     check_supported(config, Strategy(dp=run.world_size, tp=1, pp=1, mbs=1, gbs=run.initial_gbs,
                                      zero_stage=config.training.zero_stage), run.device_type)  # fmt: skip
@@ -78,11 +76,9 @@ def online_max_samples(run: OnlineRun) -> int:
     return min(bounds) * run.max_gbs
 
 
-def train_fixed(run: FixedRun, env: MdsEnvironment, *, node_flags: Sequence[str] = ()) -> RunState:
-    """``cona train --dp .. --iters N --workdir W --repo-path PATH``: a one-stage chain in a new run
-    directory. ``node_flags``: the multi-node flags given, which this backend refuses."""
-    if node_flags:
-        raise ConfigError(f"{', '.join(node_flags)}: the Megatron-DeepSpeed backend runs on one node for now")
+def train_fixed(run: FixedRun, env: MdsEnvironment) -> RunState:
+    """``cona train --dp .. --iters N --workdir W --repo-path PATH`` on one node: a one-stage chain in a
+    new run directory (across nodes the CLI writes the one-step chain file, as for the native backend)."""
     check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
     chain = one_stage_chain(run, run.new_run_dir())
     return run_mds_chain(chain, env)
@@ -99,11 +95,7 @@ def run_mds_chain(
 ) -> RunState:
     """Validate the chain for this checkout, then run it. ``repair``/``check_qkv`` off only in the tests that
     show what verification catches without them."""
-    if run.nodes.num_nodes > 1:
-        raise ChainError(
-            f"--num-nodes {run.nodes.num_nodes}: the Megatron-DeepSpeed backend runs on one node for now "
-            "(its launcher commands for several nodes are generated but not verified); use the native backend"
-        )
+    check_nodes(run.nodes)
     dtype = checkpoint_dtype(run.config.training, run.device_type)
     chain = load_chain(
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
@@ -124,6 +116,18 @@ def run_mds_chain(
         out=out,
     )
     return run_chain(run, launcher=backend.launch, publisher=backend.publish, out=out)
+
+
+def check_nodes(nodes: NodePlacement) -> None:
+    """Across nodes every node's runner must be started with this backend's flags: by hand (``--no-ssh
+    --node-rank R``) or by Slurm. Node 0's ssh start would start them without (it passes the mode's flags
+    only), so it is refused."""
+    if nodes.num_nodes > 1 and nodes.ssh:
+        raise ChainError(
+            f"--num-nodes {nodes.num_nodes}: with the Megatron-DeepSpeed backend start every node's runner "
+            "yourself (--no-ssh --node-rank R, the same --repo-path/--mds-python on each) or under Slurm; "
+            "node 0 does not start them over ssh for this backend yet"
+        )
 
 
 def check_checkout(env: MdsEnvironment, strategies: Sequence[Strategy], *, where: str) -> None:

@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from cona.backends.megatron_deepspeed import nodes
 from cona.backends.megatron_deepspeed.commands import (
     ChainShape,
     CheckpointLoad,
-    LaunchPlacement,
     StageArgs,
     check_supported,
     ds_config,
@@ -35,6 +35,7 @@ from cona.backends.megatron_deepspeed.commands import (
 )
 from cona.backends.megatron_deepspeed.environment import ENTRY_SCRIPT, MdsEnvironment
 from cona.backends.megatron_deepspeed.log_parse import MetricsRecorder
+from cona.backends.megatron_deepspeed.nodes import LastRankView
 from cona.backends.megatron_deepspeed.universal import publish
 from cona.backends.megatron_deepspeed.verify import (
     SavedProbe,
@@ -53,7 +54,6 @@ from cona.engine.spec import StageResult, StageSpec
 from cona.engine.switch_check import Verdict, write_verdict
 from cona.engine.trainer import gns_steps_per_line
 from cona.errors import LaunchError
-from cona.runner.launch import ANY_FREE_PORT, check_port_free, pick_free_port
 from cona.runner.stage_run import StageLaunch, checkpoint_dtype
 from cona.strategy import Strategy
 
@@ -79,7 +79,8 @@ _ERROR_LINE = re.compile(r"(Error|Exception|error:)")
 class LaunchOutput:
     returncode: int
     timings: dict[str, float]
-    recorder: MetricsRecorder
+    view: LastRankView
+    """What the last rank printed (on another node: that node's launcher shared it)."""
     log: Path
     seconds: float
 
@@ -116,15 +117,18 @@ class MdsBackend:
         check_supported(spec.config, strategy, self.device_type)
         load = CheckpointLoad.from_path(spec.load_path) if spec.load_path is not None else None
         verdict = self._verify(launch, load) if load is not None and load.universal and self.verify else None
+        writes = launch.topology.node_rank == 0  # the stage directory is shared across nodes
         if verdict is not None:
-            write_verdict(spec.stage_dir, verdict)
+            if writes:
+                write_verdict(spec.stage_dir, verdict)
             if not verdict.passed:
                 raise LaunchError(verdict_line(verdict))
         output = self._run(
             launch, strategy, self._stage_args(spec, strategy, load), MEGATRON_LOG, metrics=True
         )
         self._check_exit(output, spec)
-        self._write_result(launch, strategy, output, verdict)
+        if writes:
+            self._write_result(launch, strategy, output, verdict)
 
     def _stage_args(
         self, spec: StageSpec, strategy: Strategy, load: CheckpointLoad | None, *, probe: bool = False
@@ -157,22 +161,15 @@ class MdsBackend:
             json.dumps(ds_config(strategy, spec.config.training, self.device_type), indent=1) + "\n"
         )
         topology = launch.topology
-        port = topology.master_port
-        if port == ANY_FREE_PORT:
-            port = pick_free_port()  # the deepspeed launcher has no port 0 of its own
-        check_port_free(port)  # else the launch fails only after its minutes of start-up
-        placement = LaunchPlacement(
-            processes_per_node=topology.nproc_per_node,
-            master_port=port,
-            master_addr=topology.master_addr or "127.0.0.1",
-        )
+        log = spec.stage_dir / nodes.log_name(log_name, topology)
         command = launcher_command(
             self.env.deepspeed_launcher,
-            placement,
+            nodes.placement(spec.stage_dir, topology),
             ENTRY_SCRIPT,
             pretrain_args(spec.config, strategy, self.shape, args),
         )
-        (spec.stage_dir / f"{Path(log_name).stem}.command.txt").write_text(" ".join(command) + "\n")
+        (log.parent / f"{log.stem}.command.txt").write_text(" ".join(command) + "\n")
+        nodes.forget_view(log, topology)
         logger = self._logger(spec, quiet=launch.quiet or not metrics)
         recorder = MetricsRecorder(
             stage=spec.stage,
@@ -183,17 +180,15 @@ class MdsBackend:
         )
         try:
             env = self._hook_env(spec, training=not args.skip_train)
-            returncode, timings, seconds = self._stream(command, env, spec.stage_dir / log_name, recorder)
+            returncode, timings, seconds = self._stream(command, env, log, recorder)
         finally:
             recorder.flush()
             logger.close()
-        return LaunchOutput(
-            returncode=returncode,
-            timings=timings,
-            recorder=recorder,
-            log=spec.stage_dir / log_name,
-            seconds=seconds,
-        )
+        view = nodes.exchange_view(
+            log, recorder, topology, succeeded=returncode == 0, stage=spec.stage,
+            timeout_s=spec.config.training.distributed_timeout_minutes * 60.0,
+        )  # fmt: skip
+        return LaunchOutput(returncode=returncode, timings=timings, view=view, log=log, seconds=seconds)
 
     def _hook_env(self, spec: StageSpec, *, training: bool) -> dict[str, str]:
         """The launch's environment, with what CONA's hooks in the launched processes read
@@ -266,7 +261,7 @@ class MdsBackend:
         if output.returncode != 0:
             raise LaunchError(f"stage {spec.stage}: the verification launch failed: {_failure(output)}")
         loaded = probe_record(
-            output.recorder.evaluations,
+            output.view.evaluations,
             config=spec.config,
             shape=self.shape,
             strategy=strategy,
@@ -289,14 +284,14 @@ class MdsBackend:
         save_dir = layout_dir(
             spec.workdir, spec.config, strategy, checkpoint_dtype(spec.config.training, self.device_type)
         )
-        stop = output.recorder.stop
+        stop = output.view.stop
         reason = stop.reason if stop is not None else "completed"
         iteration = _saved_iteration(save_dir, spec, early=reason == "switch_requested")
         checkpoint = save_dir / f"global_step{iteration}"
         tokens = self._consumed_tokens(spec, output, iteration)
         eval_seconds = _span(output.timings, "save_done", "final_eval_done")
         record = probe_record(
-            output.recorder.evaluations,
+            output.view.evaluations,
             config=spec.config,
             shape=self.shape,
             strategy=strategy,
@@ -322,7 +317,7 @@ class MdsBackend:
     def _consumed_tokens(self, spec: StageSpec, output: LaunchOutput, iteration: int) -> int:
         """The tokens consumed at the saved iteration: a chain's plan (checked against Megatron's count),
         else Megatron's own count (an online stage stops where the budget or a switch request stops it)."""
-        last, stop = output.recorder.last, output.recorder.stop
+        last, stop = output.view.last, output.view.stop
         reported = last["consumed_tokens"] if last is not None and last["iteration"] == iteration else None
         if stop is not None and stop.iteration == iteration:
             reported = stop.consumed_tokens  # also where no log line fell on the stop
