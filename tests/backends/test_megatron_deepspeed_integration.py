@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ from cona.errors import ChainError, CheckpointError, LaunchError
 from cona.runner.launch import check_port_free
 from cona.runner.online_options import OnlineRun
 from cona.runner.run_dir import resolve_log_root
+from cona.runner.state import load_state
 from cona.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,12 +95,12 @@ def data_prefix(tmp_path_factory) -> Path:
     return directory / "docs_text_document"
 
 
-def _setup(directory: Path, data_prefix: Path, steps: list[dict]) -> argparse.Namespace:
+def _setup(directory: Path, data_prefix: Path, steps: list[dict], **training_keys) -> argparse.Namespace:
     model = {"name": "gpt-mds", "layers": 2, "hidden": 64, "heads": 4, "seq": 64, "normalization": "rmsnorm"}
     training = {"device": "cpu", "zero_stage": 1, "dtype": "fp32", "base_gbs": 4, "base_lr": 5e-3}
     training.update(base_min_lr=5e-4, lr_warmup_tokens=256, split="90,8,2", data_prefix=str(data_prefix))
     training.update(vocab_file=str(VOCAB), merge_file=str(MERGES), log_interval=1, eval_interval=100)
-    training.update(eval_iters=2, log_root=str(directory / "logs"))
+    training.update(eval_iters=2, log_root=str(directory / "logs"), **training_keys)
     config = {"model": {**model, "attention_dropout": 0.0, "hidden_dropout": 0.0}, "training": training}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / ".conaconfig").write_text(json.dumps(config))
@@ -213,7 +215,9 @@ def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(e
     ``realized_chain.json`` replays through the same backend to the same books and losses."""
     if qkv_layout(env.repo) == "blocked":
         pytest.skip("online mode is refused on a blocked-QKV checkout (covered by the CLI tests)")
-    args = _setup(tmp_path, data_prefix, CHAIN)
+    # One LR horizon for the online run and its replay (else online mode ends the cosine at --total-iters x
+    # the initial gbs, the replayed chain at its own tokens): their losses must differ by nothing else.
+    args = _setup(tmp_path, data_prefix, CHAIN, lr_decay_tokens=20_000)
     config = resolve_log_root(load_config(args.config))
     run = OnlineRun(
         config=config,
@@ -258,3 +262,48 @@ def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(e
     replay_losses = {r["iteration"]: r["loss"] for r in map(json.loads, replay_records)}
     online_losses = {record["iteration"]: record["loss"] for record in records}
     assert replay_losses == pytest.approx(online_losses, rel=1e-5)
+
+
+NODES_TIMEOUT_S = 900  # two stages, a conversion and a verification launch on a shared 2-core machine
+NODES_CHAIN = [CHAIN[0], {**CHAIN[2], "step_num": 2}]  # tp1/pp2 -> tp1/pp1/dp2: no tp change (any checkout)
+
+
+def test_two_loopback_nodes_give_the_losses_of_one_node(env, data_prefix, tmp_path):
+    """The same chain on one node with 2 processes and on two "nodes" of one process each (two runners on
+    this machine, ``--no-ssh --node-rank R``, a loopback hostfile): the same books and losses."""
+    args = _setup(tmp_path, data_prefix, NODES_CHAIN)
+    one_node = run_mds_chain(chain_run_from_args(args), env)
+    (tmp_path / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    node_args = ["--num-nodes", "2", "--gpus-per-node", "1", "--hostfile", str(tmp_path / "hostfile")]
+    node_args += ["--master-addr", "127.0.0.1", "--master-port-base", str(_free_port_base()), "--no-ssh"]
+    command = [sys.executable, "-m", "cona", "train", "--chain", args.chain, "--config", args.config]
+    command += ["--workdir", str(tmp_path / "work-nodes"), "--run-name", "nodes", "--quiet", *node_args]
+    process_env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
+    runners = []
+    for rank in (0, 1):
+        log = open(tmp_path / f"node{rank}.out", "w")  # noqa: SIM115 (closed with the process)
+        runners.append(subprocess.Popen([*command, "--node-rank", str(rank)], stdout=log,
+                                        stderr=subprocess.STDOUT, env=process_env, cwd=tmp_path))  # fmt: skip
+    try:
+        codes = [runner.wait(timeout=NODES_TIMEOUT_S) for runner in runners]
+    finally:
+        for runner in runners:
+            if runner.poll() is None:
+                runner.kill()
+    outputs = {rank: (tmp_path / f"node{rank}.out").read_text()[-3000:] for rank in (0, 1)}
+    assert codes == [0, 0], outputs
+    two_nodes = load_state(tmp_path / "logs" / "nodes")
+    books = [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in two_nodes.stages]
+    assert books == [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in one_node.stages]
+    checks = _checks(tmp_path / "logs" / "nodes")
+    assert sorted(checks) == [2] and checks[2]["status"] == "passed"
+    losses = {name: _losses(tmp_path / "logs" / name) for name in ("it", "nodes")}
+    assert sorted(losses["nodes"]) == list(range(1, 9))
+    assert losses["nodes"] == pytest.approx(losses["it"], rel=1e-5)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {
+        r["iteration"]: r["loss"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }

@@ -59,11 +59,12 @@ class LastRankView:
         )
 
 
-def log_name(base: str, topology: Topology) -> str:
-    """``megatron.log`` on node 0, ``megatron.node<R>.log`` on node R (the stage directory is shared)."""
+def node_file(name: str, topology: Topology) -> str:
+    """``megatron.log`` on node 0, ``megatron.node<R>.log`` on node R: the stage directory is shared, and a
+    file one node rewrites while another node's processes read it could be read half written."""
     if topology.node_rank == 0:
-        return base
-    stem, _, suffix = base.rpartition(".")
+        return name
+    stem, _, suffix = name.rpartition(".")
     return f"{stem}.node{topology.node_rank}.{suffix}"
 
 

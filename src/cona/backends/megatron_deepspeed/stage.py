@@ -155,13 +155,14 @@ class MdsBackend:
     def _run(
         self, launch: StageLaunch, strategy: Strategy, args: StageArgs, log_name: str, *, metrics: bool
     ) -> LaunchOutput:
-        spec = launch.spec
+        spec, topology = launch.spec, launch.topology
         spec.stage_dir.mkdir(parents=True, exist_ok=True)
+        args = replace(args, ds_config_path=args.ds_config_path.with_name(
+            nodes.node_file(args.ds_config_path.name, topology)))  # fmt: skip
         args.ds_config_path.write_text(
             json.dumps(ds_config(strategy, spec.config.training, self.device_type), indent=1) + "\n"
         )
-        topology = launch.topology
-        log = spec.stage_dir / nodes.log_name(log_name, topology)
+        log = spec.stage_dir / nodes.node_file(log_name, topology)
         command = launcher_command(
             self.env.deepspeed_launcher,
             nodes.placement(spec.stage_dir, topology),
