@@ -278,6 +278,8 @@ def test_two_loopback_nodes_give_the_losses_of_one_node(env, data_prefix, tmp_pa
     node_args += ["--master-addr", "127.0.0.1", "--master-port-base", str(_free_port_base()), "--no-ssh"]
     command = [sys.executable, "-m", "cona", "train", "--chain", args.chain, "--config", args.config]
     command += ["--workdir", str(tmp_path / "work-nodes"), "--run-name", "nodes", "--quiet", *node_args]
+    command += ["--repo-path", str(env.repo), "--mds-python", str(env.python)]
+    command += ["--mds-shim", str(env.shim)] if env.shim is not None else []
     process_env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
     runners = []
     for rank in (0, 1):
