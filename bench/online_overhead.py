@@ -1,7 +1,8 @@
 """Does the online search slow training down? Step times of one fixed stage with and without the search.
 
 Runs the tiny GPT (examples/tiny/.conaconfig, demo data) on 4 CPU processes at dp4 gbs 8 for ``--iters``
-iterations, alternating runs without and with a :class:`cona.runner.online_search.StageSearch` thread in
+iterations, alternating runs without and with a :class:`cona.runner.schedules.online_search.StageSearch`
+thread in
 the runner process (BoTorch search, the performance model recalibrated as the throughput moves, a noise
 scale floor so that every evaluation searches the frontier, and a switch cost so large that it never
 switches). Prints the median step time of each run (first log interval left out), the ratio with/without
@@ -19,14 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.engine.spec import StageSpec
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
 from cona.planner.systems import load_system
 from cona.runner.launch import Topology, run_stage
-from cona.runner.online_search import Budget, FrontierSearch, StageSearch
 from cona.runner.run_dir import resolve_log_root
+from cona.runner.schedules.online_search import Budget, FrontierSearch, StageSearch
 from cona.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[1]

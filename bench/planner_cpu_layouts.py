@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cona.config import PATH_KEYS, load_config
+from cona.config import PATH_KEYS
+from cona.config_file import load_config
 from cona.planner.calibration import Calibration, fit_calibration, measurements_from_metrics
 from cona.planner.perf_model import predict
 from cona.planner.systems import load_system

@@ -3,11 +3,16 @@ evaluations.
 
     .venv/bin/python bench/search_speed.py                 # both parts, 100 BO searches
     .venv/bin/python bench/search_speed.py --searches 10   # a quicker BO sample
+    .venv/bin/python bench/search_speed.py --crossover 5   # only where exhaustive gets as slow as BO
 
 Speed: the exhaustive search (enumerate + one vectorised model call + ranking) for 8, 64, 512 and 4096 GPUs,
 GPT 1.3B and a GPT-3 175B shape, at gbs 4096 and over the whole doubling frontier up to 4096. The reference
 measured in the same run is one single-strategy model call, so "x evals" says how many one-at-a-time
 evaluations the whole vectorised search costs.
+
+Crossover (``--crossover K``): the exhaustive search's model call over tiled spaces of 100k to 2M strategies
+against K random BO frontier searches of the default settings, which sets
+:data:`cona.planner.search_choice.EXHAUSTIVE_UP_TO` (exhaustive below it, BO above, unless forced).
 
 BO quality: random frontier searches (model, system, N, gbs drawn at random); each runs the exhaustive search
 (the truth) and the Bayesian search with the module's default settings, and records the ratio of the times
@@ -101,6 +106,35 @@ def speed_part() -> list[dict]:
                 }
             )
     return rows
+
+
+CROSSOVER_SIZES = (100_000, 300_000, 1_000_000, 2_000_000)
+
+
+def crossover_part(bo_searches: int, seed: int) -> dict:
+    """Seconds of the exhaustive search's one model call over :data:`CROSSOVER_SIZES` strategies (a real
+    175B space tiled: the per-candidate cost grows with the arrays), and of ``bo_searches`` BO searches."""
+    system = load_system("a100_80g")
+    model = MODELS["gpt-175b"]
+    space = enumerate_strategies(model, 1024, 4096, gpus_per_node=system.gpus_per_node)
+    exhaustive = {}
+    for size in CROSSOVER_SIZES:
+        rows = np.arange(size) % len(space)
+        tiled = StrategyArray(
+            **{name: getattr(space, name)[rows] for name in StrategyArray.__dataclass_fields__}
+        )
+        started = time.perf_counter()
+        predict(model, tiled, system)
+        exhaustive[size] = time.perf_counter() - started
+        print(f"exhaustive model call over {size:>9,} strategies: {exhaustive[size]:7.3f} s", flush=True)
+    bo_seconds = []
+    for name, system_name, n_gpus, gbs in frontier_problems(bo_searches, seed):
+        started = time.perf_counter()
+        search.bayesian_search(MODELS[name], load_system(system_name), n_gpus, gbs, top_k=1)
+        bo_seconds.append(time.perf_counter() - started)
+        print(f"BO {name} {system_name} N={n_gpus} gbs={gbs}: {bo_seconds[-1]:.2f} s", flush=True)
+    print(f"BO: fastest {min(bo_seconds):.2f} s, median {statistics.median(bo_seconds):.2f} s")
+    return {"exhaustive_s": exhaustive, "bo_s": bo_seconds}
 
 
 def random_frontier(rng: np.random.Generator) -> tuple[str, str, int, int]:
@@ -322,6 +356,9 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-bo", action="store_true")
     parser.add_argument("--only", type=int, nargs="*", help="run only these search numbers (from 1)")
+    parser.add_argument(
+        "--crossover", type=int, default=None, metavar="K", help="only the crossover part, K BO searches"
+    )
     parser.add_argument("--json-out", default=None, help="also write every row and the summary here")
     parser.add_argument(
         "--merge",
@@ -335,6 +372,9 @@ def main() -> None:
         rows = sorted(rows, key=lambda row: row["number"])
         print_misses(rows)
         summarise_bo(rows)
+        return
+    if args.crossover is not None:
+        crossover_part(args.crossover, args.seed)
         return
     output: dict = {}
     if not args.skip_speed:

@@ -127,9 +127,9 @@ def conaconfig(preset: Preset, args: argparse.Namespace, *, eval_gbs: int, root:
 
 def best_mbs(config_path: Path, system: str, gbs: int) -> int:
     """The micro-batch of the planner's best one-device strategy at ``gbs`` (what online mode would run)."""
-    from cona.config import load_config
+    from cona.config_file import load_config
     from cona.planner.systems import load_system
-    from cona.runner.online_search import FrontierSearch
+    from cona.runner.schedules.online_search import FrontierSearch
     from cona.runner.stage_run import checkpoint_dtype
 
     config = load_config(config_path, check_data_files=True)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from cona.cli import main
-from cona.config import find_config, load_config, split_fractions
+from cona.config_checks import split_fractions
+from cona.config_file import find_config, load_config
 from cona.errors import ConfigError
 
 MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32}
@@ -118,15 +119,16 @@ def test_split_fractions():
 def test_config_show_prints_resolved_values(tmp_path, capsys):
     path = write(tmp_path, model={**MODEL, "vocab_size": 1000})
     assert main(["config", "show", "--config", str(path)]) == 0
-    out = capsys.readouterr().out
-    resolved = json.loads(out.split("\n", 1)[1])
+    captured = capsys.readouterr()
+    resolved = json.loads(captured.out)  # stdout is valid JSON, the file is named on stderr
+    assert captured.err == f"# {path}\n"
     assert resolved["model"]["ffn_hidden"] == 256
     assert resolved["model"]["padded_vocab_size"] == 1024
 
 
 def test_cli_error_is_one_line_without_traceback(tmp_path, capsys):
     path = write(tmp_path, model={**MODEL, "heads": "<heads>"})
-    assert main(["config", "show", "--config", str(path)]) == 2
+    assert main(["config", "show", "--config", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("cona: error: ") and "Traceback" not in err and err.count("\n") == 1
 

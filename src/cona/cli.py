@@ -8,7 +8,12 @@ import importlib
 import sys
 
 from cona import __version__
-from cona.errors import ConaError
+from cona.errors import ConaError, UsageError
+
+USAGE_EXIT = 2
+"""A command line that does not go together: argparse's own status for a usage error."""
+FAILURE_EXIT = 1
+"""Anything else CONA refuses or that fails at run time: a bad config, data, checkpoint, a failed stage."""
 
 # Order is the order `cona --help` lists them in.
 COMMAND_MODULES = (
@@ -20,6 +25,7 @@ COMMAND_MODULES = (
     "strategies",
     "predict",
     "plan",
+    "systems",
     "ckpt",
     "report",
     "status",
@@ -43,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
-        return 2
+        return USAGE_EXIT
     try:
         return int(args.func(args) or 0)
     except ConaError as err:
         print(f"cona: error: {err}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT if isinstance(err, UsageError) else FAILURE_EXIT
     except KeyboardInterrupt as err:
         print(f"cona: {err}" if str(err) else "cona: interrupted", file=sys.stderr)
         return int(getattr(err, "exit_code", 130))

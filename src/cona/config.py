@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cona.config_fields import expect_section, read_json_file, reject_unknown, typed_values
+from cona.config_checks import check_values
+from cona.config_fields import expect_section, reject_unknown, typed_values
 from cona.errors import ConfigError
 
 CONFIG_NAME = ".conaconfig"
@@ -38,7 +38,6 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase")
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 """``model.name`` is one path component under ``<workdir>/checkpoints/``: no separator, no ``..``."""
 PATH_KEYS = (
     "data_prefix",
@@ -178,8 +177,11 @@ class TrainingConfig:
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases and norm weights)."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
     adam_beta2: float = 0.95
+    """AdamW's second-moment decay."""
     adam_eps: float = 1e-8
+    """AdamW's epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables it."""
     split: str = "949,50,1"
@@ -212,9 +214,11 @@ class TrainingConfig:
     log_root: str = "logs"
     """Run directories are created under this."""
     wandb_project: str | None = None
-    """W&B project; W&B is off when omitted."""
+    """W&B project; W&B is off when omitted (``wandb_mode`` alone does not turn it on)."""
     wandb_dir: str | None = None
+    """Where W&B writes its files (W&B's default when omitted)."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """W&B's mode when ``wandb_project`` is set (offline: synced later with ``wandb sync``)."""
     tensorboard_dir: str | None = None
     """TensorBoard event directory; off when omitted."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -222,6 +226,7 @@ class TrainingConfig:
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence when tp > 1."""
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule when pp > 1."""
     pipeline_virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B only)."""
     compile: bool | None = None
@@ -247,6 +252,9 @@ class ConaConfig:
     training: TrainingConfig
     path: Path | None = field(default=None, compare=False)
     """The file it came from (None when built in code)."""
+    overrides: tuple[str, ...] = field(default=(), compare=False)
+    """The ``--set SECTION.KEY=VALUE`` given over the file's keys (already in ``model`` and ``training``;
+    kept to pass on to the runners of the other nodes)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": _section_dict(self.model), "training": _section_dict(self.training)}
@@ -259,35 +267,10 @@ def _section_dict(section: Any) -> dict[str, Any]:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
 
 
-def find_config(start: Path | None = None) -> Path:
-    """The ``.conaconfig`` in ``start`` (default: cwd) or its nearest parent."""
-    here = (start or Path.cwd()).resolve()
-    for directory in (here, *here.parents):
-        candidate = directory / CONFIG_NAME
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"no {CONFIG_NAME} in {here} or any parent directory; pass --config PATH")
-
-
-def load_config(path: Path | str | None = None, *, check_data_files: bool = False) -> ConaConfig:
-    """Read, resolve and validate a config file (found from the cwd when ``path`` is None)."""
-    config_path = Path(path) if path is not None else find_config()
-    if config_path.is_dir():
-        inside = config_path / CONFIG_NAME
-        hint = f"; did you mean {inside}?" if inside.is_file() else f" (with no {CONFIG_NAME} in it)"
-        raise ConfigError(f"config file {config_path} is a directory, not a {CONFIG_NAME} file{hint}")
-    if not config_path.is_file():
-        raise ConfigError(f"config file {config_path} does not exist")
-    raw = read_json_file(config_path)
-    config = parse_config(raw, source=config_path)
-    if check_data_files:
-        check_training_files(config)
-    return config
-
-
-def parse_config(raw: Any, *, source: Path | None = None) -> ConaConfig:
-    """Validate a decoded JSON object; ``source`` names the file in errors and anchors relative paths."""
-    where = str(source) if source is not None else "<config>"
+def parse_config(raw: Any, *, source: Path | None = None, where: str | None = None) -> ConaConfig:
+    """Validate a decoded JSON object; ``source`` names the file in errors (``where`` instead, when given)
+    and anchors relative paths."""
+    where = where or (str(source) if source is not None else "<config>")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be an object with sections 'model' and 'training'")
     reject_unknown(raw, ("model", "training"), where, prefix="")
@@ -310,7 +293,7 @@ def parse_config(raw: Any, *, source: Path | None = None) -> ConaConfig:
     if model_values.get("vocab_size") is None and vocab_path is not None and vocab_path.is_file():
         model_values["vocab_size"] = vocab_size_from_file(vocab_path, where, training.tokenizer_type)
     model = ModelConfig(**model_values)
-    _check_values(model, training, where)
+    check_values(model, training, where)
     return ConaConfig(model=model, training=training, path=source)
 
 
@@ -325,135 +308,3 @@ def vocab_size_from_file(vocab_file: Path, where: str, tokenizer_type: str = "GP
     except (json.JSONDecodeError, UnicodeDecodeError):
         kind = "UTF-8 WordPiece" if tokenizer_type == "BertWordPieceLowerCase" else "JSON"
         raise ConfigError(f"{where}: training.vocab_file: {vocab_file} is not a {kind} vocabulary") from None
-
-
-def check_training_files(config: ConaConfig) -> None:
-    """Refuse a config whose dataset or tokenizer files are missing, or whose data does not fit it (a
-    validation split without a sample, token ids >= model.vocab_size): what ``cona train`` checks before it
-    starts a worker."""
-    where = str(config.path) if config.path else "<config>"
-    training = config.training
-    if training.data_prefix is None:
-        raise ConfigError(f"{where}: training.data_prefix is required to train")
-    for suffix in (".bin", ".idx"):
-        if not Path(training.data_prefix + suffix).is_file():
-            raise ConfigError(f"{where}: training.data_prefix: {training.data_prefix}{suffix} does not exist")
-    for key in ("vocab_file", "merge_file"):
-        value = getattr(training, key)
-        if value is not None and not Path(value).is_file():
-            raise ConfigError(f"{where}: training.{key}: {value} does not exist")
-    from cona.data.checks import check_dataset  # the data modules import this one
-
-    check_dataset(config)
-
-
-def split_fractions(split: str) -> tuple[float, float, float]:
-    """``"949,50,1"`` (or ``/``-separated) -> fractions summing to 1."""
-    parts = re.split(r"[,/]", split)
-    if len(parts) != 3:
-        raise ConfigError(f"training.split: expected three numbers like '949,50,1', got {split!r}")
-    try:
-        weights = [float(part) for part in parts]
-    except ValueError:
-        raise ConfigError(f"training.split: expected three numbers like '949,50,1', got {split!r}") from None
-    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"training.split: weights must be non-negative with a positive sum, got {split!r}")
-    total = sum(weights)
-    return (weights[0] / total, weights[1] / total, weights[2] / total)
-
-
-def _check_values(model: ModelConfig, training: TrainingConfig, where: str) -> None:
-    def fail(key: str, why: str) -> None:
-        raise ConfigError(f"{where}: {key}: {why}")
-
-    if not MODEL_NAME.fullmatch(model.name):
-        fail(
-            "model.name",
-            f"{model.name!r} is not a plain directory name (it names checkpoints/<name>/ under --workdir): "
-            "use letters, digits and . _ + -, starting with a letter or digit",
-        )
-    for key in ("layers", "hidden", "heads", "seq", "make_vocab_size_divisible_by"):
-        if getattr(model, key) <= 0:
-            fail(f"model.{key}", "must be positive")
-    if model.hidden % model.heads:
-        fail("model.hidden", f"{model.hidden} is not divisible by model.heads={model.heads}")
-    if model.kv_heads <= 0:
-        fail("model.kv_heads", "must be positive")
-    if model.heads % model.kv_heads:
-        fail("model.kv_heads", f"{model.kv_heads} does not divide model.heads={model.heads}")
-    if model.rope_theta <= 0:
-        fail("model.rope_theta", "must be positive")
-    if model.position_embedding == "rope" and model.head_dim % 2:
-        fail("model.position_embedding", f"rope needs an even head size, hidden/heads is {model.head_dim}")
-    if model.ffn_hidden is not None and model.ffn_hidden <= 0:
-        fail("model.ffn_hidden", "must be positive")
-    if model.vocab_size is not None and model.vocab_size <= 0:
-        fail("model.vocab_size", "must be positive")
-    for key in ("attention_dropout", "hidden_dropout"):
-        if not 0.0 <= getattr(model, key) < 1.0:
-            fail(f"model.{key}", "must be in [0, 1)")
-    if model.layernorm_epsilon <= 0:
-        fail("model.layernorm_epsilon", "must be positive")
-    if model.init_std <= 0:
-        fail("model.init_std", "must be positive")
-    if training.zero_stage not in (0, 1, 2, 3):
-        fail("training.zero_stage", f"{training.zero_stage} is not one of 0, 1, 2, 3")
-    for key in (
-        "base_gbs",
-        "log_interval",
-        "eval_interval",
-        "eval_iters",
-        "distributed_timeout_minutes",
-        "fallback_patience",
-        "pipeline_virtual_stages",
-        "max_skipped_steps",
-    ):
-        if getattr(training, key) <= 0:
-            fail(f"training.{key}", "must be positive")
-    if training.eval_every_tokens is not None and training.eval_every_tokens <= 0:
-        fail("training.eval_every_tokens", "must be positive (or null: every eval_interval iterations)")
-    if training.divergence_loss_factor != 0 and training.divergence_loss_factor <= 1:
-        fail("training.divergence_loss_factor", "must be above 1 (or 0: never)")
-    if training.base_lr <= 0:
-        fail("training.base_lr", "must be positive")
-    if training.base_min_lr < 0:
-        fail("training.base_min_lr", "must be non-negative")
-    if training.base_lr < training.base_min_lr:
-        fail(
-            "training.base_lr",
-            f"{training.base_lr} is smaller than training.base_min_lr={training.base_min_lr}",
-        )
-    if training.lr_scale_lr_cap is not None and training.lr_scale_lr_cap <= 0:
-        fail("training.lr_scale_lr_cap", "must be positive")
-    if training.lr_scale_strategy == "piecewise" and training.lr_scale_pivot_gbs is None:
-        fail("training.lr_scale_pivot_gbs", "is required by lr_scale_strategy 'piecewise'")
-    if training.lr_scale_pivot_gbs is not None and training.lr_scale_pivot_gbs <= 0:
-        fail("training.lr_scale_pivot_gbs", "must be positive")
-    if not 0.0 < training.fallback_ema_alpha <= 1.0:
-        fail("training.fallback_ema_alpha", "must be in (0, 1]")
-    if not 0.0 <= training.lr_warmup_frac < 1.0:
-        fail("training.lr_warmup_frac", "must be in [0, 1)")
-    for key in ("lr_decay_tokens", "lr_warmup_tokens"):
-        value = getattr(training, key)
-        if value is not None and value < 0:
-            fail(f"training.{key}", "must be non-negative")
-    if training.weight_decay < 0.0:
-        fail("training.weight_decay", "must be non-negative")
-    for key in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(training, key) < 1.0:
-            fail(f"training.{key}", "must be in [0, 1)")
-    if training.adam_eps <= 0:
-        fail("training.adam_eps", "must be positive")
-    if training.clip_grad < 0:
-        fail("training.clip_grad", "must be non-negative (0 disables clipping)")
-    try:
-        split_fractions(training.split)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    if training.pipeline_virtual_stages > 1 and training.pipeline_schedule != "interleaved_1f1b":
-        fail("training.pipeline_virtual_stages", "needs pipeline_schedule 'interleaved_1f1b'")
-    if model.family == "bert" and training.tokenizer_type != "BertWordPieceLowerCase":
-        fail(
-            "training.tokenizer_type",
-            "model.family 'bert' needs 'BertWordPieceLowerCase' (masked-LM samples use [CLS]/[SEP]/[MASK])",
-        )

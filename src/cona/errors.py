@@ -1,12 +1,17 @@
 """User-facing errors. Each message names the key, file, flag or step a person must fix.
 
-The CLI prints these as one line (``cona: error: ...``) with no traceback; anything else that
-escapes is a bug and keeps its traceback.
+The CLI prints these as one line (``cona: error: ...``) with no traceback and exits 2 for a
+:class:`UsageError` (flags that do not go together, as argparse's own usage errors) and 1 for every other
+(a config, data, checkpoint or launch failure); anything else that escapes is a bug and keeps its traceback.
 """
 
 
 class ConaError(ValueError):
     """Base class of every error caused by the user's input rather than by CONA itself."""
+
+
+class UsageError(ConaError):
+    """Command-line flags that are missing, out of range or do not go together (exit status 2)."""
 
 
 class ConfigError(ConaError):

@@ -99,11 +99,11 @@ def test_backend_flag_needs_a_checkout(tmp_path, capsys):
     chain.write_text('{"steps": [{"step_num": 1, "dp": 2, "tp": 1, "pp": 1, "gbs": 4, "mbs": 1, '
                      '"train_iters": 2, "is_initial": true}]}')  # fmt: skip
     argv = ["train", "--config", str(config), "--chain", str(chain), "--gpus", "2"]
-    assert main([*argv, "--backend", "megatron-deepspeed"]) == 2
+    assert main([*argv, "--backend", "megatron-deepspeed"]) == 1
     assert "--repo-path (or CONA_MEGATRON_DEEPSPEED) must name a Megatron-DeepSpeed checkout" in _error(
         capsys
     )
-    assert main([*argv, "--repo-path", str(tmp_path)]) == 2
+    assert main([*argv, "--repo-path", str(tmp_path)]) == 1
     assert "not a Megatron-DeepSpeed checkout (no pretrain_gpt.py)" in _error(capsys)
 
 
@@ -111,7 +111,7 @@ def test_online_mode_refuses_what_the_backend_cannot_run_before_any_launch(tmp_p
     repo, python = _fake_checkout(tmp_path)
     online = ["train", "--gpus", "2", "--system", "cpu_gloo", "--initial-gbs", "4", "--total-iters", "4"]
     online += ["--repo-path", str(repo), "--mds-python", str(python), "--workdir", str(tmp_path / "w")]
-    assert main([*online, "--config", str(_config(tmp_path, normalization="layernorm"))]) == 2
+    assert main([*online, "--config", str(_config(tmp_path, normalization="layernorm"))]) == 1
     assert "model.normalization=layernorm" in _error(capsys)
     (repo / "megatron" / "model" / "transformer.py").write_text(
         "query_layer = mixed_x_layer[:, :, :self.projection_size]\n"
@@ -122,7 +122,7 @@ def test_online_mode_refuses_what_the_backend_cannot_run_before_any_launch(tmp_p
     (tmp_path / "v.json").write_text("{}")
     (tmp_path / "m.txt").write_text("")
     (tmp_path / "b" / ".conaconfig").write_text(json.dumps(text))
-    assert main([*online, "--config", str(tmp_path / "b" / ".conaconfig")]) == 2
+    assert main([*online, "--config", str(tmp_path / "b" / ".conaconfig")]) == 1
     assert "online mode may change tp and mbs" in _error(capsys)
     assert not (tmp_path / "w").exists() and not (tmp_path / "logs").exists()
     assert not (tmp_path / "b" / "logs").exists()
@@ -138,10 +138,10 @@ def test_repo_path_contradicting_the_native_backend(tmp_path, capsys):
 
 def test_fixed_mode_refuses_what_the_backend_cannot_run_before_any_launch(tmp_path, capsys):
     repo, python = _fake_checkout(tmp_path)
-    assert main(_fixed(tmp_path, _config(tmp_path, normalization="layernorm"), repo, python)) == 2
+    assert main(_fixed(tmp_path, _config(tmp_path, normalization="layernorm"), repo, python)) == 1
     assert "model.normalization=layernorm" in _error(capsys)
     (tmp_path / "b").mkdir()
-    assert main(_fixed(tmp_path, _config(tmp_path / "b"), repo, python)) == 2  # rmsnorm, but no tokenizer
+    assert main(_fixed(tmp_path, _config(tmp_path / "b"), repo, python)) == 1  # rmsnorm, but no tokenizer
     assert "training.vocab_file is required by the Megatron-DeepSpeed backend" in _error(capsys)
     assert not (tmp_path / "w").exists() and not (tmp_path / "logs").exists()  # nothing was started
     assert not (tmp_path / "b" / "logs").exists()
@@ -175,7 +175,7 @@ def test_several_nodes_started_over_ssh_are_refused(tmp_path, capsys):
     repo, python = _fake_checkout(tmp_path)
     (tmp_path / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     argv = _fixed(tmp_path, _config(tmp_path), repo, python) + ["--num-nodes", "2", "--gpus-per-node", "1"]
-    assert main([*argv, "--hostfile", str(tmp_path / "hostfile"), "--master-addr", "127.0.0.1"]) == 2
+    assert main([*argv, "--hostfile", str(tmp_path / "hostfile"), "--master-addr", "127.0.0.1"]) == 1
     assert "with the Megatron-DeepSpeed backend start every node's runner yourself (--no-ssh" in _error(
         capsys
     )

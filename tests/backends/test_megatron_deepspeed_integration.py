@@ -38,13 +38,13 @@ from cona.backends.megatron_deepspeed.environment import (
 )
 from cona.backends.megatron_deepspeed.run import run_mds_chain, run_mds_online
 from cona.commands.train_runs import chain_run as chain_run_from_args
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.data.preprocess import PreprocessOptions, preprocess
 from cona.engine.optim import lr_schedule
 from cona.errors import ChainError, CheckpointError, LaunchError
 from cona.runner.launch import check_port_free
-from cona.runner.online_options import OnlineRun
 from cona.runner.run_dir import resolve_log_root
+from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.state import load_state
 from cona.strategy import Strategy
 

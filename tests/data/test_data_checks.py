@@ -66,7 +66,7 @@ def test_cona_train_refuses_before_starting_a_worker(tmp_path: Path, corpus, cap
     config.write_text(json.dumps(raw))
     flags = ["--dp", "1", "--tp", "1", "--pp", "1", "--gbs", "2", "--mbs", "2", "--iters", "1"]
     argv = ["train", "--config", str(config), *flags, "--workdir", str(tmp_path), "--device", "cpu"]
-    assert main(argv) == 2
+    assert main(argv) == 1
     err = capsys.readouterr().err
     assert "model.vocab_size" in err and "docs.bin holds token id" in err and err.count("\n") == 1
     assert not (tmp_path / "logs").exists()  # no run directory: nothing was launched

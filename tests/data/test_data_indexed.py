@@ -198,7 +198,7 @@ def test_inspect_prints_counts_dtype_and_a_document(tmp_path: Path, capsys: pyte
 
 def test_inspect_refuses_a_document_out_of_range(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     write_by_spec(tmp_path / "d", SEQUENCES, [0, 2, 4, 5])
-    assert main(["data", "inspect", str(tmp_path / "d"), "--doc", "3"]) == 2
+    assert main(["data", "inspect", str(tmp_path / "d"), "--doc", "3"]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--doc: 3 is out of range" in error
 

@@ -222,7 +222,7 @@ def test_cli_reports_a_bad_line_in_one_line(
         "--merge-file",
         str(merges),
     ]
-    assert main(argv) == 2
+    assert main(argv) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and f"{source}, line 2:" in error and "--skip-bad-lines" in error
 
@@ -258,6 +258,6 @@ def test_an_output_directory_that_cannot_be_made_is_one_line(
     (tmp_path / "a-file").write_text("")
     prefix = tmp_path / "a-file" / "sub" / "o"
     argv = ["preprocess", "--input", str(source), "--output-prefix", str(prefix)]
-    assert main([*argv, "--vocab-file", str(vocab), "--merge-file", str(merges)]) == 2
+    assert main([*argv, "--vocab-file", str(vocab), "--merge-file", str(merges)]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and f"--output-prefix: cannot create {prefix.parent}" in error

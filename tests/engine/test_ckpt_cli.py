@@ -64,7 +64,7 @@ def test_inspect_text_and_incomplete_exit_code(checkpoint, capsys) -> None:
 
 
 def test_inspect_bad_path_is_one_line_error(tmp_path: Path, capsys) -> None:
-    assert main(["ckpt", "inspect", str(tmp_path)]) == 2
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("cona: error: ") and "no 'latest' or 'latest_universal' marker" in err
     assert err.count("\n") == 1
@@ -89,10 +89,10 @@ def test_export_writes_consolidated_safetensors(checkpoint, tmp_path: Path, caps
 
 def test_export_refuses_incomplete_checkpoint_and_bad_out(checkpoint, tmp_path: Path, capsys) -> None:
     path, _ = checkpoint
-    assert main(["ckpt", "export", str(path), str(tmp_path / "x.bin")]) == 2
+    assert main(["ckpt", "export", str(path), str(tmp_path / "x.bin")]) == 1
     assert "should end in .safetensors" in capsys.readouterr().err
     (path / ".metadata").unlink()
-    assert main(["ckpt", "export", str(path), str(tmp_path / "x.safetensors")]) == 2
+    assert main(["ckpt", "export", str(path), str(tmp_path / "x.safetensors")]) == 1
     assert (
         "global_step5/.metadata: missing (the checkpoint's manifest.json lists it)" in capsys.readouterr().err
     )
@@ -102,7 +102,7 @@ def test_export_refuses_incomplete_checkpoint_and_bad_out(checkpoint, tmp_path: 
 def test_inspect_of_a_binary_file_is_one_line_error(tmp_path: Path, capsys) -> None:
     random_file = tmp_path / "random.bin"
     random_file.write_bytes(bytes(range(256)) * 4)
-    assert main(["ckpt", "inspect", str(random_file)]) == 2
+    assert main(["ckpt", "inspect", str(random_file)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("cona: error: ") and "not a checkpoint" in err and str(random_file) in err
     assert err.count("\n") == 1
@@ -112,7 +112,7 @@ def test_export_to_an_unwritable_path_is_one_line_error(checkpoint, tmp_path: Pa
     path, _ = checkpoint
     taken = tmp_path / "taken.safetensors"
     taken.mkdir()  # a directory where the file should go: safetensors cannot write it (even as root)
-    assert main(["ckpt", "export", str(path), str(taken)]) == 2
+    assert main(["ckpt", "export", str(path), str(taken)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("cona: error: OUT: cannot write ") and str(taken) in err
     assert err.count("\n") == 1

@@ -112,7 +112,7 @@ def test_without_vocab_file_writes_no_tokenizer(tmp_path: Path, capsys) -> None:
 
 def test_refusals_are_one_line(tokenizer_files, tmp_path: Path, capsys) -> None:
     path, _ = _save(tmp_path, {"position_embedding": "rope"}, tokenizer_files)
-    assert main(["ckpt", "export", str(path), str(tmp_path / "a"), "--format", "hf"]) == 2
+    assert main(["ckpt", "export", str(path), str(tmp_path / "a"), "--format", "hf"]) == 1
     err = capsys.readouterr().err
     assert (
         "model.position_embedding is 'rope'; GPT2LMHeadModel needs 'learned'" in err and err.count("\n") == 1
@@ -120,11 +120,11 @@ def test_refusals_are_one_line(tokenizer_files, tmp_path: Path, capsys) -> None:
     path, _ = _save(tmp_path / "ok", {}, tokenizer_files)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    assert main(["ckpt", "export", str(path), str(tmp_path / "full"), "--format", "hf"]) == 2
+    assert main(["ckpt", "export", str(path), str(tmp_path / "full"), "--format", "hf"]) == 1
     assert "is not empty" in capsys.readouterr().err
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main(["ckpt", "export", str(path), str(blocker / "sub"), "--format", "hf"]) == 2
+    assert main(["ckpt", "export", str(path), str(blocker / "sub"), "--format", "hf"]) == 1
     err = capsys.readouterr().err
     assert "OUT_DIR: cannot create" in err and err.count("\n") == 1
 
@@ -143,7 +143,7 @@ def test_bert_is_refused_with_the_reason(tmp_path: Path, capsys) -> None:
         config=parse_config(raw),
         strategy=STRATEGY,
     )
-    assert main(["ckpt", "export", str(path), str(tmp_path / "hf"), "--format", "hf"]) == 2
+    assert main(["ckpt", "export", str(path), str(tmp_path / "hf"), "--format", "hf"]) == 1
     err = capsys.readouterr().err
     assert "BertForMaskedLM is post-norm" in err and "MegatronBertForMaskedLM" in err
     assert not (tmp_path / "hf").exists()

@@ -23,13 +23,13 @@ from cona.planner.plan import (
     simulate,
     space_options,
     target_progress,
-    trace_progress,
 )
 from cona.planner.policy import Candidate, PolicySettings
 from cona.planner.simulate import HostBound, MeasurementNoise, simulate_against_truth, true_candidates
 from cona.planner.systems import load_system
 from cona.planner.trace import LossCurve, read_trace, synthetic_trace
-from cona.runner.chain import parse_chain
+from cona.planner.trace_progress import trace_progress
+from cona.runner.schedules.chain import parse_chain
 from cona.strategy import Strategy
 
 GPT_1_3B = ModelConfig(name="gpt-1.3b", layers=24, hidden=2048, heads=16, seq=2048, vocab_size=50257)

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from cona.cli import main
-from cona.config import load_config
-from cona.runner.chain import load_chain
+from cona.config_file import load_config
+from cona.runner.schedules.chain import load_chain
 
 CONFIG = {
     "model": {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab_size": 256},
@@ -103,19 +103,19 @@ def test_a_perplexity_target_is_its_log_loss(project, capsys):
 
 
 @pytest.mark.parametrize(
-    ("extra", "message"),
+    ("extra", "message", "code"),  # 2: a usage error (flags), 1: what the planner refuses of the trace
     [
-        (["--target-loss", "1.0"], "never reaches the target 1"),
-        (["--total-tokens", "1e12"], "--total-tokens / --total-iters"),
-        (["--target-ppl", "0.5"], "--target-ppl must be above 1"),
-        ([], "--switch-cost-s"),
-        (["--initial-gbs", "64"], "--max-gbs: 32 is below the initial gbs 64"),
+        (["--target-loss", "1.0"], "never reaches the target 1", 1),
+        (["--total-tokens", "1e12"], "--total-tokens / --total-iters", 1),
+        (["--target-ppl", "0.5"], "--target-ppl must be above 1", 2),
+        ([], "--switch-cost-s", 2),
+        (["--initial-gbs", "64"], "--max-gbs: 32 is below the initial gbs 64", 2),
     ],
 )
-def test_bad_inputs_are_one_line_errors(project, capsys, extra, message):
+def test_bad_inputs_are_one_line_errors(project, capsys, extra, message, code):
     run = write_run(project, metrics_rows())
     cost = [] if not extra else ["--switch-cost-s", "1"]
-    assert main([*BASE_ARGS, "--trace", str(run), *cost, *extra, "--out", "c.json"]) == 2
+    assert main([*BASE_ARGS, "--trace", str(run), *cost, *extra, "--out", "c.json"]) == code
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (project / "c.json").exists()
@@ -124,14 +124,14 @@ def test_bad_inputs_are_one_line_errors(project, capsys, extra, message):
 def test_an_unwritable_out_names_the_flag(project, capsys):
     run = write_run(project, metrics_rows())
     args = [*BASE_ARGS, "--trace", str(run), "--switch-cost-s", "1", "--out", str(project / "no" / "c.json")]
-    assert main(args) == 2
+    assert main(args) == 1
     assert "--out: cannot write" in capsys.readouterr().err
 
 
 def test_a_missing_trace_names_the_flag(project, capsys):
     assert (
         main([*BASE_ARGS, "--trace", str(project / "nowhere"), "--switch-cost-s", "1", "--out", "c.json"])
-        == 2
+        == 1
     )
     assert "--trace" in capsys.readouterr().err
 

@@ -44,7 +44,7 @@ def test_json_ranking_matches_the_exhaustive_search(capsys, config_path):
     assert times == sorted(times)
     assert all(row["dp"] * row["tp"] * row["pp"] == 16 and row["gbs"] == 128 for row in rows)
     assert all(not row["oom"] and row["memory_per_gpu_gib"] == row["memory_gib"] for row in rows)
-    from cona.config import load_config
+    from cona.config_file import load_config
 
     expected = search.exhaustive_search(
         load_config(config_path).model, load_system("a100_80g"), 16, 128, top_k=1
@@ -54,25 +54,18 @@ def test_json_ranking_matches_the_exhaustive_search(capsys, config_path):
         assert key in rows[0]
 
 
-def test_bayesian_search_is_the_default(capsys, config_path, monkeypatch):
+def test_a_small_space_is_searched_exhaustively_by_default_and_botorch_forces_bo(
+    capsys, config_path, monkeypatch
+):
     monkeypatch.setattr(
         search,
         "bayesian_search",
         functools.partial(search.bayesian_search, max_gp_updates=1, max_local_rounds=0),
     )
-    out = run_json(
-        capsys,
-        "--gpus",
-        "8",
-        "--system",
-        "a100_80g",
-        "--gbs",
-        "64",
-        "--config",
-        str(config_path),
-        "--top",
-        "2",
-    )
+    args = ["--gpus", "8", "--system", "a100_80g", "--gbs", "64", "--config", str(config_path), "--top", "2"]
+    default = run_json(capsys, *args)
+    assert default["method"] == "exhaustive" and default["evaluations"] == default["space_size"]
+    out = run_json(capsys, *args, "--botorch")
     assert out["method"] == "bayesian"
     assert out["evaluations"] <= search.BOOTSTRAP_SAMPLES + 1 < out["space_size"]
     assert len(out["candidates"]) == 2
@@ -105,17 +98,17 @@ def test_table_shows_the_split_and_why_the_first_wins(capsys, config_path):
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "message", "code"),  # 2: a usage error (a flag's value), 1: what the planner refuses
     [
-        (["--gpus", "8", "--system", "no_such_gpu", "--gbs", "64"], "unknown system 'no_such_gpu'"),
-        (["--gpus", "0", "--system", "a100_80g", "--gbs", "64"], "--gpus"),
-        (["--gpus", "5", "--system", "a100_80g", "--gbs", "7"], "no valid strategy for 5 GPUs at gbs 7"),
-        (["--gpus", "8", "--system", "a100_80g", "--gbs", "64", "--top", "0"], "--top"),
-        (["--gpus", "8", "--system", "a100_80g", "--gbs", "64", "--zero-stages", "one"], "--zero-stages"),
+        (["--gpus", "8", "--system", "no_such_gpu", "--gbs", "64"], "unknown system 'no_such_gpu'", 1),
+        (["--gpus", "0", "--system", "a100_80g", "--gbs", "64"], "--gpus", 2),
+        (["--gpus", "5", "--system", "a100_80g", "--gbs", "7"], "no valid strategy for 5 GPUs at gbs 7", 1),
+        (["--gpus", "8", "--system", "a100_80g", "--gbs", "64", "--top", "0"], "--top", 2),
+        (["--gpus", "8", "--system", "a100_80g", "--gbs", "64", "--zero-stages", "one"], "--zero-stages", 2),
     ],
 )
-def test_bad_inputs_are_one_line_errors(capsys, config_path, args, message):
-    assert main(["strategies", *args, "--config", str(config_path), "--no-botorch"]) == 2
+def test_bad_inputs_are_one_line_errors(capsys, config_path, args, message, code):
+    assert main(["strategies", *args, "--config", str(config_path), "--no-botorch"]) == code
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1
@@ -125,6 +118,6 @@ def test_missing_model_key_is_named(capsys, tmp_path):
     path = tmp_path / ".conaconfig"
     path.write_text(json.dumps({"model": {"layers": 2, "hidden": 64, "heads": 4, "seq": 32}}))
     assert (
-        main(["strategies", "--gpus", "2", "--system", "cpu_gloo", "--gbs", "8", "--config", str(path)]) == 2
+        main(["strategies", "--gpus", "2", "--system", "cpu_gloo", "--gbs", "8", "--config", str(path)]) == 1
     )
     assert "vocab_size" in capsys.readouterr().err

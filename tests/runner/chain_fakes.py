@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint
 from cona.engine.spec import StageResult
-from cona.runner.sequence import ChainRun, StageLaunch, run_chain
+from cona.runner.schedules.sequence import ChainRun, StageLaunch, run_chain
 
 KILL_POINTS = ("training", "save", "between_stages", "publish", "prune")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from chain_fakes import seed_shaped_chain, tiny_layout, write_tiny_config
 
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.errors import ChainError
-from cona.runner.chain import load_chain, planned_iterations, planned_tokens
+from cona.runner.schedules.chain import load_chain, planned_iterations, planned_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 

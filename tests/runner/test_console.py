@@ -13,10 +13,10 @@ from rich.console import Console
 
 from cona.engine.spec import StageSpec
 from cona.errors import ConfigError
-from cona.runner.console import RunConsole, StageMonitor, choose_mode, render_stage
 from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.launch import Topology
-from cona.runner.sequence import StageLaunch
+from cona.runner.schedules.sequence import StageLaunch
+from cona.runner.views.console import RunConsole, StageMonitor, choose_mode, render_stage
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
 STAGE = 2

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from cona.engine.metrics import format_console_line
-from cona.runner.console_format import (
+from cona.runner.views.console_format import (
     StageSnapshot,
     StopRule,
     candidate_text,

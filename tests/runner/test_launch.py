@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cona.config import load_config, parse_config
+from cona.config import parse_config
+from cona.config_file import load_config
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
 from cona.runner.launch import (

@@ -17,18 +17,19 @@ from test_train_cli import free_port_base, write_tiny_setup
 from cona.cli import main
 from cona.commands.demo import demo_config, demo_system
 from cona.commands.train_runs import online_run as online_run_from_args
-from cona.config import load_config, parse_config
+from cona.config import parse_config
+from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ConaError, LaunchError
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
-from cona.runner.chain import load_chain
 from cona.runner.jsonl_tail import JsonlTail
-from cona.runner.multinode import NodePlacement, cona_command
-from cona.runner.online import OnlineRun, run_online
-from cona.runner.online_search import Budget, StageSearch
-from cona.runner.sequence import StageLaunch, run_chain
+from cona.runner.nodes.multinode import NodePlacement, cona_command
+from cona.runner.schedules.chain import load_chain
+from cona.runner.schedules.online import OnlineRun, run_online
+from cona.runner.schedules.online_search import Budget, StageSearch
+from cona.runner.schedules.sequence import StageLaunch, run_chain
 from cona.strategy import Strategy
 
 SEQ = 8
@@ -333,7 +334,7 @@ def test_online_flags_across_nodes_give_the_placement_and_the_other_nodes_comman
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
     captured: list[OnlineRun] = []
-    monkeypatch.setattr("cona.runner.online.run_online", lambda run, **_: captured.append(run))
+    monkeypatch.setattr("cona.runner.schedules.online.run_online", lambda run, **_: captured.append(run))
     flags = ["--system", "cpu_gloo", "--initial-gbs", "2", "--max-gbs", "8", "--total-iters", "10"]
     placement = ["--num-nodes", "2", "--gpus-per-node", "2", "--hostfile", str(hostfile), "--no-ssh"]
     assert main(["train", "--config", str(config), *flags, *placement, "--node-rank", "1"]) == 0

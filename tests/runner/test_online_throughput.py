@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from chain_fakes import write_tiny_config
 
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, after_switch, initial_state
 from cona.planner.systems import load_system
 from cona.planner.throughput import host_micro_batches, model_step_seconds
-from cona.runner.frontier import FrontierSearch
-from cona.runner.online_search import Budget, StageSearch
+from cona.runner.schedules.frontier import FrontierSearch
+from cona.runner.schedules.online_search import Budget, StageSearch
 from cona.strategy import Strategy
 
 SEQ = 8  # the tiny config's

@@ -12,12 +12,12 @@ import pytest
 import torch
 from chain_fakes import write_tiny_config
 
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.engine.checkpoint import load_model_tensors, resolve_checkpoint, save_checkpoint
 from cona.errors import CheckpointError
 from cona.runner import publish as publish_module
-from cona.runner.chain import PruneRule
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
+from cona.runner.schedules.chain import PruneRule
 from cona.strategy import Strategy
 
 LAYOUT = "checkpoints/tiny/z1/fp32/tp1_pp1_dp1_sp1"

@@ -14,9 +14,7 @@ from matplotlib.image import imread
 
 from cona.cli import main
 from cona.errors import ConaError
-from cona.runner.report import (
-    build_report,
-    distinct_names,
+from cona.runner.views.report import (
     load_run,
     noise_series,
     predicted_throughput,
@@ -24,7 +22,8 @@ from cona.runner.report import (
     stage_summaries,
     switch_costs,
 )
-from cona.runner.report_figures import FIGURE_NAMES
+from cona.runner.views.report_build import build_report, distinct_names
+from cona.runner.views.report_figures import FIGURE_NAMES
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -170,7 +169,7 @@ def test_cli_report_writes_into_the_run_directory_by_default(tmp_path, capsys):
     assert f"report: {run_dir / 'report' / 'index.html'}" in capsys.readouterr().out
     assert (run_dir / "report" / "index.html").is_file()
 
-    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert main(["report", str(tmp_path / "nowhere")]) == 1
     assert f"cona: error: run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConaError, match="not a run directory"):

@@ -17,12 +17,12 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.cli import main
 from cona.commands import train_runs
-from cona.config import load_config
+from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir
 from cona.processes import running
 from cona.runner.launch import start_torchrun
 from cona.runner.run_lock import RunLocked, lock_directory, lock_path, run_locks
-from cona.runner.sequence import run_chain
+from cona.runner.schedules.sequence import run_chain
 from cona.strategy import Strategy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def test_a_fixed_run_into_a_live_checkpoint_folder_is_refused(tmp_path, capsys):
         code = main(["train", *fixed, "--config", str(config), "--workdir", str(tmp_path), "--device", "cpu"])
     finally:
         kill(holder)
-    assert code == 2
+    assert code == 1
     assert f"cona: error: checkpoint folder {layout} is in use by pid {holder.pid}" in capsys.readouterr().err
 
 

@@ -14,10 +14,10 @@ from test_online import StreamingEngine, tiny_online_run
 from test_sequence import setup_run
 
 from cona.config import parse_config
-from cona.runner.online import run_online
-from cona.runner.online_search import DECISIONS_NAME
-from cona.runner.run_tracker import RunTracker, decision_scalars, wandb_notice
-from cona.runner.sequence import run_chain
+from cona.runner.schedules.online import run_online
+from cona.runner.schedules.online_search import DECISIONS_NAME
+from cona.runner.schedules.sequence import run_chain
+from cona.runner.views.run_tracker import RunTracker, decision_scalars, wandb_notice
 
 tensorboard = pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

@@ -27,8 +27,8 @@ from cona.commands import train_runs
 from cona.engine.session import RunnerWatch
 from cona.processes import process_state
 from cona.runner.launch import PIDS_FILE, Topology, record_pids
-from cona.runner.sequence import run_chain
-from cona.runner.status import collect_status, find_processes, status_lines
+from cona.runner.schedules.sequence import run_chain
+from cona.runner.views.status import collect_status, find_processes, status_lines
 
 ITERS = 40
 STEPS = [{"dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 4, "train_iters": ITERS, "is_initial": True}]

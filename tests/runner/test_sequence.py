@@ -23,9 +23,9 @@ from chain_fakes import (
 
 from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.data.indexed import IndexedDatasetWriter
-from cona.errors import ChainError, LaunchError
+from cona.errors import ChainError, LaunchError, UsageError
 from cona.runner.publish import LATEST_UNIVERSAL
-from cona.runner.sequence import run_chain
+from cona.runner.schedules.sequence import run_chain
 from cona.runner.state import load_state
 
 ITERS = 3
@@ -175,7 +175,7 @@ def test_options_from_the_command_line(tmp_path):
     seed_form = chain_run_from_args(argparse.Namespace(**{**vars(args), "gpus": None}))
     assert seed_form.world_size == first.get("dp", 1) * first.get("tp", 1) * first.get("pp", 1)
     (tmp_path / "chain.json").write_text("{}")
-    with pytest.raises(ChainError, match="pass --gpus N"):
+    with pytest.raises(UsageError, match="pass --gpus N"):
         chain_run_from_args(argparse.Namespace(**{**vars(args), "gpus": None}))
     with pytest.raises(LaunchError, match="--gpus is the process count of one node"):
         chain_run_from_args(argparse.Namespace(**{**vars(args), "num_nodes": 3, "gpus_per_node": 4}))

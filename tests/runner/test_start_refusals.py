@@ -39,7 +39,7 @@ def test_a_workdir_that_is_a_file_is_refused_before_training(tmp_path: Path, cap
     }[mode]
     if mode in ("chain", "online"):
         argv += ["--workdir", str(workdir)]
-    assert main(argv) == 2
+    assert main(argv) == 1
     err = one_line_error(capsys)
     assert f"--workdir {workdir}" in err and ("is a file" in err or f"inside {blocker}" in err)
     assert not (tmp_path / "logs").exists()  # no run directory: nothing started
@@ -48,7 +48,7 @@ def test_a_workdir_that_is_a_file_is_refused_before_training(tmp_path: Path, cap
 def test_a_chain_that_names_a_directory_is_one_line(tmp_path: Path, capsys) -> None:
     config = write_tiny_setup(tmp_path)
     argv = ["train", "--config", str(config), "--chain", str(tmp_path), "--gpus", "1"]
-    assert main([*argv, "--workdir", str(tmp_path / "work"), "--device", "cpu"]) == 2
+    assert main([*argv, "--workdir", str(tmp_path / "work"), "--device", "cpu"]) == 1
     assert f"--chain {tmp_path} is a directory" in one_line_error(capsys)
 
 

@@ -19,7 +19,7 @@ from cona.cli import main
 from cona.runner.launch import PIDS_FILE, Topology, record_exit, record_pids
 from cona.runner.run_dir import point_latest
 from cona.runner.state import load_state, save_state
-from cona.runner.status import (
+from cona.runner.views.status import (
     collect_status,
     find_processes,
     pid_alive,
@@ -87,6 +87,20 @@ def test_status_of_a_running_run_with_live_workers(tmp_path, monkeypatch):
     assert after["processes"].startswith("no worker of this run alive on this host")
 
 
+def test_status_of_a_running_online_run_counts_its_switches_not_a_total(tmp_path):
+    run_dir = Path(shutil.copytree(FIXTURE, tmp_path / "online")).resolve()
+    state = load_state(run_dir)
+    running = state.with_stage(dataclasses.replace(state.stage(3), status="running", checkpoint=None))
+    save_state(run_dir, dataclasses.replace(running, chain_path="online"))
+
+    lines = dict(status_lines(collect_status(run_dir)))
+
+    assert lines["stage"] == "3 (running, online: 2 switches so far)"  # not "3 of 3": the search adds more
+    finished = dataclasses.replace(state, chain_path="online")
+    save_state(run_dir, finished)
+    assert dict(status_lines(collect_status(run_dir)))["stage"] == "3 of 3 (finished)"
+
+
 def test_status_of_a_run_without_state_or_metrics(tmp_path):
     run_dir = tmp_path / "fresh"
     (run_dir / "stages" / "1").mkdir(parents=True)
@@ -113,7 +127,7 @@ def test_cli_status_finds_the_latest_run_from_the_config(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert "run run_chain_small" in out and "3 of 3 (finished)" in out
 
-    assert main(["status", str(tmp_path / "nowhere")]) == 2
+    assert main(["status", str(tmp_path / "nowhere")]) == 1
     assert f"run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
 
 

@@ -120,11 +120,11 @@ def train_args(
 
 def test_a_bad_layout_is_refused_before_anything_is_launched(tmp_path, capsys):
     config = write_tiny_setup(tmp_path)
-    assert main(train_args(config, tmp_path / "work", dp=1, tp=3)) == 2
+    assert main(train_args(config, tmp_path / "work", dp=1, tp=3)) == 1
     err = capsys.readouterr().err
     assert err.startswith("cona: error: ") and "tp" in err and "heads" in err
     assert not (tmp_path / "logs").exists()  # nothing was started
-    assert main(train_args(config, tmp_path / "work", dp=3, gbs=8, mbs=2)) == 2
+    assert main(train_args(config, tmp_path / "work", dp=3, gbs=8, mbs=2)) == 1
     assert "gbs" in capsys.readouterr().err
 
 
@@ -133,10 +133,24 @@ def test_a_checkout_path_with_the_native_backend_is_refused(tmp_path, capsys):
     assert "--repo-path names a Megatron-DeepSpeed checkout" in capsys.readouterr().err
 
 
+def test_workdir_defaults_to_the_current_directory_in_every_mode(tmp_path, monkeypatch):
+    config = write_tiny_setup(tmp_path)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    captured = []
+    monkeypatch.setattr("cona.runner.fixed.run_fixed", lambda run, console: captured.append(run))
+    monkeypatch.setattr("cona.runner.schedules.online.run_online", lambda run, **_: captured.append(run))
+    fixed = ["--dp", "1", "--tp", "1", "--pp", "1", "--gbs", "8", "--mbs", "2", "--iters", "1"]
+    online = ["--gpus", "1", "--system", "cpu_gloo", "--initial-gbs", "2", "--total-iters", "2"]
+    for mode in (fixed, online):
+        assert main(["train", "--config", str(config), *mode, "--device", "cpu"]) == 0
+    assert [run.workdir for run in captured] == [tmp_path / "here"] * 2
+
+
 def test_missing_fixed_strategy_flags_are_named(tmp_path, capsys):
     assert main(["train", "--dp", "2"]) == 2
     err = capsys.readouterr().err
-    assert "missing --tp, --pp, --gbs, --mbs, --iters, --workdir" in err
+    assert "missing --tp, --pp, --gbs, --mbs, --iters " in err  # --workdir defaults to the cwd
 
 
 @pytest.mark.slow

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from cona.config import load_config
+from cona.commands.config_flags import add_config_flags
+from cona.config_file import load_config
 
 
 def register(subparsers) -> None:
@@ -14,18 +16,23 @@ def register(subparsers) -> None:
     )
     actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
     show = actions.add_parser(
-        "show", help="Print the resolved config as JSON (defaults and derived values filled)"
+        "show",
+        help="Print the resolved config as JSON (defaults and derived values filled)",
+        description="Print the resolved config as JSON on stdout (defaults and derived values filled); "
+        "the file it came from is named on stderr.",
     )
-    show.add_argument("--config", default=None, help="config file (default: .conaconfig in cwd or a parent)")
+    add_config_flags(show)
     show.set_defaults(func=_show)
 
 
 def _show(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, overrides=args.overrides)
     resolved = config.to_dict()
     resolved["model"]["ffn_hidden"] = config.model.ffn_size
     if config.model.vocab_size is not None:
         resolved["model"]["padded_vocab_size"] = config.model.padded_vocab_size
-    print(f"# {config.path}")
+    # stdout is the JSON alone (cona config show > resolved.json, or piped to jq); the file it came from
+    # goes to stderr.
+    print(f"# {config.path}", file=sys.stderr)
     print(json.dumps(resolved, indent=2))
     return 0

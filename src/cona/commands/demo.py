@@ -5,7 +5,8 @@ The config is embedded here (the tiny GPT of ``examples/tiny/.conaconfig``); its
 ``--data`` (default: a checkout's ``data/demo`` when started from the checkout, else ``demo/`` in the user
 data directory, ``$XDG_DATA_HOME/cona`` or ``~/.local/share/cona``: :func:`cona.data.demo.default_demo_dir`),
 obtained there first when missing; it is written into the demo's own directory ``<out>/<UTC time>/``
-together with the logs and checkpoints. The job is online strategy chaining (:mod:`cona.runner.online`):
+together with the logs and checkpoints. The job is online strategy chaining
+(:mod:`cona.runner.schedules.online`):
 4 CPU worker processes, or one per GPU when GPUs are visible.
 """
 
@@ -17,10 +18,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cona.errors import ConaError
+from cona.errors import ConaError, UsageError
 
 if TYPE_CHECKING:
-    from cona.runner.online_options import OnlineRun
+    from cona.runner.schedules.online_options import OnlineRun
 
 CPU_PROCESSES = 4
 
@@ -114,14 +115,14 @@ def demo_config(data_dir: Path, run_root: Path, *, device: str) -> dict[str, Any
 def _demo(args: argparse.Namespace) -> int:
     import torch  # deferred: `cona --help` should not pay for it
 
-    from cona.runner.console import RunConsole
+    from cona.runner.views.console import RunConsole
 
     console = RunConsole.for_stdout(quiet=args.quiet)
     gpus_visible = torch.cuda.device_count()
     device = "cuda" if gpus_visible > 0 else "cpu"
     processes = args.gpus if args.gpus is not None else (gpus_visible or CPU_PROCESSES)
     if processes < 1:
-        raise ConaError(f"cona demo --gpus: must be at least 1, got {processes}")
+        raise UsageError(f"cona demo --gpus: must be at least 1, got {processes}")
     data_dir = _demo_data_dir(args.data)
     _ensure_demo_data(data_dir)
     run_root = (args.out / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")).resolve()
@@ -132,7 +133,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"cona demo: {processes} {'GPU' if device == 'cuda' else 'CPU'} processes, config {config_path}",
         flush=True,
     )
-    from cona.runner.online import run_online  # imports torch and the planner
+    from cona.runner.schedules.online import run_online  # imports torch and the planner
     from cona.runner.worker_session import stage_launcher
 
     system = demo_system(torch.cuda.get_device_name(0) if device == "cuda" else None)
@@ -155,14 +156,14 @@ def demo_system(gpu_name: str | None) -> str:
             return system
     raise ConaError(
         f"cona demo: no system description for the GPU {gpu_name!r}; run cona train --system with one "
-        f"(cona predict lists them)"
+        f"(cona systems lists them)"
     )
 
 
 def _online_run(config_path: Path, run_root: Path, processes: int, system: str) -> OnlineRun:
     """What ``cona train --gpus N --system S --initial-gbs ... --no-botorch --quiet`` runs."""
     from cona.commands.train_runs import device_type, run_config
-    from cona.runner.online_options import OnlineRun
+    from cona.runner.schedules.online_options import OnlineRun
 
     config = run_config(config_path, None)
     return OnlineRun(

@@ -11,8 +11,11 @@ import json
 import math
 from pathlib import Path
 
-from cona.config import ConaConfig, load_config
-from cona.errors import PlanError
+from cona.commands.config_flags import add_config_flags
+from cona.commands.search_flags import add_search_flags, botorch_choice
+from cona.config import ConaConfig
+from cona.config_file import load_config
+from cona.errors import PlanError, UsageError
 from cona.planner.plan import (
     DEFAULT_SEGMENTS,
     ChainPlan,
@@ -42,7 +45,9 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--trace", required=True, help="run directory or metrics.jsonl")
     parser.add_argument("--out", required=True, help="chain config to write (JSON)")
-    parser.add_argument("--system", required=True, help="system name (e.g. a100_80g) or system JSON file")
+    parser.add_argument(
+        "--system", required=True, help="system name (cona systems lists them) or system JSON file"
+    )
     parser.add_argument("--gpus", type=int, default=None, help="GPU count (default: the trace's)")
     parser.add_argument("--initial-gbs", type=int, default=None, help="first gbs (default: the trace's)")
     parser.add_argument("--max-gbs", type=int, required=True, help="largest gbs the frontier may reach")
@@ -61,7 +66,7 @@ def register(subparsers) -> None:
         default=None,
         help="seconds a switch costs (default: the mean measured at the trace's stage changes)",
     )
-    parser.add_argument("--no-botorch", action="store_true", help="exhaustive search instead of BO")
+    add_search_flags(parser)
     parser.add_argument("--hysteresis", type=float, default=DEFAULT_HYSTERESIS, help="switch margin (0.05)")
     parser.add_argument(
         "--segments",
@@ -72,9 +77,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: training.dtype"
     )
-    parser.add_argument(
-        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
-    )
+    add_config_flags(parser)
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -85,15 +88,15 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, overrides=args.overrides)
     system = load_system(args.system)
     trace = read_trace(args.trace, training=config.training)
     gpus = args.gpus if args.gpus is not None else trace.world_size
     if gpus is None:
-        raise PlanError("--gpus: the trace names no dp/tp/pp to take the GPU count from; pass --gpus")
+        raise UsageError("--gpus: the trace names no dp/tp/pp to take the GPU count from; pass --gpus")
     initial_gbs = args.initial_gbs if args.initial_gbs is not None else int(trace.gbs[0])
     if args.max_gbs < initial_gbs:
-        raise PlanError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
+        raise UsageError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
     dtype = args.dtype or config.training.dtype
     backend = args.backend or trace.backend
     estimator, calibration_note = _estimator(config, trace, system, gpus, dtype, backend)
@@ -104,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         dtype=dtype,
         options=space_options(config.training),
         estimator=estimator,
-        botorch=not args.no_botorch,
+        botorch=botorch_choice(args),
     )
     policy = PolicySettings.from_training(config.training, max_gbs=args.max_gbs, hysteresis=args.hysteresis)
     progress, target_note = _target(args, config, trace, initial_gbs)
@@ -137,7 +140,7 @@ def _target(
     base = config.training.base_gbs
     if args.target_ppl is not None or args.target_loss is not None:
         if args.target_ppl is not None and not args.target_ppl > 1:
-            raise PlanError(f"--target-ppl must be above 1, got {args.target_ppl}")
+            raise UsageError(f"--target-ppl must be above 1, got {args.target_ppl}")
         loss = math.log(args.target_ppl) if args.target_ppl is not None else args.target_loss
         progress = target_progress(trace, base, target_loss=loss)
         return (
@@ -158,7 +161,7 @@ def _switch_cost(args: argparse.Namespace, trace: Trace) -> float:
     if args.switch_cost_s is not None:
         return args.switch_cost_s
     if not trace.switch_costs_s:
-        raise PlanError(
+        raise UsageError(
             "--switch-cost-s: the trace has no stage change to measure a switch cost from; pass it"
         )
     return sum(trace.switch_costs_s) / len(trace.switch_costs_s)
@@ -191,7 +194,7 @@ def _estimator(
 
 
 def _check_chain(raw: dict, out: Path, config: ConaConfig, gpus: int, dtype: str) -> None:
-    from cona.runner.chain import parse_chain  # deferred: it imports the engine (torch)
+    from cona.runner.schedules.chain import parse_chain  # deferred: it imports the engine (torch)
 
     parse_chain(raw, source=out, config=config, world_size=gpus, dtype=dtype, workdir=Path.cwd())
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from cona.config import RECOMPUTE, TrainingConfig, load_config
-from cona.errors import PlanError
+from cona.commands.config_flags import add_config_flags
+from cona.config import RECOMPUTE, TrainingConfig
+from cona.config_file import load_config
+from cona.errors import UsageError
 from cona.planner.perf_model import Prediction, predict
 from cona.planner.profiles import BACKENDS
 from cona.planner.systems import System, load_system
@@ -33,7 +35,9 @@ def register(subparsers) -> None:
         description="Predict one strategy's iteration time (split into compute, communication, pipeline "
         "bubble, optimizer) and memory per GPU for the model of a .conaconfig on a system.",
     )
-    parser.add_argument("--system", required=True, help="system name (e.g. a100_80g) or a system JSON file")
+    parser.add_argument(
+        "--system", required=True, help="system name (cona systems lists them) or a system JSON file"
+    )
     for flag, text in (
         ("--dp", "data-parallel degree"),
         ("--tp", "tensor-parallel degree"),
@@ -72,9 +76,7 @@ def register(subparsers) -> None:
         default=None,
         help="training precision (default: training.dtype)",
     )
-    parser.add_argument(
-        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
-    )
+    add_config_flags(parser)
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -86,7 +88,7 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, overrides=args.overrides)
     system = load_system(args.system)
     strategy = _strategy(args, config.training)
     dtype = args.dtype or config.training.dtype
@@ -101,10 +103,10 @@ def _run(args: argparse.Namespace) -> int:
 def _strategy(args: argparse.Namespace, training: TrainingConfig) -> Strategy:
     """The flags' strategy; what the flags leave out comes from the config's training section."""
     if args.interleave is not None and args.interleave < 1:
-        raise PlanError(f"--interleave: {args.interleave} must be at least 1")
+        raise UsageError(f"--interleave: {args.interleave} must be at least 1")
     virtual_stages = args.interleave if args.interleave is not None else training.pipeline_virtual_stages
     if args.gpipe and virtual_stages > 1:
-        raise PlanError("--gpipe cannot be combined with interleaving (--interleave or the config's stages)")
+        raise UsageError("--gpipe cannot be combined with interleaving (--interleave or the config's stages)")
     if args.gpipe:
         schedule = "gpipe"
     elif args.interleave is not None:

@@ -23,7 +23,7 @@ def register(subparsers) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from cona.runner.report import build_report  # matplotlib loads only for this command
+    from cona.runner.views.report_build import build_report  # matplotlib loads only for this command
 
     result = build_report(args.run_dirs, args.out)
     print(f"report: {result.html}")

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cona.config import load_config
-from cona.errors import PlanError
+from cona.commands.config_flags import add_config_flags
+from cona.commands.search_flags import add_search_flags, botorch_choice
+from cona.config_file import load_config
+from cona.errors import UsageError
 from cona.planner.profiles import BACKENDS
 from cona.strategy import Strategy
 
@@ -44,18 +46,14 @@ def register(subparsers) -> None:
         "by predicted iteration time, with the time split and memory of each.",
     )
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    parser.add_argument("--system", required=True, help="system name (e.g. a100_80g) or system JSON file")
-    parser.add_argument("--gbs", type=int, required=True, help="global batch size in samples")
     parser.add_argument(
-        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
+        "--system", required=True, help="system name (cona systems lists them) or system JSON file"
     )
+    parser.add_argument("--gbs", type=int, required=True, help="global batch size in samples")
+    add_config_flags(parser)
     parser.add_argument("--top", type=int, default=10, help="how many strategies to show (default 10)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    parser.add_argument(
-        "--no-botorch",
-        action="store_true",
-        help="evaluate every strategy (exhaustive) instead of Bayesian optimisation",
-    )
+    add_search_flags(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the Bayesian search (default 0)")
     parser.add_argument(
         "--zero-stages", default="0,1,2,3", help="comma-separated ZeRO stages to consider (default 0,1,2,3)"
@@ -74,21 +72,20 @@ def register(subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     # Imported here so that `cona --help` does not load the planner (and BoTorch's torch).
-    from cona.planner.search import bayesian_search, exhaustive_search
+    from cona.planner.search_choice import search_strategies
     from cona.planner.space import SpaceOptions
     from cona.planner.systems import load_system
 
-    if args.top < 1:
-        raise PlanError(f"--top must be at least 1, got {args.top}")
-    config = load_config(args.config)
+    for flag_name, value in (("--top", args.top), ("--gpus", args.gpus), ("--gbs", args.gbs)):
+        if value < 1:
+            raise UsageError(f"{flag_name} must be at least 1, got {value}")
+    config = load_config(args.config, overrides=args.overrides)
     system = load_system(args.system)
     options = SpaceOptions(
         zero_stages=_zero_stages(args.zero_stages), allow_cross_node_tp=args.allow_cross_node_tp
     )
-    search = exhaustive_search if args.no_botorch else bayesian_search
-    extra = {} if args.no_botorch else {"seed": args.seed}
     started = time.perf_counter()
-    result = search(
+    result = search_strategies(
         config.model,
         system,
         args.gpus,
@@ -97,7 +94,8 @@ def _run(args: argparse.Namespace) -> int:
         dtype=config.training.dtype,
         top_k=max(args.top, EXPLAIN_POOL),
         backend=args.backend,
-        **extra,
+        botorch=botorch_choice(args),
+        seed=args.seed,
     )
     seconds = time.perf_counter() - started
     header = {
@@ -123,7 +121,7 @@ def _zero_stages(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise PlanError(
+        raise UsageError(
             f"--zero-stages: expected comma-separated integers like 0,1,2,3, got {text!r}"
         ) from None
 

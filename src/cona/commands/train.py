@@ -1,11 +1,14 @@
-"""``cona train``: one fixed strategy (``--dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``), a
+"""``cona train``: one fixed strategy (``--dp D --tp T --pp P --gbs G --mbs M --iters N [--workdir W]``), a
 chain (``--chain FILE``) or online search (``--gpus N`` alone).
 
 The flags become a typed run description (:mod:`cona.commands.train_runs`) and nothing below this module
 sees them; every mode then runs through the one stage driver (:mod:`cona.runner.driver`): a chain from its
-file (:mod:`cona.runner.sequence`; a fixed strategy is a one-stage chain, its layout checked before anything
-is launched), online mode from the policy (:mod:`cona.runner.online`). Every mode also runs across nodes
-(--num-nodes, --hostfile; :mod:`cona.runner.across_nodes`). ``--backend megatron-deepspeed --repo-path PATH``
+file (:mod:`cona.runner.schedules.sequence`; a fixed strategy is a one-stage chain, its layout checked before
+anything
+is launched), online mode from the policy (:mod:`cona.runner.schedules.online`). Every mode also runs across
+nodes
+(--num-nodes, --hostfile; :mod:`cona.runner.nodes.across_nodes`). ``--backend megatron-deepspeed --repo-path
+PATH``
 (``--repo-path`` alone implies it) runs the fixed and chain modes through a Megatron-DeepSpeed checkout
 (:mod:`cona.backends.megatron_deepspeed`).
 """
@@ -20,26 +23,34 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cona.commands.config_flags import add_config_flags
+from cona.commands.search_flags import add_search_flags
 from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
-from cona.errors import ConaError
+from cona.errors import UsageError
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 
 if TYPE_CHECKING:
     from cona.backends.megatron_deepspeed.environment import MdsEnvironment
-    from cona.runner.console import RunConsole
     from cona.runner.stage_run import Launcher
+    from cona.runner.views.console import RunConsole
 
-FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters", "workdir")
+FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters")
 MULTI_NODE_FLAGS = ("num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
 BACKENDS = ("native", "megatron-deepspeed")
-ONLINE_FLAGS = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "no_botorch")
+ONLINE_FLAGS = (
+    "system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "botorch", "no_botorch"
+)  # fmt: skip
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "train",
-        help="Train under a fixed strategy (--dp --tp --pp --gbs --mbs --iters --workdir)",
-        description="Train under one fixed strategy: dp*tp*pp CPU processes or GPUs, for --iters iterations.",
+        help="Train: a fixed strategy, a strategy chain (--chain) or online strategy chaining (--gpus)",
+        description="Train in one of three modes. Fixed strategy: --dp --tp --pp --gbs --mbs --iters "
+        "(dp*tp*pp CPU processes or GPUs). Strategy chain: --chain FILE, its steps one after another. "
+        "Online strategy chaining: --gpus N --system S --initial-gbs G with a budget (--total-iters, "
+        "--total-tokens or --target-ppl); the search chooses and switches the strategies while training. "
+        "Checkpoints go under --workdir (default: the current directory) in every mode.",
     )
     fixed = parser.add_argument_group("fixed strategy")
     for name, help_text in (
@@ -51,10 +62,13 @@ def register(subparsers) -> None:
         ("iters", "iterations to train"),
     ):
         fixed.add_argument(f"--{name}", type=int, default=None, metavar=name[0].upper(), help=help_text)
-    fixed.add_argument("--workdir", type=Path, default=None, help="checkpoints go to WORKDIR/checkpoints/...")
     parser.add_argument(
-        "--config", default=None, help="config file (default: .conaconfig in cwd or a parent)"
+        "--workdir",
+        type=Path,
+        default=None,
+        help="checkpoints go to WORKDIR/checkpoints/... in every mode (default: the current directory)",
     )
+    add_config_flags(parser)
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -131,7 +145,7 @@ def _add_backend_flags(parser: argparse.ArgumentParser) -> None:
 def _add_online_flags(parser: argparse.ArgumentParser) -> None:
     online = parser.add_argument_group("online strategy chaining (--gpus without --chain)")
     online.add_argument(
-        "--system", default=None, help="system the performance model plans for (cona predict lists them)"
+        "--system", default=None, help="system the performance model plans for (cona systems lists them)"
     )
     online.add_argument("--initial-gbs", type=int, default=None, help="global batch size of the first stage")
     online.add_argument(
@@ -142,12 +156,7 @@ def _add_online_flags(parser: argparse.ArgumentParser) -> None:
     online.add_argument(
         "--target-ppl", type=float, default=None, help="stop at the first evaluation with perplexity <= this"
     )
-    online.add_argument(
-        "--no-botorch",
-        action="store_true",
-        default=None,
-        help="search each frontier exhaustively instead of by Bayesian optimisation",
-    )
+    add_search_flags(online)
 
 
 def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
@@ -186,10 +195,10 @@ def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def _train_chain(args: argparse.Namespace, mds: bool) -> None:
-    for names in (FIXED_STRATEGY_FLAGS[:-1], ONLINE_FLAGS):
+    for names in (FIXED_STRATEGY_FLAGS, ONLINE_FLAGS):
         given = _given(args, names)
         if given:
-            raise ConaError(
+            raise UsageError(
                 f"cona train: --chain takes the strategies from the chain file; drop {', '.join(given)}"
             )
     if mds:
@@ -198,7 +207,7 @@ def _train_chain(args: argparse.Namespace, mds: bool) -> None:
         environment = _mds_environment(args)
         run_mds_chain(chain_run(args), environment)
         return
-    from cona.runner.sequence import run_chain  # imports torch: not at `cona --help`
+    from cona.runner.schedules.sequence import run_chain  # imports torch: not at `cona --help`
 
     with _console_and_launcher(args) as (console, launcher):
         run_chain(chain_run(args), launcher=launcher, out=console.message)
@@ -206,9 +215,9 @@ def _train_chain(args: argparse.Namespace, mds: bool) -> None:
 
 def _train_online(args: argparse.Namespace, mds: bool) -> None:
     _refuse_switch_in_place(args)
-    others = _given(args, FIXED_STRATEGY_FLAGS[:-1])
+    others = _given(args, FIXED_STRATEGY_FLAGS)
     if others:
-        raise ConaError(
+        raise UsageError(
             "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
             f"drop {', '.join(others)}"
         )
@@ -218,7 +227,7 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
         run = dataclasses.replace(online_run(args), backend=BACKEND_NAME)
         run_mds_online(run, _mds_environment(args))
         return
-    from cona.runner.online import run_online  # imports torch: not at `cona --help` time
+    from cona.runner.schedules.online import run_online  # imports torch: not at `cona --help` time
 
     with _console_and_launcher(args) as (console, launcher):
         run_online(online_run(args), launcher=launcher, out=console.message)
@@ -228,7 +237,7 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
 def _console_and_launcher(args: argparse.Namespace) -> Iterator[tuple[RunConsole, Launcher]]:
     """The console of a chain or online run and its stage launcher (a worker session unless
     ``--restart-workers``), shown through the console."""
-    from cona.runner.console import RunConsole
+    from cona.runner.views.console import RunConsole
     from cona.runner.worker_session import stage_launcher
 
     console = RunConsole.for_stdout(quiet=args.quiet)
@@ -239,20 +248,20 @@ def _console_and_launcher(args: argparse.Namespace) -> Iterator[tuple[RunConsole
 def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
     online = _given(args, ONLINE_FLAGS)
     if online:
-        raise ConaError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
+        raise UsageError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
     across_nodes = [
         f"--{name.replace('_', '-')}" for name in MULTI_NODE_FLAGS if getattr(args, name) not in (None, False)
     ]
     _refuse_for_one_stage(args, across_nodes=bool(across_nodes))
     config, strategy = fixed_strategy(args)
     from cona.engine.parallel_dims import validate_layout  # imports torch: not at `cona --help` time
-    from cona.runner.console import RunConsole
+    from cona.runner.views.console import RunConsole
 
     console = RunConsole.for_stdout(quiet=args.quiet)
     validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
     if across_nodes:  # a one-stage chain; each node checks its own GPUs
-        from cona.runner.fixed_across_nodes import write_fixed_chain
-        from cona.runner.sequence import run_chain, torchrun_launcher
+        from cona.runner.nodes.fixed_across_nodes import write_fixed_chain
+        from cona.runner.schedules.sequence import run_chain, torchrun_launcher
 
         chain_path, run_name = write_fixed_chain(config, strategy, args.iters, args.run_name)
         run = chain_run(args, chain=chain_path, run_name=run_name)
@@ -277,21 +286,21 @@ def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
 def _refuse_for_one_stage(args: argparse.Namespace, *, across_nodes: bool) -> None:
     """What a single fixed stage cannot take, and the fixed strategy's flags it needs."""
     if args.fresh and not across_nodes:  # one fixed stage always starts a new run directory
-        raise ConaError("cona train: --fresh goes with --chain, online mode or a run across nodes")
+        raise UsageError("cona train: --fresh goes with --chain, online mode or a run across nodes")
     if getattr(args, "restart_workers", False):  # one stage: there is nothing to restart
-        raise ConaError("cona train: --restart-workers goes with --chain or online mode")
+        raise UsageError("cona train: --restart-workers goes with --chain or online mode")
     _refuse_switch_in_place(args)
     missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
     if missing:
-        raise ConaError(
+        raise UsageError(
             f"cona train: missing {', '.join(missing)} (a fixed strategy needs --dp --tp --pp "
-            f"--gbs --mbs --iters --workdir)"
+            f"--gbs --mbs --iters)"
         )
 
 
 def _refuse_switch_in_place(args: argparse.Namespace) -> None:
     if getattr(args, "switch_in_place", False):
-        raise ConaError(
+        raise UsageError(
             "cona train: --switch-in-place goes with --chain (online mode switches in place whenever the "
             "layout stays and the workers are kept)"
         )
@@ -306,10 +315,10 @@ def _mds_environment(args: argparse.Namespace) -> MdsEnvironment:
 def _megatron_deepspeed(args: argparse.Namespace) -> bool:
     """Whether the run goes through a Megatron-DeepSpeed checkout (``--repo-path`` alone implies it)."""
     if args.backend == "native" and args.repo_path is not None:
-        raise ConaError(
+        raise UsageError(
             "cona train: --repo-path names a Megatron-DeepSpeed checkout; drop it or --backend native"
         )
     mds = args.backend == "megatron-deepspeed" or args.repo_path is not None
     if not mds and (args.mds_python is not None or args.mds_shim is not None):
-        raise ConaError("cona train: --mds-python and --mds-shim go with --backend megatron-deepspeed")
+        raise UsageError("cona train: --mds-python and --mds-shim go with --backend megatron-deepspeed")
     return mds

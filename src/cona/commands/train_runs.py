@@ -1,7 +1,8 @@
 """``cona train``'s flags as the typed run descriptions the runner takes.
 
 The runner never sees the parsed flags: each mode's flags become one frozen description
-(:class:`~cona.runner.chain_options.ChainRun`, :class:`~cona.runner.online_options.OnlineRun`,
+(:class:`~cona.runner.schedules.chain_options.ChainRun`,
+:class:`~cona.runner.schedules.online_options.OnlineRun`,
 :class:`~cona.runner.fixed.FixedRun`), checked here with a message that names the flag. What every mode
 shares is written once: the config with the ``--device`` override (:func:`run_config`), the device the
 workers will use (:func:`device_type`) and the node placement (:func:`placement`).
@@ -12,17 +13,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cona.config import ConaConfig, TrainingConfig, load_config
-from cona.errors import ChainError, ConaError, LaunchError
-from cona.runner.chain_options import ChainRun
+from cona.commands.search_flags import botorch_choice
+from cona.config import ConaConfig, TrainingConfig
+from cona.config_file import load_config
+from cona.errors import LaunchError, UsageError
 from cona.runner.fixed import FixedRun
 from cona.runner.launch import resolve_port_base
-from cona.runner.multinode import NodePlacement, resolve_placement
-from cona.runner.online_options import OnlineRun
+from cona.runner.nodes.multinode import NodePlacement, resolve_placement
 from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
+from cona.runner.schedules.chain_options import ChainRun
+from cona.runner.schedules.online_options import OnlineRun
 from cona.strategy import Strategy
 
 PLACEMENT_FLAGS = ("num_nodes", "gpus_per_node", "gpus", "hostfile", "master_addr", "node_rank", "no_ssh")
@@ -33,10 +37,12 @@ def flag(flags: Any, name: str) -> Any:
     return getattr(flags, name, None)
 
 
-def run_config(config_path: str | Path | None, device: str | None) -> ConaConfig:
-    """The config (``--config``, else the discovered ``.conaconfig``; data files checked), with
-    ``--device`` overriding ``training.device`` and the log root made absolute."""
-    config = resolve_log_root(load_config(config_path, check_data_files=True))
+def run_config(
+    config_path: str | Path | None, device: str | None, overrides: Sequence[str] | None = ()
+) -> ConaConfig:
+    """The config (``--config``, else the discovered ``.conaconfig``; data files checked) with the
+    ``--set`` overrides, ``--device`` overriding ``training.device`` and the log root made absolute."""
+    config = resolve_log_root(load_config(config_path, check_data_files=True, overrides=overrides or ()))
     if device is None:
         return config
     return dataclasses.replace(config, training=dataclasses.replace(config.training, device=device))
@@ -59,6 +65,11 @@ def device_type(training: TrainingConfig, *, processes: int | None = None) -> st
     return resolved
 
 
+def workdir(flags: Any) -> Path:
+    """``--workdir``, the current directory when not given (the same default in every mode), checked."""
+    return check_workdir(Path(flag(flags, "workdir") or Path.cwd()))
+
+
 def placement(flags: Any) -> NodePlacement:
     """Where this node stands: the placement flags and, inside a Slurm job step, its variables."""
     return resolve_placement({name: flag(flags, name) for name in PLACEMENT_FLAGS}, os.environ)
@@ -69,7 +80,7 @@ def _common(flags: Any, config: ConaConfig, run_name: str, num_nodes: int) -> di
     run_dir = Path(config.training.log_root) / check_run_name(run_name)
     return {
         "config": config,
-        "workdir": check_workdir(Path(flag(flags, "workdir") or Path.cwd())),
+        "workdir": workdir(flags),
         "run_dir": run_dir,
         "base_port": resolve_port_base(flag(flags, "master_port_base"), num_nodes),
         "fresh": bool(flag(flags, "fresh")),
@@ -81,7 +92,7 @@ def chain_run(flags: Any, *, chain: Path | None = None, run_name: str | None = N
     """``cona train --chain FILE [--config] [--device] [--workdir] [--gpus | --num-nodes --gpus-per-node]
     [--run-name] [--master-port-base] [--quiet] [--fresh] [--switch-in-place]`` (``chain`` and
     ``run_name`` replace the flags' for a chain the command wrote itself)."""
-    config = run_config(flag(flags, "config"), flag(flags, "device"))
+    config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     resolved = device_type(config.training)
     nodes = placement(flags)
     chain_path = Path(chain or flags.chain)
@@ -111,7 +122,7 @@ def _chain_world_size(flags: Any, chain_path: Path, resolved_device: str) -> int
         return torch.cuda.device_count()
     first = _first_step_world_size(chain_path)
     if first is None:
-        raise ChainError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
+        raise UsageError("--chain needs the process count: pass --gpus N (on CPU, N worker processes)")
     return first  # the short form on CPU: as many processes as the chain's first step uses
 
 
@@ -127,22 +138,22 @@ def _first_step_world_size(chain_path: Path) -> int | None:
 
 def online_run(flags: Any) -> OnlineRun:
     """``cona train --gpus N --system S --initial-gbs G0 --max-gbs G (--total-iters I | --total-tokens T |
-    --target-ppl P) [--no-botorch] [--config] [--device] [--workdir] [--run-name]``."""
-    config = run_config(flag(flags, "config"), flag(flags, "device"))
+    --target-ppl P) [--botorch | --exhaustive] [--config] [--device] [--workdir] [--run-name]``."""
+    config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     nodes = placement(flags)
     gpus = nodes.num_nodes * nodes.gpus_per_node if nodes.num_nodes > 1 else flag(flags, "gpus")
     initial_gbs = flag(flags, "initial_gbs")
     required = {"--gpus": gpus, "--system": flag(flags, "system"), "--initial-gbs": initial_gbs}
     missing = [name for name, value in required.items() if value is None]
     if missing:
-        raise ConaError(f"cona train (online mode): missing {', '.join(missing)}")
+        raise UsageError(f"cona train (online mode): missing {', '.join(missing)}")
     total_iters, total_tokens, target_ppl = _budget(flags, config.training)
     for name, value in (("--gpus", gpus), ("--initial-gbs", initial_gbs)):
         if int(value) < 1:
-            raise ConaError(f"cona train {name}: must be at least 1, got {value}")
+            raise UsageError(f"cona train {name}: must be at least 1, got {value}")
     max_gbs = int(flag(flags, "max_gbs")) if flag(flags, "max_gbs") is not None else int(initial_gbs)
     if max_gbs < int(initial_gbs):
-        raise ConaError(f"cona train --max-gbs {max_gbs} is below --initial-gbs {initial_gbs}")
+        raise UsageError(f"cona train --max-gbs {max_gbs} is below --initial-gbs {initial_gbs}")
     return OnlineRun(
         world_size=int(gpus),
         device_type=device_type(config.training),
@@ -152,7 +163,7 @@ def online_run(flags: Any) -> OnlineRun:
         total_iters=total_iters,
         total_tokens=total_tokens,
         target_ppl=target_ppl,
-        botorch=not flag(flags, "no_botorch"),
+        botorch=botorch_choice(flags),
         nodes=nodes,
         **_common(flags, config, flag(flags, "run_name") or "online", nodes.num_nodes),
     )
@@ -162,14 +173,14 @@ def _budget(flags: Any, training: TrainingConfig) -> tuple[int | None, int | Non
     """``--total-iters``, ``--total-tokens`` and ``--target-ppl``, checked (one of them is required)."""
     given = (flag(flags, "total_iters"), flag(flags, "total_tokens"), flag(flags, "target_ppl"))
     if all(value is None for value in given):
-        raise ConaError("cona train (online mode): give --total-iters, --total-tokens or --target-ppl")
+        raise UsageError("cona train (online mode): give --total-iters, --total-tokens or --target-ppl")
     total_iters = _positive(given[0], "--total-iters", int)
     total_tokens = _positive(given[1], "--total-tokens", int)
     target_ppl = _positive(given[2], "--target-ppl", float)
     if target_ppl is not None and target_ppl <= 1.0:
-        raise ConaError(f"cona train --target-ppl: a perplexity is above 1, got {given[2]}")
+        raise UsageError(f"cona train --target-ppl: a perplexity is above 1, got {given[2]}")
     if total_iters is None and total_tokens is None and training.lr_decay_tokens is None:
-        raise ConaError(
+        raise UsageError(
             "cona train --target-ppl without --total-iters/--total-tokens trains at most to the LR horizon: "
             "set training.lr_decay_tokens in the config"
         )
@@ -181,17 +192,17 @@ def _positive(value: Any, name: str, kind: type) -> Any:
         return None
     converted = kind(value)
     if converted <= 0:
-        raise ConaError(f"cona train {name}: must be positive, got {value}")
+        raise UsageError(f"cona train {name}: must be positive, got {value}")
     return converted
 
 
 def fixed_strategy(flags: Any) -> tuple[ConaConfig, Strategy]:
-    """The config and strategy of ``cona train --dp D --tp T --pp P --gbs G --mbs M --iters N --workdir W``
+    """The config and strategy of ``cona train --dp D --tp T --pp P --gbs G --mbs M --iters N [--workdir W]``
     (the caller checked that the flags are all given)."""
     if flags.iters <= 0:
-        raise ConaError(f"cona train: --iters must be positive, got {flags.iters}")
-    check_workdir(flags.workdir)
-    config = run_config(flag(flags, "config"), flag(flags, "device"))
+        raise UsageError(f"cona train: --iters must be positive, got {flags.iters}")
+    workdir(flags)
+    config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     return config, strategy_from_flags(flags, config)
 
 
@@ -201,7 +212,7 @@ def fixed_run(flags: Any, config: ConaConfig, strategy: Strategy) -> FixedRun:
         strategy=strategy,
         iters=flags.iters,
         config=config,
-        workdir=check_workdir(flags.workdir),
+        workdir=workdir(flags),
         device_type=device_type(config.training, processes=strategy.world_size),
         run_name=flag(flags, "run_name"),
         base_port=resolve_port_base(flag(flags, "master_port_base"), num_nodes=1),

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cona.config import ConaConfig, split_fractions
+from cona.config import ConaConfig
+from cona.config_checks import split_fractions
 from cona.data.indexed import IndexedDataset
 from cona.data.masking import SPECIALS_PER_SAMPLE, MaskingRule, mask_sample, masking_rule
 from cona.data.tokenizer import BERT_WORDPIECE_LOWER, load_wordpiece_tokenizer

@@ -16,11 +16,14 @@ With dp = 1 no data-parallel wrapper is applied at all.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -34,6 +37,30 @@ from cona.engine.model import GPT
 from cona.strategy import Strategy
 
 ALL_REDUCE_BUCKET_ELEMENTS = 32 * 1024 * 1024
+
+
+def _block_plan(block: nn.Module, seq_layout: Placement, *, sequence_parallel: bool) -> dict[str, Any]:
+    """One block's TP plan: column-parallel inputs of attention and MLP, row-parallel outputs; with sequence
+    parallelism the norms run on the rank's sequence chunk and attention / MLP gather it first."""
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq_layout),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq_layout),
+    }
+    if block.feed_forward.w3 is not None:
+        plan["feed_forward.w3"] = ColwiseParallel()
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan |= {
+            "attention_norm": SequenceParallel(),
+            "attention": gather,
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": gather,
+        }
+    return plan
 
 
 def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
@@ -54,25 +81,9 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
             RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         )
     for key, block in model.layers.items():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq_layout),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq_layout),
-        }
-        if block.feed_forward.w3 is not None:
-            plan["feed_forward.w3"] = ColwiseParallel()
-        if sequence_parallel:
-            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            plan |= {
-                "attention_norm": SequenceParallel(),
-                "attention": gather,
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": gather,
-            }
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(
+            block, tp_mesh, _block_plan(block, seq_layout, sequence_parallel=sequence_parallel)
+        )
         if sequence_parallel and key == "0":
             # Embeddings + positions are replicated; block 0 keeps only this rank's chunk (no communication).
             parallelize_module(

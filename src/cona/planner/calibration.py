@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from scipy.optimize import least_squares
 
 from cona.config import ModelConfig, TrainingConfig
 from cona.errors import PlanError
+from cona.planner.calibration_factors import Calibration
 from cona.planner.flops import ModelShape
 from cona.planner.perf_model import predict
 from cona.planner.systems import System
@@ -35,20 +35,6 @@ of the median step. With too few measurements to tell them apart, a miss is blam
 FACTOR_BOUNDS = (0.02, 50.0)
 STRATEGY_KEYS = ("dp", "tp", "pp", "mbs", "gbs")
 OPTIONAL_KEYS = ("zero_stage", "recompute", "sequence_parallel", "pipeline_schedule", "virtual_stages")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Calibration:
-    """Correction factors for :func:`cona.planner.perf_model.predict` and how well they fit."""
-
-    compute_efficiency: float = 1.0
-    comm_efficiency: float = 1.0
-    overhead_s: float = 0.0
-    """Seconds per micro-batch."""
-    error_before: float = float("nan")
-    """Mean absolute relative error of the uncorrected model on the measurements."""
-    error_after: float = float("nan")
-    measurements: int = 0
 
 
 def relative_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from cona.planner.systems import System, all_gather_time, all_reduce_time, group
 from cona.strategy import SCHEDULE_CODES, Strategy, StrategyArray
 
 if TYPE_CHECKING:
-    from cona.planner.calibration import Calibration
+    from cona.planner.calibration_factors import Calibration
 
 GIB = 2.0**30
 GPIPE = SCHEDULE_CODES["gpipe"]

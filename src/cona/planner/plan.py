@@ -25,9 +25,8 @@ import numpy as np
 
 from cona.config import ConaConfig, TrainingConfig
 from cona.errors import PlanError
-from cona.planner.calibration import Calibration
+from cona.planner.calibration_factors import Calibration
 from cona.planner.chains import NoiseProfile, chain_time, optimal_assignment, raw_tokens, segment_times
-from cona.planner.efficiency import NoiseScaleEstimate
 from cona.planner.policy import (
     Candidate,
     Measurement,
@@ -38,11 +37,12 @@ from cona.planner.policy import (
     next_frontier,
     next_gbs,
 )
-from cona.planner.search import bayesian_search, exhaustive_search
+from cona.planner.search_choice import search_strategies
 from cona.planner.space import SpaceOptions
 from cona.planner.systems import System
 from cona.planner.throughput import ThroughputEstimator
 from cona.planner.trace import Trace
+from cona.planner.trace_progress import noise_profile, progress_at_tokens
 from cona.strategy import Strategy
 
 DEFAULT_SEGMENTS = 400
@@ -93,49 +93,6 @@ class PlanResult:
         return max(self.static, key=lambda plan: plan.time_s)
 
 
-def trace_progress(trace: Trace, base_gbs: int) -> np.ndarray:
-    """Base-batch-equivalent tokens the trace had made at each of its measurements.
-
-    The interval before a measurement counts at the efficiency of the estimate known at its start, with
-    ``(phi + M0) / (phi + M)`` written out because ``phi`` varies along the trace.
-    """
-    steps = np.diff(trace.tokens, prepend=0.0)
-    noise = np.asarray([0.0] + [_phi(trace.estimate(i)) for i in range(len(trace.tokens) - 1)])
-    return np.cumsum(steps * (noise + base_gbs) / (noise + trace.gbs))
-
-
-def _phi(estimate: NoiseScaleEstimate | None) -> float:
-    if estimate is None or estimate.noise_scale is None:
-        return 0.0
-    return estimate.noise_scale
-
-
-def progress_at_tokens(trace: Trace, base_gbs: int, tokens: float) -> float:
-    """The trace's progress after ``tokens`` consumed tokens (PlanError beyond its end)."""
-    if tokens > trace.tokens[-1] * (1 + 1e-9):
-        raise PlanError(
-            f"{trace.source}: the trace covers {trace.tokens[-1]:.4g} tokens, fewer than the {tokens:.4g} "
-            "asked for (--total-tokens / --total-iters)"
-        )
-    points = np.concatenate([[0.0], trace.tokens])
-    progress = np.concatenate([[0.0], trace_progress(trace, base_gbs)])
-    return float(np.interp(tokens, points, progress))
-
-
-def noise_profile(trace: Trace, base_gbs: int, target_progress: float, segments: int) -> NoiseProfile:
-    """The trace's noise scale on ``segments`` equal steps of progress up to ``target_progress``."""
-    if segments < 1:
-        raise PlanError(f"--segments must be at least 1, got {segments}")
-    if not target_progress > 0:
-        raise PlanError("the target lies at the very start of the trace: nothing to plan")
-    progress = trace_progress(trace, base_gbs)
-    edges = np.linspace(0.0, target_progress, segments + 1)
-    # The last measurement at or before each segment's start is what the tracker knows there.
-    known = np.searchsorted(progress, edges[:-1], side="right") - 1
-    estimates = tuple(None if index < 0 else trace.estimate(int(index)) for index in known)
-    return NoiseProfile(edges=edges, estimates=estimates)
-
-
 def frontier_sizes(initial_gbs: int, settings: PolicySettings) -> list[int]:
     """``initial_gbs`` and every frontier after it, up to ``settings.max_gbs``."""
     sizes = [initial_gbs]
@@ -172,7 +129,9 @@ class SearchSettings:
     dtype: str = "bf16"
     options: SpaceOptions | None = None
     calibration: Calibration | None = None
-    botorch: bool = True
+    botorch: bool | None = None
+    """True: Bayesian optimisation, False: exhaustive, None: chosen by the size of the space
+    (:func:`cona.planner.search_choice.uses_botorch`)."""
     backend: str = "native"
     """The backend whose profile predicts the strategies (:data:`cona.planner.profiles.BACKENDS`)."""
     estimator: ThroughputEstimator | None = None
@@ -186,8 +145,7 @@ RERANKED = 16
 
 def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Candidate:
     """The fastest strategy at ``gbs`` that fits, with its expected throughput (PlanError when none fits)."""
-    run = bayesian_search if search.botorch else exhaustive_search
-    result = run(
+    result = search_strategies(
         config.model,
         search.system,
         search.n_gpus,
@@ -197,6 +155,7 @@ def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Cand
         calibration=None if search.estimator is not None else search.calibration,
         top_k=1 if search.estimator is None else RERANKED,
         backend=search.backend,
+        botorch=search.botorch,
     )
     if search.estimator is None:
         return Candidate(
@@ -309,7 +268,7 @@ def stages_of(
 
 
 def chain_config(stages: tuple[Stage, ...]) -> dict:
-    """A chain file (:mod:`cona.runner.chain`) that trains ``stages`` in order."""
+    """A chain file (:mod:`cona.runner.schedules.chain`) that trains ``stages`` in order."""
     steps = []
     for number, stage in enumerate(stages, start=1):
         s = stage.strategy

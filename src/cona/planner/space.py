@@ -30,7 +30,7 @@ from cona.planner.systems import System
 from cona.strategy import RECOMPUTE_CODES, SCHEDULE_CODES, StrategyArray
 
 if TYPE_CHECKING:
-    from cona.planner.calibration import Calibration
+    from cona.planner.calibration_factors import Calibration
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -20,7 +20,7 @@ from cona.planner.systems import System, all_gather_time, all_reduce_time, group
 from cona.strategy import RECOMPUTE_CODES, StrategyArray
 
 if TYPE_CHECKING:
-    from cona.planner.calibration import Calibration
+    from cona.planner.calibration_factors import Calibration
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FLASH_BACKWARD_FACTOR = 2.5

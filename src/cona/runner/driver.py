@@ -8,12 +8,13 @@ Every move is saved in ``runner_state.json`` before the next, so rerunning the s
 continues where the run stood.
 
 Where the stages come from is the :class:`Schedule`'s business: a chain file
-(:class:`cona.runner.sequence.ChainSchedule`; a fixed strategy across nodes is a one-step chain) or the
+(:class:`cona.runner.schedules.sequence.ChainSchedule`; a fixed strategy across nodes is a one-step chain) or
+the
 online policy deciding the next stage while the current one trains
-(:class:`cona.runner.online.OnlineSchedule`). The backend (the native engine, or
+(:class:`cona.runner.schedules.online.OnlineSchedule`). The backend (the native engine, or
 :mod:`cona.backends.megatron_deepspeed`) supplies how a stage is launched and how its checkpoint is
 published; across nodes the launcher announces each stage to the other nodes
-(:mod:`cona.runner.across_nodes`).
+(:mod:`cona.runner.nodes.across_nodes`).
 
 **In place.** A switch that keeps the layout may leave the model, optimizer and data in the workers' memory
 instead of going through a checkpoint, when the launcher keeps its workers between stages
@@ -35,14 +36,13 @@ from typing import Any, Protocol
 
 from cona.engine.checkpoint import layout_dir
 from cona.engine.spec import StageResult, StageSpec
-from cona.runner.across_nodes import node_topology, run_across_nodes
-from cona.runner.chain_options import ChainRun
 from cona.runner.in_place import replay_in_place
 from cona.runner.launch import stage_master_port
-from cona.runner.online_options import OnlineRun
+from cona.runner.nodes.across_nodes import node_topology, run_across_nodes
 from cona.runner.publish import publish
 from cona.runner.run_lock import lock_directory, run_locks
-from cona.runner.run_tracker import RunTracker
+from cona.runner.schedules.chain_options import ChainRun
+from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.stage_run import (
     Launcher,
     StageLaunch,
@@ -55,6 +55,7 @@ from cona.runner.stage_run import (
     write_plan,
 )
 from cona.runner.state import RunState, StageState, advance, own_checkpoint, save_state, switch_cost, trained
+from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
 Run = ChainRun | OnlineRun

@@ -2,9 +2,11 @@
 
 The run directory is new (named by the UTC time and the layout unless ``--run-name`` names it); the strategy
 is written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage driver as
-every chain is (:func:`cona.runner.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun; the last
+every chain is (:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun;
+the last
 line says where it stopped and saved. The Megatron-DeepSpeed backend runs its fixed mode the same way; across
-nodes the run name is the strategy's, so that every node agrees on it (:mod:`cona.runner.fixed_across_nodes`).
+nodes the run name is the strategy's, so that every node agrees on it
+(:mod:`cona.runner.nodes.fixed_across_nodes`).
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from typing import TYPE_CHECKING
 
 from cona.config import ConaConfig
 from cona.engine.spec import StageResult, StageSpec
-from cona.runner.chain_options import ChainRun
-from cona.runner.fixed_across_nodes import fixed_chain, write_chain
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
+from cona.runner.nodes.fixed_across_nodes import fixed_chain, write_chain
 from cona.runner.run_dir import create_run_dir, default_run_name
+from cona.runner.schedules.chain_options import ChainRun
 from cona.strategy import Strategy
 
 if TYPE_CHECKING:
-    from cona.runner.console import RunConsole
+    from cona.runner.views.console import RunConsole
 
 FIXED_CHAIN_NAME = "fixed_chain.json"
 
@@ -73,7 +75,7 @@ def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
 def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
     """Train the one stage to ``run.iters`` through the stage driver and print where it stopped; returns
     its result."""
-    from cona.runner.sequence import run_chain  # imports torch
+    from cona.runner.schedules.sequence import run_chain  # imports torch
     from cona.runner.stage_run import torchrun_launcher
 
     run_dir = run.new_run_dir()

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from cona.engine.checkpoint import LATEST_UNIVERSAL, verify_complete
 from cona.errors import CheckpointError
-from cona.runner.chain import PruneRule, resolve_ckpt_dir
+from cona.runner.schedules.chain import PruneRule, resolve_ckpt_dir
 
 LOG = logging.getLogger(__name__)
 UNIVERSAL_SUFFIX = "_universal"

@@ -32,10 +32,12 @@ from cona.engine.checkpoint import LATEST, TRAINER_STATE_FILE, read_checkpoint_i
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
-from cona.runner.chain import ChainConfig
-from cona.runner.online_stages import STAGES_NAME
+from cona.runner.schedules.chain import ChainConfig
+from cona.runner.schedules.online_stages import STAGES_NAME
 
 STATE_NAME = "runner_state.json"
+ONLINE_CHAIN = "online"
+"""The ``chain_path`` of an online run's state: its stages come from the search, not from a file."""
 REALIZED_NAME = "realized_chain.json"
 """An online run's realized chain (a chain file that replays it)."""
 FRESH_FILES = (

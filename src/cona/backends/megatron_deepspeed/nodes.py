@@ -1,8 +1,9 @@
 """A Megatron-DeepSpeed stage across nodes: each node's runner starts its share with ``deepspeed --no_ssh``.
 
-CONA's multi-node driver (:mod:`cona.runner.across_nodes`) gives every node's runner the same stage specs
-(shared run directory) and this backend's launcher on each node runs the same launches in the same order (the
-verification launch, then training), each with ``--hostfile --no_ssh --node_rank R``. The hostfile handed to
+CONA's multi-node driver (:mod:`cona.runner.nodes.across_nodes`) gives every node's runner the same stage
+specs (shared run directory) and this backend's launcher on each node runs the same launches in the same
+order (the verification launch, then training), each with ``--hostfile --no_ssh --node_rank R``. The
+hostfile handed to
 DeepSpeed only counts processes (with ``--no_ssh`` and an explicit ``--master_addr`` DeepSpeed never
 contacts the hosts), so it is written per stage from the topology.
 

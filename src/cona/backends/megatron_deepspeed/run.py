@@ -1,16 +1,16 @@
 """``cona train --backend megatron-deepspeed --repo-path PATH``: fixed, chain and online modes via a checkout.
 
-Fixed and chain modes run through :func:`cona.runner.sequence.run_chain`, online mode through
-:func:`cona.runner.online.run_online`, with this backend's launcher and publisher (a fixed strategy is a
-one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage state machine, the
-backend says how a stage is launched, saved and verified, so the run directory, its state and its resume
-behave as the native backend's. Online mode gets its gradient-noise inputs from CONA's hooks in the launched
-processes (``launched/``), and its stages stop at the search's switch request through the same hooks.
-Across nodes every node's runner starts its share of each stage with ``deepspeed --no_ssh`` (:mod:`.nodes`).
-Everything this backend cannot run is refused before the first launch: node 0 starting the other nodes
-over ssh, a tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a
-checkout (online mode: such a checkout at all, since the policy may choose either), and the config keys
-:func:`.commands.check_supported` names.
+Fixed and chain modes run through :func:`cona.runner.schedules.sequence.run_chain`, online mode through
+:func:`cona.runner.schedules.online.run_online`, with this backend's launcher and publisher (a fixed
+strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage state
+machine, the backend says how a stage is launched, saved and verified, so the run directory, its state and
+its resume behave as the native backend's. Online mode gets its gradient-noise inputs from CONA's hooks in
+the launched processes (``launched/``), and its stages stop at the search's switch request through the same
+hooks. Across nodes every node's runner starts its share of each stage with ``deepspeed --no_ssh``
+(:mod:`.nodes`). Everything this backend cannot run is refused before the first launch: node 0 starting the
+other nodes over ssh, a tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches >
+1 on such a checkout (online mode: such a checkout at all, since the policy may choose either), and the
+config keys :func:`.commands.check_supported` names.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_lay
 from cona.backends.megatron_deepspeed.stage import MdsBackend
 from cona.backends.megatron_deepspeed.universal import check_reshardable
 from cona.errors import ChainError, ConfigError
-from cona.runner.chain import load_chain, planned_iterations
-from cona.runner.chain_options import ChainRun
 from cona.runner.fixed import FixedRun, one_stage_chain
-from cona.runner.multinode import NodePlacement
-from cona.runner.online import run_online
-from cona.runner.online_options import OnlineRun
-from cona.runner.sequence import run_chain
+from cona.runner.nodes.multinode import NodePlacement
+from cona.runner.schedules.chain import load_chain, planned_iterations
+from cona.runner.schedules.chain_options import ChainRun
+from cona.runner.schedules.online import run_online
+from cona.runner.schedules.online_options import OnlineRun
+from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import checkpoint_dtype
 from cona.runner.state import RunState
 from cona.strategy import Strategy

@@ -1,6 +1,6 @@
 """One stage through Megatron-DeepSpeed: the chain runner's launcher and publisher for this backend.
 
-:class:`MdsBackend` plugs into :func:`cona.runner.sequence.run_chain` (``launcher=backend.launch,
+:class:`MdsBackend` plugs into :func:`cona.runner.schedules.sequence.run_chain` (``launcher=backend.launch,
 publisher=backend.publish``), so the run directory, ``runner_state.json``, plans, pruning and the switch-cost
 lines
 are the native backend's. Per stage it writes ``stages/<N>/ds_config.json``, ``command.txt`` and

@@ -1,7 +1,8 @@
 """How the runners of a multi-node run agree on every stage boundary: keys in the runners' store.
 
 **Agreement.** Every node runs the same command. Node 0's runner hosts a ``torch.distributed.TCPStore``
-(:mod:`cona.runner.runners_store`) on ``--master-port-base``; the others connect to it at ``--master-addr``.
+(:mod:`cona.runner.nodes.runners_store`) on ``--master-port-base``; the others connect to it at
+``--master-addr``.
 The keys:
 
 - ``joined/<r>``: node r's runner connected (a counter: a second runner with the same node rank is refused).
@@ -25,11 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cona.errors import LaunchError
-from cona.runner.multinode import NodePlacement
-from cona.runner.runners_store import Heartbeat, PeerWatch, RunnersStore, timeout_text, wait_until
+from cona.runner.nodes.multinode import NodePlacement
+from cona.runner.nodes.runners_store import Heartbeat, PeerWatch, RunnersStore, timeout_text, wait_until
 
 if TYPE_CHECKING:
-    from cona.runner.multinode import RemoteRunners
+    from cona.runner.nodes.multinode import RemoteRunners
 
 ABORT_GRACE_S = 5.0
 """How long node 0, stopping the run, keeps the store up for the other nodes to read why."""

@@ -38,9 +38,9 @@ from cona.planner.policy import (
     next_frontier,
     strategy_dict,
 )
-from cona.runner.frontier import FrontierSearch
 from cona.runner.jsonl_tail import JsonlTail
-from cona.runner.run_tracker import RunTracker
+from cona.runner.schedules.frontier import FrontierSearch
+from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
 DECISIONS_NAME = "decisions.jsonl"

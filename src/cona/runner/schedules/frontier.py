@@ -8,7 +8,7 @@ from cona.config import ConaConfig
 from cona.errors import PlanError
 from cona.planner.plan import space_options
 from cona.planner.policy import Candidate
-from cona.planner.search import bayesian_search, exhaustive_search
+from cona.planner.search_choice import search_strategies
 from cona.planner.systems import System
 from cona.planner.throughput import Point, ThroughputEstimator, model_step_seconds
 from cona.strategy import Strategy
@@ -27,7 +27,7 @@ class FrontierSearch:
         system: System,
         n_gpus: int,
         dtype: str,
-        botorch: bool,
+        botorch: bool | None = None,
         top_k: int = 16,
         backend: str = "native",
     ) -> None:
@@ -76,9 +76,8 @@ class FrontierSearch:
 
     def _search(self, gbs: int) -> list[tuple[Strategy, float]]:
         """The model's ``top_k`` strategies of ``gbs`` with their raw model step seconds."""
-        run = bayesian_search if self.botorch else exhaustive_search
         try:
-            result = run(
+            result = search_strategies(
                 self.config.model,
                 self.system,
                 self.n_gpus,
@@ -86,6 +85,7 @@ class FrontierSearch:
                 options=self.options,
                 dtype=self.dtype,
                 top_k=self.top_k,
+                botorch=self.botorch,
                 backend=self.backend,
             )
         except PlanError:

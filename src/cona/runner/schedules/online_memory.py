@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state
-from cona.runner.online_options import OnlineRun
-from cona.runner.online_report import stage_rows
-from cona.runner.online_search import PendingSwitch
-from cona.runner.online_stages import StageRecords
+from cona.runner.schedules.online_options import OnlineRun
+from cona.runner.schedules.online_search import PendingSwitch
+from cona.runner.schedules.online_stages import StageRecords
 from cona.runner.state import RunState, noise_tracker
+from cona.runner.views.online_report import stage_rows
 
 
 @dataclass

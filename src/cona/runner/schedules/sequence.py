@@ -13,7 +13,7 @@ layout continues that step's state in the workers' memory instead: the previous 
 
 Across nodes (``--num-nodes``) every node runs the same command: node 0 drives the chain as above, announcing
 each stage to the other nodes' runners and publishing only once all of them left it
-(:mod:`cona.runner.multinode_sync`); the others run their part of each stage it announces.
+(:mod:`cona.runner.nodes.multinode_sync`); the others run their part of each stage it announces.
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ from pathlib import Path
 from cona.engine.checkpoint import resolve_checkpoint
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
-from cona.runner.chain import (
+from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
+from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
+from cona.runner.run_dir import point_latest
+from cona.runner.run_lock import lock_directory
+from cona.runner.schedules.chain import (
     ChainConfig,
     ChainStep,
     content_digest,
@@ -33,15 +37,10 @@ from cona.runner.chain import (
     load_chain,
     planned_tokens,
 )
-from cona.runner.chain_options import ChainRun
-from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
-from cona.runner.multinode import runner_command
-from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
-from cona.runner.run_dir import point_latest
-from cona.runner.run_lock import lock_directory
-from cona.runner.run_tracker import RunTracker
+from cona.runner.schedules.chain_options import ChainRun, runner_command
 from cona.runner.stage_run import Launcher, StageLaunch, StageLR, checkpoint_dtype, torchrun_launcher
 from cona.runner.state import RunState, StageState, finished_result, open_run
+from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
 __all__ = ["ChainRun", "ChainSchedule", "Launcher", "StageLaunch", "run_chain", "torchrun_launcher"]

@@ -6,7 +6,7 @@ the ``SLURM_*`` variables, give a :class:`NodePlacement`. Node 0 is the master's
 ranks 1, 2, ... in hostfile order.
 
 **Start.** Every node runs the same command; the runners agree on every stage boundary through a store
-node 0's runner hosts (:mod:`cona.runner.multinode_sync`). Without ``--no-ssh`` node 0 starts the other
+node 0's runner hosts (:mod:`cona.runner.nodes.multinode_sync`). Without ``--no-ssh`` node 0 starts the other
 runners over ssh (:class:`RemoteRunners`).
 """
 
@@ -29,7 +29,6 @@ from cona.errors import LaunchError
 
 if TYPE_CHECKING:
     from cona.config import ConaConfig
-    from cona.runner.chain_options import ChainRun
 
 SSH_OPTIONS_ENV = "CONA_SSH_OPTIONS"
 """Extra ssh options for starting the other nodes (shell syntax), e.g. ``-p 2222 -i ~/.ssh/cluster``."""
@@ -236,19 +235,6 @@ def check_local_address(addr: str) -> None:
 # ---------------------------------------------------------------- ssh start of the other nodes
 
 
-def runner_command(run: ChainRun) -> list[str]:
-    """The ``cona train --chain`` command of this run, for the runners node 0 starts on the other hosts."""
-    return cona_command(
-        ["--chain", str(run.chain_path.resolve())],
-        config=run.config,
-        nodes=run.nodes,
-        run_dir=run.run_dir,
-        workdir=run.workdir,
-        base_port=run.base_port,
-        quiet=run.quiet,
-    )
-
-
 def cona_command(
     mode_args: Sequence[str],
     *,
@@ -270,6 +256,8 @@ def cona_command(
     ]  # fmt: skip
     if config.path is not None:
         command += ["--config", str(Path(config.path).resolve())]
+    for override in config.overrides:  # the same config on every node
+        command += ["--set", override]
     if nodes.hostfile is not None:
         command += ["--hostfile", str(nodes.hostfile)]
     return command + (["--quiet"] if quiet else [])

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from cona.engine.metrics import eval_ppl_label, format_console_line
 from cona.planner.policy import DEFAULT_HYSTERESIS
-from cona.runner.report import strategy_label
+from cona.runner.views.report import strategy_label
 
 Record = Mapping[str, Any]
 _FINITE_IN_WORKER = ("loss", "lr", "step_time_s", "tokens_per_s", "grad_norm")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cona.config import ConaConfig
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
-from cona.runner.multinode import NodePlacement
+from cona.runner.nodes.multinode import NodePlacement, cona_command
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,3 +35,16 @@ class ChainRun:
     """A step that keeps the previous step's layout continues the state in the workers' memory (when the
     launcher keeps its workers, see :mod:`cona.runner.worker_session`) instead of saving, publishing and
     loading a checkpoint; a layout change always goes through the checkpoint and its verification."""
+
+
+def runner_command(run: ChainRun) -> list[str]:
+    """The ``cona train --chain`` command of this run, for the runners node 0 starts on the other hosts."""
+    return cona_command(
+        ["--chain", str(run.chain_path.resolve())],
+        config=run.config,
+        nodes=run.nodes,
+        run_dir=run.run_dir,
+        workdir=run.workdir,
+        base_port=run.base_port,
+        quiet=run.quiet,
+    )

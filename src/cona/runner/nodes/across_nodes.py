@@ -1,7 +1,8 @@
 """Any mode of ``cona train`` across nodes: node 0 drives, the other nodes run what it announces.
 
 A chain, an online run and a fixed strategy differ only in how node 0 decides its stages (a chain file, the
-online search, one stage). What every node does is the same (:mod:`cona.runner.multinode_sync`): node 0's
+online search, one stage). What every node does is the same (:mod:`cona.runner.nodes.multinode_sync`): node
+0's
 runner hosts the runners' store on the port base and wraps its stage launcher so that each stage is
 announced there to the other nodes' runners, which start their share of its workers, and the checkpoint is
 published only once every node reported leaving training. The other nodes therefore never need the mode's
@@ -18,9 +19,9 @@ from pathlib import Path
 
 from cona.engine.spec import StageSpec
 from cona.runner.launch import Topology
-from cona.runner.multinode import NodePlacement, RemoteRunners
-from cona.runner.multinode_sync import Coordinator, follow
-from cona.runner.runners_store import store_port
+from cona.runner.nodes.multinode import NodePlacement, RemoteRunners
+from cona.runner.nodes.multinode_sync import Coordinator, follow
+from cona.runner.nodes.runners_store import store_port
 from cona.runner.stage_run import Launcher, StageLaunch
 from cona.runner.state import RunState, load_state
 

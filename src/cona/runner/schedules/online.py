@@ -2,7 +2,8 @@
 
 A chain whose next step is decided while it trains: the one stage driver (:mod:`cona.runner.driver`) with a
 schedule that asks the policy. Stage 1 runs the best strategy the search finds for ``G0``; beside every
-stage a search thread (:mod:`cona.runner.online_search`) reads ``metrics.jsonl`` and asks the policy whether
+stage a search thread (:mod:`cona.runner.schedules.online_search`) reads ``metrics.jsonl`` and asks the
+policy whether
 the frontier's best strategy pays for a switch. When it does, the workers save at the next step boundary
 (or, for a switch that keeps the layout in a worker session, hand their state over in place) and exit; the
 schedule records the new stage, the driver publishes the checkpoint, rescales the LR for the new gbs
@@ -29,19 +30,24 @@ from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
 from cona.planner.policy import Candidate
 from cona.planner.systems import load_system
-from cona.runner.chain import content_digest
 from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
-from cona.runner.multinode import cona_command
-from cona.runner.online_memory import Memory, resumed_memory
-from cona.runner.online_options import OnlineRun
-from cona.runner.online_report import print_summary, realized_chain
-from cona.runner.online_search import Budget, FrontierSearch, PendingSwitch, StageOutcome, StageSearch
-from cona.runner.online_stages import StageRecords
+from cona.runner.nodes.multinode import cona_command
 from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
-from cona.runner.run_tracker import RunTracker
+from cona.runner.schedules.chain import content_digest
+from cona.runner.schedules.online_memory import Memory, resumed_memory
+from cona.runner.schedules.online_options import OnlineRun
+from cona.runner.schedules.online_search import (
+    Budget,
+    FrontierSearch,
+    PendingSwitch,
+    StageOutcome,
+    StageSearch,
+)
+from cona.runner.schedules.online_stages import StageRecords
 from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, torchrun_launcher
 from cona.runner.state import (
+    ONLINE_CHAIN,
     REALIZED_NAME,
     RunState,
     StageState,
@@ -51,6 +57,8 @@ from cona.runner.state import (
     save_state,
     saved_result,
 )
+from cona.runner.views.online_report import print_summary, realized_chain
+from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
 __all__ = ["REALIZED_NAME", "OnlineRun", "OnlineSchedule", "run_online"]
@@ -67,7 +75,7 @@ def run_online(
     ``launcher`` and ``publisher``: the backend's (the Megatron-DeepSpeed backend passes its own).
 
     Across nodes node 0 searches, decides and announces every stage; the other nodes run their share of
-    each (:mod:`cona.runner.across_nodes`)."""
+    each (:mod:`cona.runner.nodes.across_nodes`)."""
     remote_command = cona_command(
         run.mode_args(),
         config=run.config,
@@ -164,7 +172,7 @@ class OnlineSchedule:
             )
         self.records.add(first, action="initial", reason=f"best strategy at --initial-gbs {run.initial_gbs}")
         state = RunState(
-            chain_path="online",
+            chain_path=ONLINE_CHAIN,
             chain_digest=run.identity(),
             config_digest=content_digest(run.config.to_dict()),
             world_size=run.world_size,

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cona.runner.report import (
+from cona.runner.views.report import (
     SWITCH_PARTS,
     RunData,
     predicted_throughput,
@@ -20,7 +20,7 @@ from cona.runner.report import (
     strategy_label,
     switch_costs,
 )
-from cona.runner.report_figures import PART_NAMES
+from cona.runner.views.report_figures import PART_NAMES
 
 PAGE_NAME = "index.html"
 STYLE = """

@@ -17,7 +17,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter
 
 from cona.planner.efficiency import MIN_SAMPLES
-from cona.runner.report import (
+from cona.runner.views.report import (
     SWITCH_PARTS,
     RunData,
     StageSummary,
@@ -28,6 +28,7 @@ from cona.runner.report import (
     stage_summaries,
     switch_costs,
 )
+from cona.runner.views.report_axes import SwitchLabel, draw_switch_labels, label_log_axis, legend_beside
 
 DPI = 110
 SWITCH_STYLE = {"linestyle": "--", "linewidth": 1.0, "alpha": 0.8}
@@ -106,6 +107,7 @@ def _loss_figure(
     figure = Figure(figsize=(9, 6.5 if has_eval else 4), layout="constrained")
     axes = figure.subplots(2 if has_eval else 1, 1, sharex=True, squeeze=False)[:, 0]
     colors = run_colors(len(runs))
+    switch_labels: list[SwitchLabel] = []
     for run, run_stages, color in zip(runs, stages, colors, strict=True):
         x, loss = _x_values(run, run.metrics, axis, divisor), _column(run.metrics, "loss")
         if axis == "time":  # no line across a switch's downtime: nothing trained then
@@ -118,32 +120,37 @@ def _loss_figure(
             if axis == "time":
                 x, ppl = _break_at_stages(evals, x, ppl)
             axes[1].plot(x, ppl, "o-", color=color, markersize=4)
-        for index, ax in enumerate(axes):
-            _mark_switches(ax, run, run_stages, axis=axis, divisor=divisor, color=color, label=index == 0)
+            _label_last_value(axes[1], x, ppl, color)
+        for ax in axes:
+            _mark_switches(ax, run, run_stages, axis=axis, divisor=divisor, color=color)
+        switch_labels += _switch_labels(axes[0], run, run_stages, axis=axis, divisor=divisor, color=color)
     axes[0].set_ylabel("training loss (nats/token)")
     if has_eval:
         axes[1].set_ylabel("eval perplexity")
         axes[1].set_yscale("log")
-        _label_log_axis(axes[1])
+        label_log_axis(axes[1])
     _x_axis(axes[-1], axis, unit)
     switched = any(len(run_stages) > 1 for run_stages in stages)
     title = f"Loss vs {'wall time' if axis == 'time' else 'tokens'}"
     axes[0].set_title(title + (" (dashed: switch to the labelled strategy)" if switched else ""))
     switch_label = "switch (shaded: downtime)" if axis == "time" else "switch"
     handles = _run_handles(runs, colors, switch_label=switch_label if switched else None)
-    axes[0].legend(handles=handles, loc="best", fontsize=8)
+    legend_beside(axes[0], handles, fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
+    draw_switch_labels(figure, switch_labels)
     return figure
 
 
-def _label_log_axis(ax: Axes) -> None:
-    """Plain numbers (1k, not 10^3) on a log y axis; the minor ticks labelled too when it spans less than a
-    decade (it would show one labelled tick or none)."""
-    ax.yaxis.set_major_formatter(EngFormatter(sep=""))
-    low, high = ax.get_ylim()
-    if high < 10 * low:
-        ax.yaxis.set_minor_formatter(EngFormatter(sep=""))
+def _label_last_value(ax: Axes, x: np.ndarray, y: np.ndarray, color: str) -> None:
+    """The run's last finite value written beside its last point (the value the run ended at)."""
+    finite = np.flatnonzero(np.isfinite(x) & np.isfinite(y))
+    if len(finite):
+        last = finite[-1]
+        ax.annotate(
+            f"{y[last]:.4g}", (x[last], y[last]), xytext=(5, 0), textcoords="offset points",
+            va="center", fontsize=7, color=color,
+        )  # fmt: skip
 
 
 def _x_values(run: RunData, records: Sequence[dict], axis: str, divisor: float) -> np.ndarray:
@@ -175,30 +182,32 @@ def _mark_switches(
     axis: str,
     divisor: float,
     color: str,
-    label: bool,
 ) -> None:
     """A dashed line where each stage after the first began; on the time axis the switch's downtime (end of
     the old stage's training to the end of the new stage's first step) is shaded."""
     for previous, stage in zip(stages, stages[1:], strict=False):
-        if axis == "tokens":
-            x = float(previous.end_tokens)
-        else:
-            x, end = _elapsed(run, np.array([previous.train_end, stage.ready_time]), divisor)
+        x = _switch_x(run, previous, axis, divisor)
+        if axis == "time":
+            end = float(_elapsed(run, np.array([stage.ready_time]), divisor)[0])
             ax.axvspan(x, end, color=color, alpha=0.12, linewidth=0)
         ax.axvline(x, color=color, **SWITCH_STYLE)
-        if label:
-            ax.annotate(
-                stage.label,
-                xy=(x, 1.0),
-                xycoords=("data", "axes fraction"),
-                xytext=(3, -4),
-                textcoords="offset points",
-                rotation=90,
-                va="top",
-                ha="left",
-                fontsize=7,
-                color=color,
-            )
+
+
+def _switch_x(run: RunData, previous: StageSummary, axis: str, divisor: float) -> float:
+    """Where the switch out of ``previous`` is drawn: its last token, or the end of its training."""
+    if axis == "tokens":
+        return float(previous.end_tokens)
+    return float(_elapsed(run, np.array([previous.train_end]), divisor)[0])
+
+
+def _switch_labels(
+    ax: Axes, run: RunData, stages: Sequence[StageSummary], *, axis: str, divisor: float, color: str
+) -> list[SwitchLabel]:
+    """The strategy each stage after the first switched to, at its switch line (drawn last, spread out)."""
+    return [
+        SwitchLabel(ax=ax, x=_switch_x(run, previous, axis, divisor), text=stage.label, color=color)
+        for previous, stage in zip(stages, stages[1:], strict=False)
+    ]
 
 
 def _run_handles(runs: Sequence[RunData], colors: Sequence[str], *, switch_label: str | None) -> list:
@@ -239,7 +248,7 @@ def _strategy_figure(
     gbs_ax.set_yscale("log", base=2)
     gbs_ax.yaxis.set_major_formatter(EngFormatter(sep=""))
     gbs_ax.set_title("Global batch and layout over time (a band per stage: its process start to its save)")
-    gbs_ax.legend(handles=_run_handles(runs, colors, switch_label=None), loc="upper left", fontsize=8)
+    legend_beside(gbs_ax, _run_handles(runs, colors, switch_label=None), fontsize=8)
     gbs_ax.grid(alpha=0.3)
     gbs_ax.margins(x=0.03)
     band_ax.set_yticks(range(len(runs)), [run.name for run in runs], fontsize=8)
@@ -275,14 +284,13 @@ def _noise_figure(runs: Sequence[RunData]) -> Figure | None:
         )
     noise_ax.set_ylabel("samples")
     noise_ax.set_yscale("log")
-    _label_log_axis(noise_ax)
-    noise_ax.tick_params(axis="y", which="minor", labelsize=7)
+    label_log_axis(noise_ax)
     noise_ax.set_title(
         f"Gradient noise scale (smoothed two-batch estimate, from the {MIN_SAMPLES}th measurement) "
         "and the gbs in use",
         fontsize=11,
     )
-    noise_ax.legend(fontsize=8)
+    legend_beside(noise_ax, noise_ax.get_legend_handles_labels()[0], fontsize=8)
     efficiency_ax.axhline(1.0, color="grey", linewidth=0.8)
     efficiency_ax.set_ylabel("statistical efficiency\n(progress per sample vs base gbs)")
     efficiency_ax.set_title("Statistical efficiency of the gbs in use: (noise + base gbs) / (noise + gbs)")

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import ConaConfig
-from cona.runner.chain import content_digest
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
-from cona.runner.multinode import NodePlacement
+from cona.runner.nodes.multinode import NodePlacement
+from cona.runner.schedules.chain import content_digest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +29,9 @@ class OnlineRun:
     total_iters: int | None = None
     total_tokens: int | None = None
     target_ppl: float | None = None
-    botorch: bool = True
+    botorch: bool | None = None
+    """True: each gbs's best strategy by Bayesian optimisation, False: exhaustively, None: chosen by the
+    size of the space (:func:`cona.planner.search_choice.uses_botorch`)."""
     base_port: int | None = DEFAULT_MASTER_PORT_BASE
     """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
     fresh: bool = False
@@ -61,7 +63,7 @@ class OnlineRun:
         ):
             if value is not None:
                 args += [flag, str(value)]
-        return args + ([] if self.botorch else ["--no-botorch"])
+        return args + {None: [], True: ["--botorch"], False: ["--exhaustive"]}[self.botorch]
 
     def identity(self) -> str:
         """A digest of what decides the run's stages: a run directory is only continued with the same."""

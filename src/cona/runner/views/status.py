@@ -31,7 +31,8 @@ from cona.processes import PROC, pid_alive
 from cona.processes import process_state as process_state  # re-exported: it lived here
 from cona.runner.launch import PIDS_GLOB
 from cona.runner.publish import read_marker
-from cona.runner.report import RunData, load_run, strategy_label
+from cona.runner.state import ONLINE_CHAIN
+from cona.runner.views.report import RunData, load_run, strategy_label
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +129,12 @@ def _stage_position(run: RunData) -> tuple[int | None, int | None, str, int | No
             last = run.state.stages[-1]
             return last.step_num, total, "finished", last.target_iteration
         state = "running" if current.status == "running" else current.status
+        if run.state.chain_path == ONLINE_CHAIN:
+            # The search adds a stage at each switch, so the count so far is no total: "2 of 2" would
+            # read as the last stage.
+            switches = current.step_num - 1
+            state += f", online: {switches} switch{'es' if switches != 1 else ''} so far"
+            return current.step_num, None, state, current.target_iteration
         return current.step_num, total, state, current.target_iteration
     numbers = sorted(set(run.specs) | {int(record["stage"]) for record in run.metrics})
     if not numbers:

@@ -6,16 +6,15 @@ lag behind. Everything here reads what is there, turns what it cannot read into 
 file (and line), and never raises for a damaged file; only a directory that is not a run directory at all is
 an error.
 
-The figures are drawn by :mod:`cona.runner.report_figures`, the page by :mod:`cona.runner.report_html`.
+The figures are drawn by :mod:`cona.runner.views.report_figures`, the page by
+:mod:`cona.runner.views.report_html`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -372,46 +371,3 @@ def decision_stage(decision: dict[str, Any], stages: Sequence[StageSummary]) -> 
         return None
     within = [stage.stage for stage in stages if stage.first_iteration <= iteration]
     return within[-1] if within else stages[0].stage
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReportResult:
-    out_dir: Path
-    html: Path
-    figures: tuple[Path, ...]
-    warnings: tuple[str, ...]
-
-
-def build_report(
-    run_dirs: Sequence[Path], out_dir: Path | None = None, *, warn: Callable[[str], None] | None = None
-) -> ReportResult:
-    """Figures and ``index.html`` for one or more run directories (several: overlaid, one colour each)."""
-    from cona.runner.report_figures import draw_all
-    from cona.runner.report_html import write_html
-
-    if not run_dirs:
-        raise ConaError("cona report: name at least one run directory")
-    runs = distinct_names([load_run(Path(run_dir)) for run_dir in run_dirs])
-    out = Path(out_dir) if out_dir is not None else runs[0].run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    figures = draw_all(runs, out)
-    warnings = tuple(warning for run in runs for warning in run.warnings)
-    html = write_html(runs, figures, out, warnings)
-    for warning in warnings:
-        (warn or _stderr)(f"warning: {warning}")
-    return ReportResult(out_dir=out, html=html, figures=tuple(figures.values()), warnings=warnings)
-
-
-def distinct_names(runs: Sequence[RunData]) -> list[RunData]:
-    """The runs, those whose names clash renamed ``<parent>/<name>`` (two log roots' ``dp1``, say)."""
-    names = [run.name for run in runs]
-    return [
-        dataclasses.replace(run, name=f"{run.run_dir.resolve().parent.name}/{run.name}")
-        if names.count(run.name) > 1
-        else run
-        for run in runs
-    ]
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)

@@ -31,7 +31,8 @@ from rich.text import Text
 from cona.engine.spec import StageSpec
 from cona.errors import ConfigError
 from cona.planner.efficiency import NoiseScaleTracker
-from cona.runner.console_format import (
+from cona.runner.jsonl_tail import JsonlTail
+from cona.runner.views.console_format import (
     StageSnapshot,
     StopRule,
     candidate_text,
@@ -43,11 +44,10 @@ from cona.runner.console_format import (
     stage_progress,
     summary_line,
 )
-from cona.runner.jsonl_tail import JsonlTail
-from cona.runner.report import DECISIONS_FILE, strategy_label
+from cona.runner.views.report import DECISIONS_FILE, strategy_label
 
 if TYPE_CHECKING:
-    from cona.runner.sequence import Launcher, StageLaunch
+    from cona.runner.schedules.sequence import Launcher, StageLaunch
 
 CONSOLE_ENV = "CONA_CONSOLE"
 Mode = Literal["rich", "plain", "quiet"]

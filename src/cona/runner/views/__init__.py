@@ -1,0 +1,1 @@
+"""What a person reads: the console, cona status, cona report, the trackers."""
