@@ -107,6 +107,14 @@ MUTATIONS = (
         tests=("tests/engine/test_checkpoint_kills.py",),
     ),
     Mutation(
+        name="prune_newest_periodic",
+        why="keep_checkpoints keeps the oldest periodic checkpoints of a stage and removes the newest",
+        path="src/cona/engine/periodic_save.py",
+        old="sorted(periodic, reverse=True)[keep:]",
+        new="sorted(periodic)[keep:]",
+        tests=("tests/engine/test_periodic_save.py",),
+    ),
+    Mutation(
         name="switch_check_10x",
         why="the switch check accepts a probe loss difference of 10x its tolerance",
         path="src/cona/engine/switch_check.py",

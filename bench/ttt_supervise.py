@@ -117,7 +117,7 @@ def supervise(plan: RunPlan, *, target_ppl: float, patience: int, cap_s: float) 
     """Run one configuration under its :class:`StopRule`, printing its evaluations as they come."""
     import subprocess
 
-    from cona.runner.jsonl_tail import JsonlTail
+    from cona.jsonl import JsonlTail
 
     paths = [str(PROJECT_ROOT / "src"), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}

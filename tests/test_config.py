@@ -82,6 +82,9 @@ def test_relative_paths_are_relative_to_the_file(tmp_path):
         (MODEL, {"lr_scale_strategy": "piecewise"}, "training.lr_scale_pivot_gbs: is required"),
         ({k: v for k, v in MODEL.items() if k != "heads"}, {}, "missing required key 'model.heads'"),
         (MODEL, {"device": "tpu"}, "training.device: 'tpu' is not one of"),
+        (MODEL, {"save_interval": 0}, "training.save_interval: must be positive (or null"),
+        (MODEL, {"save_interval_minutes": -5}, "training.save_interval_minutes: must be positive (or null"),
+        (MODEL, {"keep_checkpoints": 0}, "training.keep_checkpoints: must be positive"),
     ],
 )
 def test_bad_values_name_the_key_and_file(tmp_path, model, training, expected):

@@ -211,6 +211,12 @@ class TrainingConfig:
     """Stop the run (non-zero exit) after this many consecutive steps skipped for non-finite gradients."""
     divergence_loss_factor: float = 10.0
     """Stop the run when a metrics line's mean loss exceeds this times the lowest one so far (0: never)."""
+    save_interval: int | None = None
+    """Iterations between periodic checkpoints inside a stage (null: none by iteration count)."""
+    save_interval_minutes: float | None = 30.0
+    """Minutes between periodic checkpoints inside a stage (null: none by time). Written in the background."""
+    keep_checkpoints: int = 2
+    """Periodic checkpoints kept per stage; older ones are removed once a newer one is complete."""
     log_root: str = "logs"
     """Run directories are created under this."""
     wandb_project: str | None = None

@@ -75,9 +75,13 @@ def _check_training(model: Any, training: Any, where: str) -> None:
         "fallback_patience",
         "pipeline_virtual_stages",
         "max_skipped_steps",
+        "keep_checkpoints",
     ):
         if getattr(training, key) <= 0:
             fail(f"training.{key}", "must be positive")
+    for key in ("save_interval", "save_interval_minutes"):
+        if getattr(training, key) is not None and getattr(training, key) <= 0:
+            fail(f"training.{key}", "must be positive (or null: no periodic checkpoints by this measure)")
     if training.eval_every_tokens is not None and training.eval_every_tokens <= 0:
         fail("training.eval_every_tokens", "must be positive (or null: every eval_interval iterations)")
     if training.divergence_loss_factor != 0 and training.divergence_loss_factor <= 1:

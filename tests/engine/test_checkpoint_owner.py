@@ -3,7 +3,12 @@ folder (two runs of one layout in one workdir) keeps its ``.tmp-global_step*`` d
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from cona.engine import checkpoint as ckpt
+from cona.errors import CheckpointError
 
 
 def test_a_save_removes_its_own_stale_temporaries_and_leaves_another_runs(tmp_path):
@@ -24,3 +29,17 @@ def test_a_save_removes_its_own_stale_temporaries_and_leaves_another_runs(tmp_pa
     assert (in_progress / "__0_0.distcp").read_bytes() == b"shard"
     ckpt._agree_on_tmp_name(layout, 6)  # a save without an owner cleans the untagged ones only
     assert in_progress.is_dir() and not untagged.exists()
+
+
+def test_a_save_never_replaces_another_runs_checkpoint_of_the_same_iteration(tmp_path):
+    """Two runs of one layout in one workdir: the second one's save of an iteration the first one saved is
+    refused in one line, and the first one's checkpoint stays as it was; its own re-save goes ahead."""
+    mine, theirs = ckpt.tmp_owner(tmp_path / "logs" / "a"), ckpt.tmp_owner(tmp_path / "logs" / "b")
+    layout = tmp_path / "layout"
+    (layout / "global_step4").mkdir(parents=True)
+    (layout / "global_step4" / "trainer_state.json").write_text(json.dumps({"iteration": 4, "run": theirs}))
+    with pytest.raises(CheckpointError, match=r"global_step4 is another run.s checkpoint .*--workdir"):
+        ckpt._agree_on_tmp_name(layout, 4, mine)
+    assert sorted(path.name for path in layout.iterdir()) == ["global_step4"]  # nothing made, nothing removed
+    assert ckpt._agree_on_tmp_name(layout, 4, theirs).startswith(".tmp-global_step4-")  # its own: replaced
+    assert ckpt._agree_on_tmp_name(layout, 4).startswith(".tmp-")  # a save without an owner, as before

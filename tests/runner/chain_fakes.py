@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from cona.config_file import load_config
-from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint
+from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint, tmp_owner
 from cona.engine.spec import StageResult
 from cona.runner.schedules.sequence import ChainRun, StageLaunch, run_chain
 
@@ -173,6 +173,7 @@ class FakeEngine:
             "consumed_samples": samples,
             "consumed_tokens": tokens,
             "stage": spec.stage,
+            "run": tmp_owner(spec.run_dir),  # as the engine records it
             "lr_factor": spec.lr_factor,
         }
         return save_checkpoint(

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from cona.engine.spec import StageSpec
 from cona.errors import ConfigError
-from cona.runner.jsonl_tail import JsonlTail
+from cona.jsonl import JsonlTail
 from cona.runner.launch import Topology
 from cona.runner.schedules.sequence import StageLaunch
 from cona.runner.views.console import RunConsole, StageMonitor, choose_mode, render_stage

@@ -142,10 +142,10 @@ def test_a_fixed_strategy_across_nodes_runs_as_a_one_stage_chain(tmp_path, monke
     assert step.is_initial and run.chain_path.parent == run.run_dir
 
 
-def test_fresh_goes_with_a_chain_or_online_mode(capsys):
+def test_fresh_goes_with_every_mode_a_fixed_strategy_included(capsys):
     assert main(["train", "--fresh", "--dp", "2"]) == 2
     err = capsys.readouterr().err
-    assert "cona train: --fresh goes with --chain, online mode or a run across nodes" in err
+    assert "--fresh" not in err and "cona train: missing --tp, --pp" in err
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,9 @@ from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ConaError, LaunchError
+from cona.jsonl import JsonlTail
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
-from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.nodes.multinode import NodePlacement, cona_command
 from cona.runner.schedules.chain import load_chain
 from cona.runner.schedules.online import OnlineRun, run_online

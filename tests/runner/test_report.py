@@ -14,11 +14,11 @@ from matplotlib.image import imread
 
 from cona.cli import main
 from cona.errors import ConaError
+from cona.jsonl import read_json_lines
 from cona.runner.views.report import (
     load_run,
     noise_series,
     predicted_throughput,
-    read_json_lines,
     stage_summaries,
     switch_costs,
 )

@@ -8,6 +8,7 @@ trains: samples 0..N-1 in order, each once, with the killed attempt's losses.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from cona.commands import train_runs
 from cona.engine.session import RunnerWatch
 from cona.processes import process_state
 from cona.runner.launch import PIDS_FILE, Topology, record_pids
+from cona.runner.run_lock import lock_path
 from cona.runner.schedules.sequence import run_chain
 from cona.runner.views.status import collect_status, find_processes, status_lines
 
@@ -73,6 +75,17 @@ def wait_until(condition, *, timeout_s: float, what: str) -> float:
             pytest.fail(f"waited {timeout_s} s for {what}")
         time.sleep(0.1)
     return time.monotonic() - began
+
+
+def lock_is_free(run_dir: Path) -> bool:
+    """Whether nobody holds the flock a runner takes on ``run_dir`` (taken and released at once)."""
+    with open(lock_path(run_dir), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return True
 
 
 @pytest.mark.slow
@@ -126,6 +139,9 @@ def test_killing_the_runner_during_training_stops_the_workers_and_the_rerun_trai
         assert "cona: stopped by SIGTERM: the workers were stopped; the same command resumes" in stderr
         assert (run_dir / "runner_state.json").read_bytes() == state_before
 
+    # What the refusal tells a user to do: wait until the last process holding the run's lock has ended
+    # (on a loaded machine that can take a while after the workers left the process table's view above).
+    wait_until(lambda: lock_is_free(run_dir), timeout_s=60, what="the run directory's lock to be free")
     args.master_port_base = free_port_base(1)  # the killed stage's port may still be held
     state = run_chain(train_runs.chain_run(args), out=lambda line: None)
     assert state.stages[-1].status == "done"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from chain_fakes import (
 
 from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.data.indexed import IndexedDatasetWriter
-from cona.errors import ChainError, LaunchError, UsageError
+from cona.errors import ChainError, CheckpointError, LaunchError, UsageError
 from cona.runner.publish import LATEST_UNIVERSAL
 from cona.runner.schedules.sequence import run_chain
 from cona.runner.state import load_state
@@ -111,13 +112,91 @@ def test_run_directory_of_another_chain_or_config_is_refused(tmp_path):
     setup_run(tmp_path)
     run(tmp_path, FakeEngine())
     (tmp_path / "chain.json").write_text(json.dumps(seed_shaped_chain(ITERS + 1)))
-    with pytest.raises(ChainError, match="was made for a different chain"):
+    with pytest.raises(ChainError, match="step 1 of .*chain.json changed after it ran; only steps not yet"):
         run(tmp_path, FakeEngine())
     (tmp_path / "chain.json").write_text(json.dumps(seed_shaped_chain(ITERS)))
     config = json.loads((tmp_path / ".conaconfig").read_text())
     config["training"]["base_lr"] = 5e-4
     (tmp_path / ".conaconfig").write_text(json.dumps(config))
     with pytest.raises(ChainError, match="was made for a different .conaconfig"):
+        run(tmp_path, FakeEngine())
+
+
+def test_the_same_chain_into_another_workdir_is_refused_instead_of_finished(tmp_path):
+    setup_run(tmp_path)
+    run(tmp_path, FakeEngine())
+    moved = dataclasses.replace(chain_run(tmp_path, tmp_path / "chain.json"), workdir=tmp_path / "other")
+    with pytest.raises(ChainError, match=r"was made for --workdir .*; pass --fresh to start it over"):
+        run_chain(moved, launcher=FakeEngine(), out=lambda line: None)
+
+
+def test_a_chain_edited_after_a_crash_continues_with_the_steps_not_yet_started_as_edited(tmp_path):
+    chain_path = setup_run(tmp_path)
+    wait_status = run_until_killed(tmp_path, chain_path, "training")  # in stage 2, after its checkpoint at 4
+    assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
+    chain = seed_shaped_chain(ITERS)
+    edited_running = json.loads(json.dumps(chain))
+    edited_running["steps"][1]["extra_iters"] = ITERS + 2
+    chain_path.write_text(json.dumps(edited_running))
+    with pytest.raises(ChainError, match="step 2 of .*chain.json changed after it started; only steps not"):
+        run(tmp_path, FakeEngine())
+    chain["steps"][2]["target_iters"] = 3 * ITERS + 2  # stage 3 has not started: it may change
+    added = {key: value for key, value in chain["steps"][2].items() if key != "target_iters"}
+    chain["steps"].append({**added, "step_num": 4, "extra_iters": 1})  # and a step may be added
+    chain_path.write_text(json.dumps(chain))
+    engine = FakeEngine()
+    lines, state = run(tmp_path, engine)
+    assert lines[0].startswith("resuming run run at stage 2 (running)")
+    assert lines[0].endswith("edited after step 2 started: steps 3..4 as the file now says")
+    assert engine.launches[0].spec.load_path == tmp_path / tiny_layout(1, 1, 4) / "global_step4"
+    assert [spec.target_iteration for spec in (launch.spec for launch in engine.launches)] == [6, 11, 12]
+    assert [stage.status for stage in state.stages] == ["done"] * 4
+    assert state.stages[-1].consumed_samples == 3 * 8 + 3 * 16 + 5 * 32 + 1 * 32
+    lines, _ = run(tmp_path, FakeEngine())
+    assert lines[0].startswith("run run already finished at iteration 12")
+
+
+def test_a_first_step_continues_from_a_given_checkpoint_of_another_run(tmp_path):
+    (tmp_path / "first").mkdir()
+    setup_run(tmp_path / "first")
+    run(tmp_path / "first", FakeEngine())
+    given = tmp_path / "first" / tiny_layout(1, 1, 4) / "global_step9"
+    step = {**seed_shaped_chain(ITERS)["steps"][2], "is_initial": True, "load_checkpoint": str(given)}
+    del step["target_iters"], step["load_dp"], step["load_tp"], step["load_pp"]
+    setup_run(tmp_path, {"steps": [{**step, "step_num": 1, "extra_iters": 2}]})
+    engine = FakeEngine()
+    lines, state = run(tmp_path, engine)
+    (launch,) = engine.launches
+    assert launch.spec.load_path == given and launch.spec.target_iteration == 11
+    assert launch.spec.planned_tokens == (FINAL_SAMPLES + 2 * 32) * 8  # the horizon counts the given tokens
+    assert any("iterations 9->11" in line and f"load {given}" in line for line in lines), lines
+    assert stage_books(state) == [("done", 9, 11, FINAL_SAMPLES + 64, (FINAL_SAMPLES + 64) * 8)]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"load_checkpoint": "nowhere"}, "step 1: load_checkpoint: checkpoint .*nowhere does not exist"),
+        ({"load_checkpoint": 3}, r"steps\[0\] \(step_num 1\): load_checkpoint: expected a path"),
+        ({"load_checkpoint": f"given/{tiny_layout(1, 2, 2)}"}, "train_iters: 3 is not past the iteration"),
+    ],
+)
+def test_a_given_checkpoint_is_refused_in_one_line(tmp_path, change, expected):
+    (tmp_path / "given").mkdir()
+    setup_run(tmp_path / "given")
+    run(tmp_path / "given", FakeEngine())  # its first layout's latest: global_step3
+    chain = seed_shaped_chain(ITERS)
+    chain["steps"][0].update(change)
+    setup_run(tmp_path, chain)
+    with pytest.raises(ChainError, match=expected):
+        run(tmp_path, FakeEngine())
+
+
+def test_only_the_first_step_loads_a_given_checkpoint(tmp_path):
+    chain = seed_shaped_chain(ITERS)
+    chain["steps"][1]["load_checkpoint"] = "x"
+    setup_run(tmp_path, chain)
+    with pytest.raises(ChainError, match="step 2: load_checkpoint: only the initial step loads a given"):
         run(tmp_path, FakeEngine())
 
 
@@ -218,3 +297,15 @@ def test_sigkill_then_rerun_finishes_with_the_same_books(tmp_path, kill_point, u
         p.name for p in (tmp_path / "checkpoints").rglob("*") if p.name.endswith((".tmp", ".deleting"))
     ]
     assert leftovers == []
+
+
+def test_a_second_run_in_the_same_workdir_never_replaces_the_first_one_s_checkpoints(tmp_path):
+    setup_run(tmp_path)
+    run(tmp_path, FakeEngine())
+    first = {path: path.stat().st_mtime for path in (tmp_path / "checkpoints").rglob("global_step*")}
+    other = dataclasses.replace(
+        chain_run(tmp_path, tmp_path / "chain.json"), run_dir=tmp_path / "logs" / "other"
+    )
+    with pytest.raises(CheckpointError, match=r"stage 1: .*global_step3 is another run's checkpoint"):
+        run_chain(other, launcher=FakeEngine(), out=lambda line: None)
+    assert {path: path.stat().st_mtime for path in (tmp_path / "checkpoints").rglob("global_step*")} == first

@@ -10,15 +10,14 @@ import pytest
 from cona.config import TrainingConfig
 from cona.errors import ChainError
 from cona.planner.efficiency import NoiseScaleTracker
+from cona.runner.noise_history import measured_noise_scale, noise_tracker
 from cona.runner.state import (
     STATE_NAME,
     advance,
     check_same_run,
     durations,
     load_state,
-    measured_noise_scale,
     new_state,
-    noise_tracker,
     resume_line,
     save_state,
     switch_cost,
@@ -74,14 +73,18 @@ def test_transitions_only_move_forward():
         ({"chain_digest": "other"}, "a different chain (it ran c.json)"),
         ({"config_digest": "other"}, "a different .conaconfig"),
         ({"world_size": 8}, "8 processes, not 4"),
+        ({"workdir": "/elsewhere"}, "was made for --workdir /elsewhere"),
     ],
 )
 def test_a_run_directory_of_another_chain_is_refused(tmp_path, change, expected):
     state = dataclasses.replace(three_stages(), **change)
+    same = {"run_dir": tmp_path, "chain_digest": "abc", "config_digest": "def", "world_size": 4}
     with pytest.raises(ChainError) as info:
-        check_same_run(state, run_dir=tmp_path, chain_digest="abc", config_digest="def", world_size=4)
+        check_same_run(state, **same, workdir=tmp_path)
     assert expected in str(info.value) and "--fresh" in str(info.value) and str(tmp_path) in str(info.value)
-    check_same_run(three_stages(), run_dir=tmp_path, chain_digest="abc", config_digest="def", world_size=4)
+    check_same_run(three_stages(), **same, workdir=tmp_path)  # a state that recorded no workdir
+    recorded = dataclasses.replace(three_stages(), workdir=str(tmp_path.resolve()))
+    check_same_run(recorded, **same, workdir=tmp_path)
 
 
 def test_unreadable_state_points_at_fresh(tmp_path):

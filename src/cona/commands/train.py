@@ -111,7 +111,11 @@ def _add_chain_flags(parser: argparse.ArgumentParser) -> None:
     chain.add_argument(
         "--gpus", type=int, default=None, help="processes of every stage: GPUs, or CPU workers"
     )
-    chain.add_argument("--fresh", action="store_true", help="discard the chain's run state and start it over")
+    chain.add_argument(
+        "--fresh",
+        action="store_true",
+        help="discard the run's state and start it over (else the same command resumes the run)",
+    )
     chain.add_argument(
         "--switch-in-place",
         action="store_true",
@@ -252,7 +256,7 @@ def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
     across_nodes = [
         f"--{name.replace('_', '-')}" for name in MULTI_NODE_FLAGS if getattr(args, name) not in (None, False)
     ]
-    _refuse_for_one_stage(args, across_nodes=bool(across_nodes))
+    _refuse_for_one_stage(args)
     config, strategy = fixed_strategy(args)
     from cona.engine.parallel_dims import validate_layout  # imports torch: not at `cona --help` time
     from cona.runner.views.console import RunConsole
@@ -283,10 +287,8 @@ def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
     run_fixed(run, console)
 
 
-def _refuse_for_one_stage(args: argparse.Namespace, *, across_nodes: bool) -> None:
+def _refuse_for_one_stage(args: argparse.Namespace) -> None:
     """What a single fixed stage cannot take, and the fixed strategy's flags it needs."""
-    if args.fresh and not across_nodes:  # one fixed stage always starts a new run directory
-        raise UsageError("cona train: --fresh goes with --chain, online mode or a run across nodes")
     if getattr(args, "restart_workers", False):  # one stage: there is nothing to restart
         raise UsageError("cona train: --restart-workers goes with --chain or online mode")
     _refuse_switch_in_place(args)

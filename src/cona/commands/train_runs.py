@@ -217,6 +217,7 @@ def fixed_run(flags: Any, config: ConaConfig, strategy: Strategy) -> FixedRun:
         run_name=flag(flags, "run_name"),
         base_port=resolve_port_base(flag(flags, "master_port_base"), num_nodes=1),
         quiet=bool(flag(flags, "quiet")),
+        fresh=bool(flag(flags, "fresh")),
     )
 
 

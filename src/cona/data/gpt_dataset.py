@@ -19,17 +19,15 @@ sample, wrapped in ``[CLS] ... [SEP]`` and masked as a pure function of the samp
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from cona.atomic_files import atomic_open
 from cona.config import ConaConfig
 from cona.config_checks import split_fractions
 from cona.data.indexed import IndexedDataset
@@ -229,15 +227,11 @@ class MaskedLMDataset(GPTDataset):
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
     """Several ranks may build the same epoch at once: each writes a private file and renames it."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as out:
+        with atomic_open(path, "wb") as out:  # a private temporary per writer
             np.save(out, array)
-        os.replace(tmp, path)
     except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise DataError(
             f"training.data_cache_path: cannot write the sample index {path}: {err.strerror}"
         ) from None

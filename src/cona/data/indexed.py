@@ -18,6 +18,7 @@ from types import TracebackType
 
 import numpy as np
 
+from cona.atomic_files import fsync_dir
 from cona.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -216,6 +217,8 @@ class IndexedDatasetWriter:
         return sum(len(s) for s in self._sizes)
 
     def finalize(self) -> None:
+        self._bin_file.flush()
+        os.fsync(self._bin_file.fileno())  # both files durable before their renames (cona.atomic_files)
         self._bin_file.close()
         sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
@@ -227,8 +230,11 @@ class IndexedDatasetWriter:
             out.write(sizes.astype("<i4").tobytes())
             out.write(pointers.astype("<i8").tobytes())
             out.write(doc_idx.astype("<i8").tobytes())
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(idx_tmp, self.idx_path)
+        fsync_dir(self.idx_path.parent)
 
     def abort(self) -> None:
         self._bin_file.close()

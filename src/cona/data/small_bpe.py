@@ -21,13 +21,13 @@ byte-identical files.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from cona.atomic_files import write_atomic
 from cona.data.bert_vocab import CountedTexts
 from cona.data.tokenizer import END_OF_TEXT
 from cona.errors import DataError
@@ -90,12 +90,6 @@ def train_byte_level_merges(texts: Iterator[str], *, vocab_size: int) -> list[tu
     return [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in merges]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def train_small_bpe(
     corpus: Path, vocab_file: Path, merge_file: Path, *, vocab_size: int, json_key: str = "text"
 ) -> SmallBpe:
@@ -110,8 +104,8 @@ def train_small_bpe(
         raise DataError(f"{corpus}: holds no documents to train {vocab_file.name} on")
     vocab, merges_text = gpt2_vocab_and_merges(merges)
     # ASCII JSON (GPT-2's own encoder.json is too): readable whatever the locale's default encoding.
-    _write_atomic(vocab_file, json.dumps(vocab) + "\n")
-    _write_atomic(merge_file, merges_text)
+    write_atomic(vocab_file, json.dumps(vocab) + "\n")
+    write_atomic(merge_file, merges_text)
     return SmallBpe(
         vocab_file=vocab_file, merge_file=merge_file, vocab_size=len(vocab), documents=texts.documents
     )

@@ -27,23 +27,24 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 
-from cona.config import ConaConfig, ModelConfig
-from cona.engine.checkpoint_dcp import METADATA_FILE, dcp_load, dcp_save
+from cona.atomic_files import fsync_dir, write_atomic, write_json_atomic
+from cona.config import ConaConfig
+from cona.engine.checkpoint_dcp import METADATA_FILE, dcp_async_save, dcp_save, failure_line
 from cona.engine.checkpoint_files import (
     CONFIG_FILE,
     TRAINER_STATE_FILE,
     exchange_paths,
-    read_dcp_metadata,
     verify_complete,
 )
 from cona.engine.checkpoint_info import (
@@ -53,31 +54,31 @@ from cona.engine.checkpoint_info import (
     STEP_DIR,
     STRATEGY_FILE,
     CheckpointInfo,
+    model_shape,
     read_checkpoint_info,
     resolve_checkpoint,
+)
+from cona.engine.checkpoint_load import (
+    load_checkpoint,
+    load_model_tensors,
+    verify_checkpoint,
 )
 from cona.engine.checkpoint_manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     checksum,
-    first_mismatch,
     present_files,
-    read_manifest,
     shares,
-    unlisted_or_missing,
     write_manifest,
 )
 from cona.engine.checkpoint_state import (
-    STATE_DICT_OPTIONS,
     barrier,
     distributed,
     gather,
     model_and_optimizer_state,
     rank,
-    state_root,
     world_size,
 )
-from cona.engine.optim import initialise_state
 from cona.errors import CheckpointError
 from cona.strategy import Strategy
 
@@ -93,42 +94,27 @@ __all__ = [
     "STRATEGY_FILE",
     "TRAINER_STATE_FILE",
     "CheckpointInfo",
+    "PendingSave",
+    "another_runs_checkpoint",
     "layout_dir",
     "load_checkpoint",
     "load_model_tensors",
+    "remove_checkpoint",
     "model_and_optimizer_state",
     "model_shape",
     "read_checkpoint_info",
     "resolve_checkpoint",
     "save_checkpoint",
+    "start_checkpoint",
     "verify_checkpoint",
     "verify_complete",
 ]
 
+RUN_KEY = "run"
+"""The trainer_state key naming the run that saved a checkpoint (:func:`tmp_owner` of its run directory)."""
 TMP_PREFIX = ".tmp-"
 OWNER_TAG = "-of-"
 OWNER_CHARS = 12
-# Parameter-group keys taken from the checkpoint on load; every other key (betas, eps, weight_decay from
-# the current config, and the implementation flags fused/foreach, which depend on the current device and
-# layout) stays as the current optimizer was built. The lr is set by the schedule every step anyway.
-KEYS_FROM_CHECKPOINT = ("params", "lr")
-# Model keys that decide which tensors a checkpoint holds and their shapes (ffn_hidden as resolved).
-MODEL_SHAPE_KEYS = (
-    "layers",
-    "hidden",
-    "heads",
-    "seq",
-    "ffn_hidden",
-    "vocab_size",
-    "padded_vocab_size",
-    "normalization",
-    "family",
-    "kv_heads",
-    "activation",
-    "position_embedding",
-    "tie_embeddings",
-    "bias",
-)
 
 
 def layout_dir(workdir: Path, config: ConaConfig, strategy: Strategy, dtype: str) -> Path:
@@ -136,15 +122,42 @@ def layout_dir(workdir: Path, config: ConaConfig, strategy: Strategy, dtype: str
     return Path(workdir, "checkpoints", config.model.name, f"z{strategy.zero_stage}", dtype, strategy.layout)
 
 
-def model_shape(model: ModelConfig) -> dict[str, Any]:
-    """The model keys that decide the set and shapes of the saved tensors (ffn_hidden resolved)."""
-    return {key: getattr(model, "ffn_size" if key == "ffn_hidden" else key) for key in MODEL_SHAPE_KEYS}
-
-
 # ----------------------------------------------------------------------------------------------- save
 
 
-def save_checkpoint(
+def save_checkpoint(layout_dir: Path, **save: Any) -> Path:
+    """Collective: save model and optimizer state as ``<layout_dir>/global_step<iteration>`` with its
+    checksum manifest and point ``latest`` at it (:func:`start_checkpoint` with the files written here and
+    now; the keywords are its)."""
+    return start_checkpoint(layout_dir, **save).finish()
+
+
+@dataclass(kw_only=True)
+class PendingSave:
+    """A checkpoint whose shards are being written; :meth:`finish` (collective) completes and publishes it."""
+
+    final_dir: Path
+    files_written: Future | None
+    """DCP's future of a background write (None: the shards are written already)."""
+    complete: Callable[[], None]
+
+    def written(self) -> bool:
+        """Whether this rank's shards are on disk (finishing then waits for nothing but the others)."""
+        return self.files_written is None or self.files_written.done()
+
+    def finish(self) -> Path:
+        with _save_failures(self.final_dir):
+            if self.files_written is not None:
+                try:
+                    self.files_written.result()
+                except CheckpointException as err:
+                    raise failure_line(err, f"saving checkpoint {self.final_dir} failed") from None
+            self.complete()
+        barrier()
+        return self.final_dir
+
+
+def start_checkpoint(
     layout_dir: Path,
     *,
     iteration: int,
@@ -155,43 +168,63 @@ def save_checkpoint(
     strategy: Strategy,
     probe: dict | None = None,
     owner: str = "",
-) -> Path:
-    """Collective: save model and optimizer state as ``<layout_dir>/global_step<iteration>`` with its
-    checksum manifest and point ``latest`` at it, with ``probe`` (a
-    :class:`cona.engine.switch_check.ProbeRecord` as a dict) beside it when given. Also works without a
-    process group (one process). A failure on any rank is one :class:`CheckpointError` line with its cause.
-    ``owner`` tags the save's temporaries (:func:`tmp_owner` of the run directory): a save removes only
-    stale temporaries of its own owner, never another run's save in progress."""
+    background: bool = False,
+    writer_group: dist.ProcessGroup | None = None,
+) -> PendingSave:
+    """Collective: start saving model and optimizer state as ``<layout_dir>/global_step<iteration>``, with
+    ``probe`` (a :class:`cona.engine.switch_check.ProbeRecord` as a dict) beside it when given. Also works
+    without a process group (one process). A failure on any rank is one :class:`CheckpointError` line with
+    its cause. ``owner`` tags the save's temporaries (:func:`tmp_owner` of the run directory): a save
+    removes only stale temporaries of its own owner, never another run's save in progress.
+    ``background``: the shards are copied to host memory now and written by a thread, which agrees over
+    ``writer_group`` (DCP ``async_save``; a gloo group of its own, so it never interleaves with training's
+    collectives); else they are written before this returns. Nothing is published before
+    :meth:`PendingSave.finish`: the checksums, the manifest, the rename into place and ``latest``."""
     layout_dir = Path(layout_dir)
     final_dir = layout_dir / f"global_step{iteration}"
     with _save_failures(final_dir):
         tmp_dir = layout_dir / _agree_on_tmp_name(layout_dir, iteration, owner)
         model_state, optim_state = model_and_optimizer_state(model_parts, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp_save(state, tmp_dir, distributed=distributed(), what=f"saving checkpoint {final_dir}")
+        what = f"saving checkpoint {final_dir}"
+        if background:
+            assert writer_group is not None or not distributed()  # never over training's own groups
+            files_written = dcp_async_save(state, tmp_dir, group=writer_group, distributed=distributed())
+        else:
+            files_written = None
+            dcp_save(state, tmp_dir, distributed=distributed(), what=what)
         tied = _gather_tied_groups(model_parts)
+    fields = {
+        "iteration": iteration,
+        "model_shape": model_shape(config.model),
+        "tied_parameters": tied,
+        "model_tensors": sorted(model_state),
+        "optimizer_tensors": sorted(optim_state),
+    }
+    documents = _documents(trainer_state, config, strategy, probe)
+
+    def complete() -> None:
         barrier()
         files = _checksums_of_shards(tmp_dir, final_dir)
         if rank() == 0:
-            documents = {
-                TRAINER_STATE_FILE: trainer_state,
-                CONFIG_FILE: config.to_dict(),
-                STRATEGY_FILE: dataclasses.asdict(strategy),
-            }
-            _write_json_files(tmp_dir, documents | ({PROBE_FILE: probe} if probe is not None else {}))
-            fields = {
-                "iteration": iteration,
-                "model_shape": model_shape(config.model),
-                "tied_parameters": tied,
-                "model_tensors": sorted(model_state),
-                "optimizer_tensors": sorted(optim_state),
-            }
-            files |= {name: checksum(tmp_dir / name) for name in present_files(tmp_dir) if name not in files}
+            _write_json_files(tmp_dir, documents)
+            files.update(
+                {name: checksum(tmp_dir / name) for name in present_files(tmp_dir) if name not in files}
+            )
             write_manifest(tmp_dir, fields, files)  # before the rename: a published checkpoint has one
             _publish(tmp_dir, final_dir)
             _write_marker(layout_dir / LATEST, final_dir.name, owner)
-    barrier()
-    return final_dir
+
+    return PendingSave(final_dir=final_dir, files_written=files_written, complete=complete)
+
+
+def _documents(trainer_state: dict, config: ConaConfig, strategy: Strategy, probe: dict | None) -> dict:
+    """The JSON files a checkpoint holds beside its shards."""
+    return {
+        TRAINER_STATE_FILE: trainer_state,
+        CONFIG_FILE: config.to_dict(),
+        STRATEGY_FILE: dataclasses.asdict(strategy),
+    } | ({PROBE_FILE: probe} if probe is not None else {})
 
 
 @contextlib.contextmanager
@@ -239,9 +272,12 @@ def _is_own_tmp(name: str, owner: str) -> bool:
 
 def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str:
     """Rank 0 removes the stale temporaries of this owner's earlier crashed saves (another run's, maybe in
-    progress, stay), creates a fresh one and tells all."""
+    progress, stay), creates a fresh one and tells all; or refuses (every rank) to replace another run's
+    ``global_step<iteration>``."""
     names: list[str | None] = [None, None]  # the name, or why rank 0 could not make it
     if rank() == 0:
+        names[1] = another_runs_checkpoint(layout_dir / f"global_step{iteration}", owner)
+    if rank() == 0 and names[1] is None:
         try:
             layout_dir.mkdir(parents=True, exist_ok=True)
             for stale in layout_dir.glob(f"{TMP_PREFIX}*"):
@@ -250,18 +286,33 @@ def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str
             names[0] = _tmp_name(f"global_step{iteration}", owner)
             (layout_dir / names[0]).mkdir()
         except OSError as err:
-            names[1] = str(err)
+            names[1] = f"saving a checkpoint into {layout_dir} failed on rank 0: {err}"
     if distributed():
         dist.broadcast_object_list(names, src=0)
     if names[1] is not None:
-        raise CheckpointError(f"saving a checkpoint into {layout_dir} failed on rank 0: {names[1]}")
+        raise CheckpointError(names[1])
     assert names[0] is not None
     return names[0]
 
 
+def another_runs_checkpoint(final_dir: Path, owner: str) -> str | None:
+    """Why ``final_dir`` may not be replaced by run ``owner`` (None: it may): its trainer_state names
+    another run."""
+    try:
+        saved = json.loads((final_dir / TRAINER_STATE_FILE).read_text()).get(RUN_KEY) if owner else None
+    except (OSError, ValueError, AttributeError):
+        return None  # none there, or not a complete checkpoint of any run
+    if not isinstance(saved, str) or saved == owner:
+        return None
+    return (
+        f"{final_dir} is another run's checkpoint (its trainer_state.json names run {saved}); refusing to "
+        f"replace it: give this run a --workdir of its own"
+    )
+
+
 def _write_json_files(directory: Path, documents: dict[str, Any]) -> None:
-    for name, document in documents.items():
-        (directory / name).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    for name, document in documents.items():  # fsynced: the directory's rename publishes them
+        write_json_atomic(directory / name, document, sort_keys=True)
 
 
 def _publish(tmp_dir: Path, final_dir: Path) -> None:
@@ -270,22 +321,22 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
     copy moves aside first (complete under ``.tmp-replaced-``) and only the two renames lie between."""
     if not final_dir.exists():
         os.replace(tmp_dir, final_dir)
+        fsync_dir(final_dir.parent)
         return
-    if exchange_paths(tmp_dir, final_dir):
+    if exchange_paths(tmp_dir, final_dir):  # durable (fsynced) before the old copy goes
         _remove(tmp_dir)  # now the old copy
         return
     owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
     aside = final_dir.with_name(_tmp_name(f"replaced-{final_dir.name}", owner))
     os.replace(final_dir, aside)
     os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
     _remove(aside)
 
 
 def _write_marker(marker: Path, target_name: str, owner: str = "") -> None:
-    """Atomically replace a marker file with the directory name it points at."""
-    tmp = marker.with_name(_tmp_name(marker.name, owner))
-    tmp.write_text(target_name + "\n")
-    os.replace(tmp, marker)
+    """Atomically replace a marker file with the directory name it points at (a ``.tmp-*`` temporary)."""
+    write_atomic(marker, target_name + "\n", tmp=marker.with_name(_tmp_name(marker.name, owner)))
 
 
 def _gather_tied_groups(model_parts: list[nn.Module]) -> list[list[str]]:
@@ -301,96 +352,12 @@ def _gather_tied_groups(model_parts: list[nn.Module]) -> list[list[str]]:
     return sorted({tuple(group) for groups_of_rank in gather(local) for group in groups_of_rank or []})
 
 
-# ----------------------------------------------------------------------------------------------- load
-
-
-def load_checkpoint(
-    path: Path, *, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, config: ConaConfig
-) -> dict:
-    """Collective: load a checkpoint saved under any layout into this one; returns its trainer_state.
-    Its files are verified against its manifest first (each rank hashing a share)."""
-    checkpoint = resolve_checkpoint(path)
-    verify_checkpoint(checkpoint, collective=distributed())
-    _check_compatible(checkpoint, config.model)
-    # Tensors of the current layout, which DCP fills in (AdamW's state is created first if missing).
-    initialise_state(optimizer)
-    model_state, optim_state = model_and_optimizer_state(model_parts, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    _check_tensors_present(checkpoint, state)
-    kept = [
-        {k: v for k, v in group.items() if k not in KEYS_FROM_CHECKPOINT} for group in optimizer.param_groups
-    ]
-    dcp_load(state, checkpoint, distributed=distributed())
-    set_state_dict(
-        state_root(model_parts),
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=STATE_DICT_OPTIONS,
-    )
-    for group, values in zip(optimizer.param_groups, kept, strict=True):
-        group.update(values)
-    return read_checkpoint_info(checkpoint).trainer_state
-
-
-def verify_checkpoint(path: Path, *, collective: bool = False) -> dict[str, Any]:
-    """Refuse (one :class:`CheckpointError` line naming the file) a checkpoint whose files are not the ones
-    its manifest lists with their SHA-256, or that is incomplete (:func:`verify_complete`); returns the
-    manifest. ``collective``: every rank calls it and hashes a share of the files."""
-    checkpoint = resolve_checkpoint(path)
-    manifest = read_manifest(checkpoint)
-    problem = unlisted_or_missing(checkpoint, manifest)
-    if problem is not None:
-        raise CheckpointError(problem)
-    sizes = {name: entry["size"] for name, entry in manifest["files"].items()}
-    parts, me = (world_size(), rank()) if collective else (1, 0)
-    found = first_mismatch(checkpoint, manifest, shares(sizes, parts)[me])
-    problems = [p for p in (gather(found) if collective else [found]) if p is not None]
-    if problems:
-        raise CheckpointError(problems[0])
-    verify_complete(checkpoint)
-    return manifest
-
-
-def _check_compatible(path: Path, model: ModelConfig) -> None:
-    """The same model shape as the current config."""
-    theirs, ours = model_shape(read_checkpoint_info(path).config.model), model_shape(model)
-    for key, value in ours.items():
-        if theirs[key] != value:
-            why = f"model.{key} is {theirs[key]} there and {value} in the current config"
-            raise CheckpointError(f"{path}: checkpoint of another model shape: {why}")
-
-
-def _check_tensors_present(path: Path, state: dict[str, dict[str, Any]]) -> None:
-    """Every tensor the current layout needs is in the checkpoint with the same global shape."""
-    saved = read_dcp_metadata(path).state_dict_metadata
-    for section, entries in state.items():
-        for name, value in entries.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            entry = saved.get(f"{section}.{name}")
-            if entry is None:
-                raise CheckpointError(f"{path}: the checkpoint has no {section} tensor {name}")
-            if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != tuple(value.shape):
-                shapes = f"{tuple(entry.size)} there and {tuple(value.shape)} here"
-                raise CheckpointError(f"{path}: {section} tensor {name} has shape {shapes}")
-
-
-# ------------------------------------------------------------------------- reading without a process group
-
-
-def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The full (consolidated) model tensors of a checkpoint, read in this process alone."""
-    checkpoint = resolve_checkpoint(path)
-    verify_checkpoint(checkpoint)
-    metadata = read_dcp_metadata(checkpoint)
-    model: dict[str, torch.Tensor] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        section, *name_parts = metadata.planner_data[key]
-        if section == "model" and isinstance(entry, TensorStorageMetadata):
-            model[".".join(map(str, name_parts))] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    dcp_load({"model": model}, checkpoint, distributed=False)
-    return model
+def remove_checkpoint(path: Path, owner: str = "") -> None:
+    """Remove a checkpoint directory: first renamed to an own temporary (never loaded, and removed by the
+    owner's next save if a kill stops the removal), so no reader sees half a checkpoint."""
+    aside = path.with_name(_tmp_name(f"removed-{path.name}", owner))
+    os.replace(path, aside)
+    _remove(aside)
 
 
 def _remove(path: Path) -> None:

@@ -20,10 +20,12 @@ import io
 import pickle
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
@@ -123,6 +125,16 @@ def dcp_save(state: dict[str, Any], directory: Path, *, distributed: bool, what:
             dcp.save(state, checkpoint_id=directory, no_dist=not distributed)
     except CheckpointException as err:
         raise failure_line(err, f"{what} failed") from None
+
+
+def dcp_async_save(
+    state: dict[str, Any], directory: Path, *, group: dist.ProcessGroup | None, distributed: bool
+) -> Future:
+    """``dcp.async_save`` into ``directory``: the state is copied to host memory before this returns and
+    written by a thread (agreeing over ``group``); its future raises what DCP raised
+    (see :func:`failure_line`)."""
+    with _quiet_single_process():
+        return dcp.async_save(state, checkpoint_id=directory, process_group=group, no_dist=not distributed)
 
 
 def dcp_load(state: dict[str, Any], checkpoint: Path, *, distributed: bool) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from cona.atomic_files import fsync_dir
 from cona.engine.checkpoint_dcp import METADATA_FILE, SafeFileSystemReader
 from cona.errors import CheckpointError
 
@@ -69,13 +70,14 @@ def _check_shard_files(path: Path, metadata: Metadata) -> None:
 
 
 def exchange_paths(first: Path, second: Path) -> bool:
-    """Swap two paths atomically (renameat2 with RENAME_EXCHANGE); False where the OS or filesystem has no
-    such call, an OSError for any other failure."""
+    """Swap two paths of one directory atomically (renameat2 with RENAME_EXCHANGE), and fsync the directory;
+    False where the OS or filesystem has no such call, an OSError for any other failure."""
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if renameat2 is None:
         return False
     at_fdcwd, rename_exchange = -100, 2
     if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        fsync_dir(Path(second).parent)
         return True
     code = ctypes.get_errno()
     if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):

@@ -10,8 +10,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from cona.config import ConaConfig, parse_config
+from cona.config import ConaConfig, ModelConfig, parse_config
 from cona.engine.checkpoint_dcp import METADATA_FILE
 from cona.engine.checkpoint_files import CONFIG_FILE, TRAINER_STATE_FILE
 from cona.engine.checkpoint_manifest import MANIFEST_FILE
@@ -23,6 +24,28 @@ LATEST_UNIVERSAL = "latest_universal"
 STRATEGY_FILE = "strategy.json"
 PROBE_FILE = "probe.json"
 STEP_DIR = re.compile(r"global_step(\d+)(_universal)?")
+# Model keys that decide which tensors a checkpoint holds and their shapes (ffn_hidden as resolved).
+MODEL_SHAPE_KEYS = (
+    "layers",
+    "hidden",
+    "heads",
+    "seq",
+    "ffn_hidden",
+    "vocab_size",
+    "padded_vocab_size",
+    "normalization",
+    "family",
+    "kv_heads",
+    "activation",
+    "position_embedding",
+    "tie_embeddings",
+    "bias",
+)
+
+
+def model_shape(model: ModelConfig) -> dict[str, Any]:
+    """The model keys that decide the set and shapes of the saved tensors (ffn_hidden resolved)."""
+    return {key: getattr(model, "ffn_size" if key == "ffn_hidden" else key) for key in MODEL_SHAPE_KEYS}
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from cona.atomic_files import write_json_atomic
 from cona.errors import CheckpointError
 
 MANIFEST_FILE = "manifest.json"
@@ -46,7 +47,7 @@ def write_manifest(directory: Path, fields: dict[str, Any], files: dict[str, dic
     """Write ``manifest.json``: ``fields`` (format version first), the files' checksums and the digest."""
     body = {"format_version": FORMAT_VERSION, **fields, "files": dict(sorted(files.items()))}
     document = {**body, "digest": _digest(body)}
-    (Path(directory) / MANIFEST_FILE).write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    write_json_atomic(Path(directory) / MANIFEST_FILE, document, sort_keys=True)  # fsynced before the publish
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Where the metrics of a stage go: ``metrics.jsonl`` (what the runner and the search read), W&B and
-TensorBoard (the same scalars, when configured) and one console line per log interval. Rank 0 only.
+"""Where the metrics of a stage go: ``metrics.jsonl`` (what the runner and the search read; its schema is
+:class:`cona.metrics_record.MetricsRecord`), W&B and TensorBoard (the same scalars, when configured) and one
+console line per log interval. Rank 0 only.
 
 Also the device peak table behind ``mfu`` (model FLOPs utilisation): achieved model FLOP/s over the peak
 dense FLOP/s of the GPUs in use, with the model FLOPs of :func:`cona.planner.flops.training_flops_per_token`.
@@ -18,6 +19,7 @@ from rich.console import Console
 
 from cona.config import TrainingConfig
 from cona.errors import ConfigError
+from cona.metrics_record import MASKED_TOKENS
 
 # Peak dense (no sparsity) tensor-core TFLOP/s by dtype, from the vendors' datasheets. "fp32" is plain
 # fp32 (no TF32), which is what PyTorch uses for fp32 matmuls by default. First match wins, so a more
@@ -33,9 +35,6 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     (r"V100", {"fp16": 125.0, "fp32": 15.7}),
 )
 
-MASKED_TOKENS = "masked"
-"""Value of a record's ``eval_ppl_tokens`` when ``eval_ppl`` is BERT's masked-token perplexity (the key is
-absent for GPT and Llama, whose perplexity covers every token)."""
 
 # Metrics whose W&B/TensorBoard panel would be noise: identifiers and wall-clock stamps.
 _NOT_SCALARS = frozenset({"stage", "iteration", "time"})

@@ -23,6 +23,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from cona.atomic_files import write_json_atomic
 from cona.config import ConaConfig
 from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.processes import running
@@ -51,7 +52,7 @@ def next_stage(spec: StageSpec, session_dir: Path, number: int, rank: int, *, ke
         release_stage_memory(spec.config)
     dist.barrier()
     if rank == 0:
-        _write_json_atomic(done_marker(session_dir, number), {"stage": spec.stage, "time": time.time()})
+        write_json_atomic(done_marker(session_dir, number), {"stage": spec.stage, "time": time.time()})
     runner_pid = int(os.environ.get(RUNNER_PID_ENV, "0"))
     command = wait_for_command(next_command(session_dir, number + 1), runner_pid=runner_pid)
     if command is None:
@@ -112,9 +113,3 @@ def release_stage_memory(config: ConaConfig) -> None:
         torch._dynamo.reset()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def _write_json_atomic(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    tmp.replace(path)

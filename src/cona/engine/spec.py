@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.config import ConaConfig, parse_config
 from cona.errors import ConfigError, LaunchError
 from cona.strategy import Strategy
@@ -57,7 +59,9 @@ class StageSpec:
     save_at_end: bool = True
     """Save a checkpoint when the stop rule is met (a switch request always saves)."""
     save_interval: int | None = None
-    """Also save every this many iterations; None saves only at the end and on a switch."""
+    """Also save every this many iterations (in the background, :mod:`cona.engine.periodic_save`)."""
+    save_interval_minutes: float | None = None
+    """Also save every this many minutes; with ``save_interval`` None too, only at the end and on a switch."""
     continue_in_place: bool = False
     """Take over the model, optimizer and data the session's previous stage left in memory (an in-place
     switch: only gbs, mbs and the LR change) instead of loading ``load_path``; refused unless the state in
@@ -76,26 +80,33 @@ class StageSpec:
             raise ConfigError("stage spec: a stop rule is required (target_iteration and/or max_tokens)")
         if self.planned_tokens <= 0:
             raise ConfigError(f"stage spec: planned_tokens must be positive, got {self.planned_tokens}")
-        for name in ("target_iteration", "max_tokens", "eval_interval", "eval_iters", "save_interval"):
+        for name in (
+            "target_iteration",
+            "max_tokens",
+            "eval_interval",
+            "eval_iters",
+            "save_interval",
+            "save_interval_minutes",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"stage spec: {name} must be positive, got {value}")
 
     @property
     def stage_dir(self) -> Path:
-        return self.run_dir / "stages" / str(self.stage)
+        return run_files.stage_path(self.run_dir, self.stage)
 
     @property
     def switch_request_path(self) -> Path:
-        return self.run_dir / "switch_request.json"
+        return run_files.switch_request_path(self.run_dir)
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return run_files.metrics_path(self.run_dir)
 
     @property
     def result_path(self) -> Path:
-        return self.stage_dir / "stage_result.json"
+        return self.stage_dir / run_files.STAGE_RESULT
 
     def resolved_eval_interval(self) -> int:
         """``eval_interval`` of the stage, else of the config, or its ``eval_every_tokens`` at this gbs."""
@@ -141,12 +152,9 @@ class StageSpec:
         return cls(**values)
 
     def write(self, path: Path) -> Path:
-        """Write the spec as JSON (through a temporary name, so a reader never sees half a file)."""
+        """Write the spec as JSON (atomically, so a reader never sees half a file)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
-        return path
+        return write_json_atomic(path, self.to_dict())
 
     @classmethod
     def read(cls, path: Path) -> StageSpec:
@@ -188,10 +196,7 @@ class StageResult:
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
-        tmp.replace(path)
-        return path
+        return write_json_atomic(path, dataclasses.asdict(self))
 
     @classmethod
     def read(cls, path: Path) -> StageResult:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,17 +25,20 @@ from cona.config import ConaConfig
 from cona.data.gpt_dataset import build_datasets
 from cona.engine.checkpoint import (
     PROBE_FILE,
+    RUN_KEY,
+    PendingSave,
     layout_dir,
     load_checkpoint,
     read_checkpoint_info,
     resolve_checkpoint,
-    save_checkpoint,
+    start_checkpoint,
     tmp_owner,
 )
 from cona.engine.divergence import DivergenceWatch
 from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
 from cona.engine.parallel_dims import build_mesh
+from cona.engine.periodic_save import PERIODIC_KEY, PeriodicSaves
 from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
 from cona.engine.spec import StageSpec
 from cona.engine.step_modes import resolved_dtype
@@ -81,20 +85,15 @@ def continue_in_place(
         min_lr_factor=spec.min_lr_factor,
     )
     dtype = resolved_dtype(spec.config.training, model.device)
+    root = layout_dir(spec.workdir, spec.config, strategy, dtype)
+    saving = (spec, model, old.optimizer, schedule, root, old.probe_batch)
     context = dataclasses.replace(
         old,
         spec=spec,
         schedule=schedule,
         logger=_rank0_logger(spec, console),
-        save=partial(
-            _save,
-            spec,
-            model,
-            old.optimizer,
-            schedule,
-            layout_dir(spec.workdir, spec.config, strategy, dtype),
-            old.probe_batch,
-        ),  # fmt: skip
+        save=partial(_save, *saving),
+        periodic=periodic_saves(spec, partial(_start_save, *saving), root),
         timings=timings,
         step_trace=step_trace_from_env(
             spec.stage_dir, rank=dist.get_rank(), dp_rank=old.dp_rank, stage=spec.stage
@@ -158,6 +157,8 @@ def build_stage(
     dp_rank = mesh["dp"].get_local_rank()
     dtype = resolved_dtype(config.training, device)
     probe = probe_batch(splits)
+    root = layout_dir(spec.workdir, config, strategy, dtype)
+    saving = (spec, model, optimizer, schedule, root, probe)
     context = StageContext(
         spec=spec,
         model=model,
@@ -169,9 +170,8 @@ def build_stage(
         flops_per_token=training_flops_per_token(config.model),
         peak_flops_per_device=peak_flops(_device_name(device), dtype),
         logger=_rank0_logger(spec, console),
-        save=partial(
-            _save, spec, model, optimizer, schedule, layout_dir(spec.workdir, config, strategy, dtype), probe
-        ),
+        save=partial(_save, *saving),
+        periodic=periodic_saves(spec, partial(_start_save, *saving), root),
         probe_batch=probe,
         timings=timings,
         control_group=control_group,
@@ -183,7 +183,7 @@ def build_stage(
     return context, progress
 
 
-def _save(
+def _start_save(
     spec: StageSpec,
     model: TrainingModel,
     optimizer: torch.optim.Optimizer,
@@ -193,21 +193,26 @@ def _save(
     at: Progress,
     *,
     milestones: dict[str, float] | None = None,
-) -> Path:
-    """Collective save of the stage's state at ``at`` (``trainer_state``: the progress counters
-    :meth:`Progress.from_trainer_state` reads back, the stage, the seed and the LR schedule), with the probe
-    loss of the state saved, which whoever loads it verifies (any later stage may load it under another
-    layout). ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
+    writer_group: dist.ProcessGroup | None = None,
+) -> PendingSave:
+    """Collective: start saving the stage's state at ``at`` (``trainer_state``: the progress counters
+    :meth:`Progress.from_trainer_state` reads back, the stage, the run, the seed and the LR schedule), with
+    the probe loss of the state saved, which whoever loads it verifies (any later stage may load it under
+    another layout). ``writer_group``: a periodic save, written in the background over that group.
+    ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
     record = measure_probe(model, probe, iteration=at.iteration)
     if milestones is not None:
         milestones["probe_done"] = time.time()
+    owner = tmp_owner(spec.run_dir)
     trainer_state = {
         **dataclasses.asdict(at),
         "stage": spec.stage,
+        RUN_KEY: owner,
+        PERIODIC_KEY: writer_group is not None,
         "seed": spec.config.training.seed,
         "lr_schedule": dataclasses.asdict(schedule),
     }
-    return save_checkpoint(
+    return start_checkpoint(
         checkpoint_root,
         iteration=at.iteration,
         model_parts=model.model_parts,
@@ -216,7 +221,32 @@ def _save(
         config=spec.config,
         strategy=spec.strategy,
         probe=record.to_dict(),
+        owner=owner,
+        background=writer_group is not None,
+        writer_group=writer_group,
+    )
+
+
+def _save(*args, **kwargs) -> Path:
+    """Collective synchronous save (the stage's last): :func:`_start_save` finished at once."""
+    return _start_save(*args, **kwargs).finish()
+
+
+def periodic_saves(spec: StageSpec, start: Callable[..., PendingSave], root: Path) -> PeriodicSaves | None:
+    """The stage's periodic saves (None: neither ``save_interval`` nor ``save_interval_minutes`` is set)."""
+    if spec.save_interval is None and spec.save_interval_minutes is None:
+        return None
+    training = spec.config.training
+    return PeriodicSaves(
+        every_iterations=spec.save_interval,
+        every_seconds=spec.save_interval_minutes * 60.0 if spec.save_interval_minutes is not None else None,
+        keep=training.keep_checkpoints,
+        start=start,
+        layout_dir=root,
+        stage=spec.stage,
         owner=tmp_owner(spec.run_dir),
+        loaded=spec.load_path,
+        timeout_minutes=training.distributed_timeout_minutes,
     )
 
 

@@ -21,8 +21,11 @@ from typing import IO
 
 import numpy as np
 
+from cona import run_files
+from cona.jsonl import read_lines
+
 STEP_TRACE_ENV = "CONA_STEP_TRACE"
-TRACE_DIR = "steps"
+TRACE_DIR = run_files.STEP_TRACE_DIR
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,12 +71,13 @@ def step_trace_from_env(stage_dir: Path, *, rank: int, dp_rank: int, stage: int)
 def read_step_trace(run_dir: Path) -> list[TracedStep]:
     """Every record of every stage and attempt under ``run_dir``, in the order they were written."""
     steps = []
-    for path in sorted(Path(run_dir).glob(f"stages/*/{TRACE_DIR}/rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                raw = json.loads(line)
-                raw["sample_ids"], raw["lrs"] = tuple(raw["sample_ids"]), tuple(raw["lrs"])
-                steps.append(TracedStep(**raw))
+    for path in sorted(Path(run_dir).glob(f"{run_files.STAGES}/*/{TRACE_DIR}/rank*.jsonl")):
+        for line in read_lines(path):
+            if line.error is not None:
+                raise line.error  # the trace is for tests: a torn line is a bug to see
+            raw = line.value
+            raw["sample_ids"], raw["lrs"] = tuple(raw["sample_ids"]), tuple(raw["lrs"])
+            steps.append(TracedStep(**raw))
     return sorted(steps, key=lambda step: step.time)
 
 

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.errors import CheckpointError
 
-VERDICT_FILE = "switch_check.json"
+VERDICT_FILE = run_files.SWITCH_CHECK
 
 PROBE_RTOL: dict[str, float] = {
     # Two layouts compute the same forward pass with the sums in another order (tp partial sums, pipeline
@@ -194,13 +196,10 @@ def compare_probe(before: ProbeRecord | None, after: ProbeRecord, *, checkpoint:
 
 
 def write_verdict(stage_dir: Path, verdict: Verdict) -> Path:
-    """``stages/<N>/switch_check.json`` (through a temporary name, so a reader never sees half a file)."""
+    """``stages/<N>/switch_check.json`` (atomically, so a reader never sees half a file)."""
     path = Path(stage_dir) / VERDICT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(verdict.to_dict(), indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json_atomic(path, verdict.to_dict())
 
 
 def read_verdict(stage_dir: Path, *, newer_than: float | None = None) -> Verdict | None:

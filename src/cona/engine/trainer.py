@@ -10,6 +10,7 @@ on the last steps before each metrics line (:func:`gns_due`), which the line's m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,17 +27,19 @@ from torch import Tensor
 
 from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
 from cona.engine.divergence import DivergenceWatch
-from cona.engine.metrics import MASKED_TOKENS, MetricsLogger, model_flops_utilization
+from cona.engine.metrics import MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
+from cona.engine.periodic_save import PeriodicSaves
 from cona.engine.probe import ProbeBatch
 from cona.engine.session import RunnerWatch, leave_orphaned
 from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.engine.step_trace import StepTrace
 from cona.engine.train_model import PendingStepOutput, TrainingModel
+from cona.metrics_record import MetricsRecord
 
 Batch = list[tuple[Tensor, Tensor]]
 RUNNER_GONE = "runner_gone"
-"""What :func:`switch_requested` says when the runner is gone: every rank then exits at once."""
+"""What :func:`step_boundary` says when the runner is gone: every rank then exits at once."""
 GNS_MIN_STEPS_PER_LINE = 2
 """Measured steps before each metrics line where the difference estimator needs two consecutive gradients
 (one where a step's pieces or micro-batches give the small batches at the same parameters)."""
@@ -92,6 +95,8 @@ class StageContext:
     """Stops a diverging run at a metrics line (:mod:`cona.engine.divergence`); None checks nothing."""
     runner_watch: RunnerWatch | None = field(default_factory=RunnerWatch.from_env)
     """Rank 0's check that the runner still runs (None: no runner started this worker)."""
+    periodic: PeriodicSaves | None = None
+    """The stage's checkpoints between its start and its end (None: only at the end and on a switch)."""
 
 
 @dataclass(kw_only=True)
@@ -136,7 +141,16 @@ class IntervalSums:
 
 
 def train_stage(ctx: StageContext, progress: Progress) -> str:
-    """Train until the stop rule or a switch request; returns the stop reason (see ``STOP_REASONS``)."""
+    """Train until the stop rule or a switch request; returns the stop reason (see ``STOP_REASONS``).
+    A periodic save still in flight at the end is finished (published) before this returns; after an
+    exception it is not (a rank that failed would never join), and its temporary is never loaded."""
+    reason = _train_steps(ctx, progress)
+    if ctx.periodic is not None:
+        ctx.periodic.close()
+    return reason
+
+
+def _train_steps(ctx: StageContext, progress: Progress) -> str:
     spec = ctx.spec
     interval = IntervalSums()
     while not stop_rule_met(spec, progress):
@@ -148,14 +162,14 @@ def train_stage(ctx: StageContext, progress: Progress) -> str:
         if "first_step_done" not in ctx.timings:
             out.loss.item()  # once per stage: the milestone is the first step finished on the device
             ctx.timings["first_step_done"] = time.time()
-        switch = switch_requested(spec.switch_request_path, ctx.control_group, ctx.runner_watch)
+        boundary = step_boundary(spec.switch_request_path, ctx.control_group, ctx.runner_watch, ctx.periodic)
+        switch = boundary.switch
         if switch == RUNNER_GONE:
             runner_pid = int(os.environ.get(RUNNER_PID_ENV, "0") or 0)
             leave_orphaned(runner_pid, f"stopping training at iteration {progress.iteration}")
         ending = switch is not None or stop_rule_met(spec, progress)
         interval = _maybe_log(ctx, progress, interval, lr, force=ending)
-        if spec.save_interval and progress.iteration % spec.save_interval == 0 and not ending:
-            ctx.save(progress)
+        if _periodic_save(ctx.periodic, progress, boundary, ending=ending):
             interval.started = time.perf_counter()  # the save is not step time
         if switch is not None:
             ctx.timings["train_done"] = time.time()
@@ -164,28 +178,65 @@ def train_stage(ctx: StageContext, progress: Progress) -> str:
     return "completed"
 
 
+def _periodic_save(
+    saves: PeriodicSaves | None, progress: Progress, boundary: Boundary, *, ending: bool
+) -> bool:
+    """Publish the save in flight once rank 0 wrote it; start one where due (never at the stage's end,
+    which saves anyway). Returns whether this waited for a save."""
+    if saves is None:
+        return False
+    waited = False
+    if saves.pending is not None and boundary.pending_written:
+        saves.finish()
+        waited = True
+    if not ending and saves.due(progress.iteration, by_time=boundary.save_due_by_time):
+        saves.begin(dataclasses.replace(progress))
+        waited = True
+    return waited
+
+
 def stop_rule_met(spec: StageSpec, progress: Progress) -> bool:
     if spec.target_iteration is not None and progress.iteration >= spec.target_iteration:
         return True
     return spec.max_tokens is not None and progress.consumed_tokens >= spec.max_tokens
 
 
-def switch_requested(
-    request_path: Path, group: dist.ProcessGroup | None, runner_watch: RunnerWatch | None = None
-) -> str | None:
+@dataclass(frozen=True)
+class Boundary:
+    """What rank 0 saw at a step boundary, which every rank acts on alike."""
+
+    switch: str | None
+    """The stop reason a switch request asks for, :data:`RUNNER_GONE`, or None."""
+    save_due_by_time: bool = False
+    """``save_interval_minutes`` passed since the last periodic save started."""
+    pending_written: bool = False
+    """The periodic save in flight is written: it can be published without waiting."""
+
+
+def step_boundary(
+    request_path: Path,
+    group: dist.ProcessGroup | None,
+    runner_watch: RunnerWatch | None = None,
+    periodic: PeriodicSaves | None = None,
+) -> Boundary:
     """The stop reason a switch request asks for (``switch_requested``, or ``switch_in_place`` when the
     request says ``"in_place": true``), :data:`RUNNER_GONE` when rank 0's ``runner_watch`` found the runner
-    gone, or None. Rank 0 reads the request file; one broadcast makes every rank agree on what it saw. The
-    flag travels through a gloo group as a CPU tensor, so the check never waits for the GPU."""
-    code = 0
+    gone, or None; and rank 0's view of the periodic saves. Rank 0 reads the request file and its clock;
+    one broadcast makes every rank agree on what it saw. The flags travel through a gloo group as a CPU
+    tensor, so the check never waits for the GPU."""
+    code, by_time, written = 0, False, False
     if dist.get_rank() == 0:
         if runner_watch is not None and runner_watch.runner_gone():
             code = 3
         elif request_path.exists():
             code = 2 if _reads_in_place(request_path) else 1
-    flag = torch.tensor([code], dtype=torch.int32)
-    dist.broadcast(flag, src=0, group=group)
-    return {0: None, 1: "switch_requested", 2: "switch_in_place", 3: RUNNER_GONE}[int(flag.item())]
+        if periodic is not None:
+            by_time, written = periodic.due_by_time(), periodic.pending_written()
+    flags = torch.tensor([code, int(by_time), int(written)], dtype=torch.int32)
+    dist.broadcast(flags, src=0, group=group)
+    code, by_time, written = (int(value) for value in flags.tolist())
+    switch = {0: None, 1: "switch_requested", 2: "switch_in_place", 3: RUNNER_GONE}[code]
+    return Boundary(switch=switch, save_due_by_time=bool(by_time), pending_written=bool(written))
 
 
 def _reads_in_place(request_path: Path) -> bool:
@@ -262,14 +313,11 @@ def _maybe_log(
     means = interval.means()  # waits for the device: the elapsed time then covers the interval's steps
     elapsed = time.perf_counter() - interval.started
     record = _record(ctx, progress, interval, means, lr, elapsed)
-    if eval_due:
+    if eval_due:  # BERT's eval_ppl is over the masked tokens only
         eval_loss = ctx.model.eval_loss(ctx.eval_batches)
-        record["eval_loss"] = eval_loss
-        record["eval_ppl"] = math.exp(eval_loss) if eval_loss < 700 else math.inf
-        if spec.config.model.family == "bert":
-            record["eval_ppl_tokens"] = MASKED_TOKENS  # BERT's eval_ppl is over the masked tokens only
+        record = record.with_evaluation(eval_loss, masked_tokens=spec.config.model.family == "bert")
     if ctx.logger is not None:
-        ctx.logger.write(record)
+        ctx.logger.write(record.to_dict())
     if ctx.divergence is not None:  # after the line is written: the run's last line shows why it stopped
         steps, skipped = interval.steps, means["skipped_steps"]
         ctx.divergence.check(iteration=progress.iteration, loss=means["loss"], steps=steps, skipped=skipped)
@@ -283,39 +331,39 @@ def _record(
     means: dict[str, float],
     lr: float,
     elapsed: float,
-) -> dict[str, Any]:
+) -> MetricsRecord:
     spec = ctx.spec
     strategy = spec.strategy
     step_time = elapsed / interval.steps
     tokens_per_s = strategy.gbs * spec.config.model.seq / step_time
     last = interval.last
     assert last is not None  # a log boundary always follows at least one step
-    return {
-        "stage": spec.stage,
-        "iteration": progress.iteration,
-        "consumed_samples": progress.consumed_samples,
-        "consumed_tokens": progress.consumed_tokens,
-        "loss": means["loss"],
-        "lr": lr,
-        "gbs": strategy.gbs,
-        "mbs": strategy.mbs,
-        "dp": strategy.dp,
-        "tp": strategy.tp,
-        "pp": strategy.pp,
-        "step_time_s": step_time,
-        "tokens_per_s": tokens_per_s,
-        "mfu": model_flops_utilization(
+    return MetricsRecord(
+        stage=spec.stage,
+        iteration=progress.iteration,
+        consumed_samples=progress.consumed_samples,
+        consumed_tokens=progress.consumed_tokens,
+        loss=means["loss"],
+        lr=lr,
+        gbs=strategy.gbs,
+        mbs=strategy.mbs,
+        dp=strategy.dp,
+        tp=strategy.tp,
+        pp=strategy.pp,
+        step_time_s=step_time,
+        tokens_per_s=tokens_per_s,
+        mfu=model_flops_utilization(
             tokens_per_s, ctx.flops_per_token, ctx.peak_flops_per_device, strategy.world_size
         ),
-        "grad_norm": means["grad_norm"],
-        "gns_small_sqr": means["gns_small_sqr"],
-        "gns_big_sqr": means["gns_big_sqr"],
-        "gns_small_batch": last.gns_small_batch,
-        "gns_big_batch": last.gns_big_batch,
-        "steps_in_interval": interval.steps,
-        "skipped_steps": means["skipped_steps"],
-        "time": time.time(),
-    }
+        grad_norm=means["grad_norm"],
+        gns_small_sqr=means["gns_small_sqr"],
+        gns_big_sqr=means["gns_big_sqr"],
+        gns_small_batch=last.gns_small_batch,
+        gns_big_batch=last.gns_big_batch,
+        steps_in_interval=interval.steps,
+        skipped_steps=means["skipped_steps"],
+        time=time.time(),
+    )
 
 
 def fixed_eval_batches(

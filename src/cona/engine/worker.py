@@ -22,7 +22,6 @@ finalisation can abort inside gloo's threads, so no rank goes through it.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 import time
@@ -34,6 +33,8 @@ from typing import IO, NoReturn
 import torch
 import torch.distributed as dist
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.config import ConaConfig
 from cona.engine.parallel_dims import validate_layout
 from cona.engine.session import SESSION_FLAG, next_stage, release_stage_memory
@@ -177,7 +178,7 @@ def point_output(stage_dir: Path, rank: int) -> None:
     """Send this process's stdout/stderr (Python's and native code's) to ``rank<r>.log`` of the stage."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     _flush()
-    log_fd = os.open(stage_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log_fd = os.open(stage_dir / run_files.rank_log_name(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
@@ -194,8 +195,7 @@ def write_error(stage_dir: Path, rank: int, err: BaseException) -> Path:
         "traceback": "".join(traceback.format_exception(err)),
     }
     stage_dir.mkdir(parents=True, exist_ok=True)
-    path = stage_dir / f"rank{rank}.error"
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path = write_json_atomic(stage_dir / run_files.rank_error_name(rank), record)
     print(record["traceback"], file=sys.stderr)
     return path
 

@@ -10,7 +10,6 @@ unidentifiable factors at 1 instead of anywhere.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -21,6 +20,8 @@ from scipy.optimize import least_squares
 
 from cona.config import ModelConfig, TrainingConfig
 from cona.errors import PlanError
+from cona.jsonl import read_lines
+from cona.metrics_record import MetricsRecord
 from cona.planner.calibration_factors import Calibration
 from cona.planner.flops import ModelShape
 from cona.planner.perf_model import predict
@@ -111,9 +112,12 @@ def fit_factors(predicted: Callable[[Calibration], np.ndarray], measured_s: Sequ
 
 
 def measurements_from_metrics(
-    path_or_rows: str | Path | Iterable[dict[str, Any]], *, training: TrainingConfig | None = None
+    path_or_rows: str | Path | Iterable[MetricsRecord | dict[str, Any]],
+    *,
+    training: TrainingConfig | None = None,
 ) -> list[tuple[Strategy, float]]:
-    """Median step time of each strategy in a ``metrics.jsonl`` (a path, or its rows already decoded).
+    """Median step time of each strategy in a ``metrics.jsonl`` (a path, or its rows already decoded or read
+    as records).
 
     Rows without ``step_time_s`` (evaluation, events) are skipped. The first timed row of each stage is
     dropped: it includes start-up, compilation and warm-up. A stage is a run of consecutive rows with the
@@ -124,14 +128,15 @@ def measurements_from_metrics(
     times: dict[Strategy, list[float]] = {}
     previous_stage: tuple | None = None
     for number, row in enumerate(rows, start=1):
-        if not isinstance(row, dict) or row.get("step_time_s") is None:
+        record = _as_record(row, number)
+        if record is None or record.step_time_s is None:
             continue
-        strategy = _strategy_of(row, number, training)
-        stage = (row.get("stage"), strategy)
+        strategy = _strategy_of(record, number, training)
+        stage = (record.stage, strategy)
         if stage != previous_stage:
             previous_stage = stage
             continue
-        times.setdefault(strategy, []).append(float(row["step_time_s"]))
+        times.setdefault(strategy, []).append(float(record.step_time_s))
     return [(strategy, statistics.median(values)) for strategy, values in times.items()]
 
 
@@ -140,22 +145,34 @@ def _read_rows(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise PlanError(f"metrics file {path} does not exist")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{path}: line {number}: not valid JSON: {err.msg}") from None
+    for line in read_lines(path):
+        if line.error is not None:
+            raise PlanError(f"{path}: line {line.number}: not valid JSON: {line.error.msg}")
+        rows.append(line.value)
     return rows
 
 
-def _strategy_of(row: dict[str, Any], number: int, training: TrainingConfig | None) -> Strategy:
-    missing = [key for key in STRATEGY_KEYS if key not in row]
+def _as_record(row: MetricsRecord | Any, number: int) -> MetricsRecord | None:
+    """A row as a record (None for one that is not a JSON object)."""
+    if isinstance(row, MetricsRecord):
+        return row
+    if not isinstance(row, dict):
+        return None
+    try:
+        return MetricsRecord.from_dict(row)
+    except ValueError as err:
+        raise PlanError(f"metrics row {number}: {err}") from None
+
+
+def _strategy_of(record: MetricsRecord, number: int, training: TrainingConfig | None) -> Strategy:
+    """The row's strategy; the options a metrics line does not carry (zero stage, recompute, ...) from the
+    line's extra keys where a tool wrote them, else from ``training``."""
+    missing = [key for key in STRATEGY_KEYS if getattr(record, key) is None]
     if missing:
         raise PlanError(f"metrics row {number}: step_time_s without {', '.join(missing)}")
     values = _training_defaults(training)
-    values.update({key: row[key] for key in (*STRATEGY_KEYS, *OPTIONAL_KEYS) if row.get(key) is not None})
+    values.update({key: getattr(record, key) for key in STRATEGY_KEYS})
+    values.update({key: record.extra[key] for key in OPTIONAL_KEYS if record.extra.get(key) is not None})
     try:
         return Strategy(**values)
     except TypeError as err:

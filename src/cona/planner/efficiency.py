@@ -26,10 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from cona.errors import PlanError
+from cona.metrics_record import MetricsRecord
 
 WINDOW_BASE_BATCHES = 500
 """The window, in ``M0`` batches of samples: measurements taken more than ``500 * M0`` samples before the
@@ -46,7 +48,6 @@ MAX_KEPT = 512
 """At most this many measurements are kept (the oldest leave first): bounds the cost of an update."""
 MAX_GROUPS = 7
 """Median-of-means groups: up to 3 of 7 consecutive groups may hold outliers without moving the median."""
-METRIC_KEYS = ("gns_small_sqr", "gns_big_sqr", "gns_small_batch", "gns_big_batch")
 
 
 def two_batch_estimate(
@@ -183,17 +184,22 @@ class NoiseScaleTracker:
             first += 1
         return kept[max(first, len(kept) - MAX_KEPT) :]
 
-    def update_from_metrics(self, record: Mapping[str, object]) -> NoiseScaleTracker:
-        """Fold in one ``metrics.jsonl`` record (its ``consumed_samples`` and ``lr`` where it has them);
-        records without all four ``gns_*`` fields are skipped."""
-        if any(record.get(key) is None for key in METRIC_KEYS):
+    def update_from_metrics(self, record: MetricsRecord | Mapping[str, Any]) -> NoiseScaleTracker:
+        """Fold in one ``metrics.jsonl`` record (its ``consumed_samples`` and ``lr`` where it has them; a
+        decoded line is read as a :class:`MetricsRecord`); records without all four ``gns_*`` fields are
+        skipped."""
+        if not isinstance(record, MetricsRecord):
+            record = MetricsRecord.from_dict(record)
+        small_sqr, big_sqr = record.gns_small_sqr, record.gns_big_sqr
+        small_batch, big_batch = record.gns_small_batch, record.gns_big_batch
+        if small_sqr is None or big_sqr is None or small_batch is None or big_batch is None:
             return self
-        position, lr = record.get("consumed_samples"), record.get("lr")
+        position, lr = record.consumed_samples, record.lr
         return self.update(
-            small_sqr=float(record["gns_small_sqr"]),
-            big_sqr=float(record["gns_big_sqr"]),
-            small_batch=int(record["gns_small_batch"]),
-            big_batch=int(record["gns_big_batch"]),
+            small_sqr=float(small_sqr),
+            big_sqr=float(big_sqr),
+            small_batch=int(small_batch),
+            big_batch=int(big_batch),
             consumed_samples=None if position is None else float(position),
             lr=None if lr is None else float(lr),
         )

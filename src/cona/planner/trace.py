@@ -10,22 +10,23 @@ power of the tokens, noise scale growing as a power of the loss decrease, Kaplan
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from cona import run_files
 from cona.config import TrainingConfig
 from cona.errors import PlanError
+from cona.jsonl import read_lines
+from cona.metrics_record import MetricsRecord
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate, NoiseScaleTracker
 from cona.strategy import Strategy
 
-METRICS_NAME = "metrics.jsonl"
+METRICS_NAME = run_files.METRICS
 KAPLAN_B_STAR_TOKENS = 2e8
 """Kaplan et al. 2020: critical batch ``B_crit(L) = B* / L^(1/alpha_B)`` with ``B* ~ 2e8`` tokens."""
 KAPLAN_ALPHA_B = 0.21
@@ -107,7 +108,7 @@ def read_trace(path: str | Path, *, training: TrainingConfig, min_samples: int =
     loss_kind, loss_tokens, loss = _losses(rows, metrics)
     plain = [row for _, row in rows]
     timed = tuple(measurements_from_metrics(plain, training=training))
-    first = next((row for row in plain if all(key in row for key in ("dp", "tp", "pp"))), None)
+    first = next((row for row in plain if row.has_strategy), None)
     return Trace(
         **{key: np.asarray(values, dtype=np.float64) for key, values in columns.items()},
         loss_tokens=loss_tokens,
@@ -115,42 +116,41 @@ def read_trace(path: str | Path, *, training: TrainingConfig, min_samples: int =
         loss_kind=loss_kind,
         timed=timed,
         switch_costs_s=_switch_costs(plain),
-        world_size=None if first is None else int(first["dp"]) * int(first["tp"]) * int(first["pp"]),
-        backend=str(next((row["backend"] for row in plain if row.get("backend")), "native")),
+        world_size=None if first is None else int(first.dp) * int(first.tp) * int(first.pp),
+        backend=next((row.backend for row in plain if row.backend), "native"),
         source=str(metrics),
     )
 
 
-def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+def _read_rows(path: Path) -> list[tuple[int, MetricsRecord]]:
     if not path.is_file():
         raise PlanError(f"--trace: {path} does not exist (give a run directory or its metrics.jsonl)")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{path}: line {number}: not valid JSON: {err.msg}") from None
-        if isinstance(row, dict):
-            rows.append((number, row))
+    for line in read_lines(path):
+        if line.error is not None:
+            raise PlanError(f"{path}: line {line.number}: not valid JSON: {line.error.msg}")
+        if isinstance(line.value, dict):
+            try:
+                rows.append((line.number, MetricsRecord.from_dict(line.value)))
+            except ValueError as err:
+                raise PlanError(f"{path}: line {line.number}: {err}") from None
     return rows
 
 
-def _number(row: dict[str, Any], key: str, path: Path, number: int) -> float:
-    value = row.get(key)
-    if not isinstance(value, int | float) or isinstance(value, bool):
+def _number(row: MetricsRecord, key: str, path: Path, number: int) -> float:
+    value = getattr(row, key)
+    if value is None:
         raise PlanError(f"{path}: line {number}: a row with gns fields needs a numeric '{key}'")
     return float(value)
 
 
-def _losses(rows: list[tuple[int, dict[str, Any]]], path: Path) -> tuple[str, np.ndarray, np.ndarray]:
+def _losses(rows: list[tuple[int, MetricsRecord]], path: Path) -> tuple[str, np.ndarray, np.ndarray]:
     """The eval losses when the run has any, else the training losses, against consumed tokens."""
     for kind in ("eval_loss", "loss"):
         points = [
-            (float(row["consumed_tokens"]), float(row[kind]))
+            (float(row.consumed_tokens), float(getattr(row, kind)))
             for _, row in rows
-            if isinstance(row.get(kind), int | float) and isinstance(row.get("consumed_tokens"), int | float)
+            if getattr(row, kind) is not None and row.consumed_tokens is not None
         ]
         if points:
             tokens, losses = zip(*points, strict=True)
@@ -158,21 +158,21 @@ def _losses(rows: list[tuple[int, dict[str, Any]]], path: Path) -> tuple[str, np
     raise PlanError(f"{path}: no row has a loss or eval_loss with consumed_tokens")
 
 
-def _switch_costs(rows: list[dict[str, Any]]) -> tuple[float, ...]:
+def _switch_costs(rows: list[MetricsRecord]) -> tuple[float, ...]:
     """Seconds lost at each stage change: the wall-clock gap between the last row of a stage and the first of
     the next, less the steps trained in between (at the new stage's median step time)."""
-    timed = [row for row in rows if all(isinstance(row.get(k), int | float) for k in ("time", "iteration"))]
-    step_times: dict[Any, list[float]] = {}
+    timed = [row for row in rows if row.time is not None and row.iteration is not None]
+    step_times: dict[int | None, list[float]] = {}
     for row in timed:
-        if isinstance(row.get("step_time_s"), int | float):
-            step_times.setdefault(row.get("stage"), []).append(float(row["step_time_s"]))
+        if row.step_time_s is not None:
+            step_times.setdefault(row.stage, []).append(float(row.step_time_s))
     costs = []
     for before, after in zip(timed, timed[1:], strict=False):
-        if before.get("stage") is None or before.get("stage") == after.get("stage"):
+        if before.stage is None or before.stage == after.stage:
             continue
-        step = statistics.median(step_times.get(after.get("stage"), [0.0]))
-        gap = float(after["time"]) - float(before["time"])
-        costs.append(max(gap - (float(after["iteration"]) - float(before["iteration"])) * step, 0.0))
+        step = statistics.median(step_times.get(after.stage, [0.0]))
+        gap = float(after.time) - float(before.time)
+        costs.append(max(gap - (float(after.iteration) - float(before.iteration)) * step, 0.0))
     return tuple(costs)
 
 

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from cona.engine.checkpoint import layout_dir
+from cona import run_files
+from cona.engine.checkpoint import another_runs_checkpoint, layout_dir, tmp_owner
 from cona.engine.spec import StageResult, StageSpec
+from cona.errors import CheckpointError
 from cona.runner.in_place import replay_in_place
 from cona.runner.launch import stage_master_port
 from cona.runner.nodes.across_nodes import node_topology, run_across_nodes
@@ -90,6 +92,8 @@ class Schedule(Protocol):
     """A token budget that stops every stage (None: none)."""
     reports_switch_cost: bool
     """Print the split of each switch's cost when a stage is done."""
+    first_iteration: int
+    """The iteration the first stage starts at (0, or that of a checkpoint it is given to load)."""
 
     run_tracker: RunTracker
     """Where the schedule logs its decisions and switches; set by the driver before the first stage."""
@@ -273,7 +277,7 @@ class StageDriver:
     def _plan(self, state: RunState, stage: StageState) -> StageState:
         """Fix the stage's start, stop, load path and LR factors (kept for every relaunch)."""
         number = stage.step_num
-        start = state.stage(number - 1).last_iteration if number > 1 else 0
+        start = state.stage(number - 1).last_iteration if number > 1 else self.schedule.first_iteration
         lr = stage_lr(self.run.run_dir, self.run.config.training, self.schedule.strategy(number).gbs, start)
         in_place = self.continues_in_place(state, number)
         plan = self.schedule.plan(state, stage, start=start, lr=lr, in_place=in_place)
@@ -290,8 +294,9 @@ class StageDriver:
         )
 
     def stage_spec(self, state: RunState, stage: StageState) -> StageSpec:
-        """The spec of the stage's next attempt: from its own newest checkpoint if an attempt saved one, else
-        from what it planned to load, or in place."""
+        """The spec of the stage's next attempt: from its own newest checkpoint if an attempt saved one (a
+        periodic one, or its last), else from what it planned to load, or in place. It saves periodically
+        as ``training.save_interval`` and ``save_interval_minutes`` say."""
         # A token budget has no stop iteration: any iteration past the start is the stage's own.
         span = dataclasses.replace(stage, target_iteration=stage.target_iteration or sys.maxsize)
         own = own_checkpoint(span, self.layout_dir(stage.step_num))
@@ -313,14 +318,22 @@ class StageDriver:
             lr_factor=stage.lr_factor,
             min_lr_factor=stage.min_lr_factor,
             save_at_end=True,
+            save_interval=self.run.config.training.save_interval,
+            save_interval_minutes=self.run.config.training.save_interval_minutes,
         )
 
     # --- launching --------------------------------------------------------------------------------------
 
     def _launch(self, state: RunState, spec: StageSpec, number: int) -> tuple[RunState, float]:
         """Start one attempt of the stage and wait for it; returns the state (attempt counted) and the time
-        it was launched."""
-        spec_path = spec.write(spec.stage_dir / "spec.json")
+        it was launched. Refused before it starts where its last save would replace another run's
+        checkpoint."""
+        if spec.target_iteration is not None:
+            final = self.layout_dir(number) / f"global_step{spec.target_iteration}"
+            refusal = another_runs_checkpoint(final, tmp_owner(self.run.run_dir))
+            if refusal is not None:
+                raise CheckpointError(f"stage {number}: {refusal}")
+        spec_path = spec.write(spec.stage_dir / run_files.SPEC)
         spec.result_path.unlink(missing_ok=True)
         spec.switch_request_path.unlink(missing_ok=True)  # an earlier attempt's request is not this one's
         stage = state.stage(number)

@@ -1,11 +1,13 @@
 """One fixed strategy on one node (``cona train --dp .. --iters N --workdir W``): a one-stage chain.
 
-The run directory is new (named by the UTC time and the layout unless ``--run-name`` names it); the strategy
-is written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage driver as
-every chain is (:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun;
-the last
-line says where it stopped and saved. The Megatron-DeepSpeed backend runs its fixed mode the same way; across
-nodes the run name is the strategy's, so that every node agrees on it
+The run directory is named by the UTC time and the layout unless ``--run-name`` names it; the strategy is
+written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage driver as every
+chain is (:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun; the
+last line
+says where it stopped and saved. Rerunning the same command with the same ``--run-name`` resumes the run
+from its newest checkpoint (periodic ones included, ``training.save_interval[_minutes]``); ``--fresh``
+starts it over; a run directory that holds no fixed run is refused. The Megatron-DeepSpeed backend runs its
+fixed mode the same way; across nodes the run name is the strategy's, so that every node agrees on it
 (:mod:`cona.runner.nodes.fixed_across_nodes`).
 """
 
@@ -15,18 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cona import run_files
 from cona.config import ConaConfig
 from cona.engine.spec import StageResult, StageSpec
+from cona.errors import LaunchError
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 from cona.runner.nodes.fixed_across_nodes import fixed_chain, write_chain
-from cona.runner.run_dir import create_run_dir, default_run_name
+from cona.runner.run_dir import check_run_name, create_run_dir, default_run_name, point_latest
 from cona.runner.schedules.chain_options import ChainRun
 from cona.strategy import Strategy
 
 if TYPE_CHECKING:
     from cona.runner.views.console import RunConsole
-
-FIXED_CHAIN_NAME = "fixed_chain.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,19 +48,33 @@ class FixedRun:
     base_port: int | None = DEFAULT_MASTER_PORT_BASE
     """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
     quiet: bool = False
+    fresh: bool = False
+    """Discard what an earlier run of the same name left and start over."""
 
-    def new_run_dir(self) -> Path:
-        """Make the run's directory (refusing one that exists) and say which on the first line."""
+    def open_run_dir(self) -> Path:
+        """Make the run's directory, or take the one an earlier run of this name left (which the driver
+        resumes, or refuses when it was another strategy or config), and say which on the first line."""
         strategy = self.strategy
         name = self.run_name or default_run_name(f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}")
-        run_dir = create_run_dir(Path(self.config.training.log_root), name)
-        print(f"run directory: {run_dir}", flush=True)
+        run_dir = Path(self.config.training.log_root).resolve() / check_run_name(name)
+        if not run_dir.exists():
+            run_dir = create_run_dir(Path(self.config.training.log_root), name)
+            how = "" if self.run_name else f" (after an interruption, add --run-name {name} to resume it)"
+            print(f"run directory: {run_dir}{how}", flush=True)
+            return run_dir
+        if not (run_dir / run_files.FIXED_CHAIN).is_file():
+            raise LaunchError(
+                f"run directory {run_dir} already exists and holds no fixed run to resume; pick another "
+                f"--run-name"
+            )
+        point_latest(run_dir)
+        print(f"run directory: {run_dir} ({'starting over' if self.fresh else 'resuming'})", flush=True)
         return run_dir
 
 
 def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
     """The fixed run as the chain of one initial step, written to ``<run_dir>/fixed_chain.json``."""
-    chain_path = run_dir / FIXED_CHAIN_NAME
+    chain_path = run_dir / run_files.FIXED_CHAIN
     write_chain(chain_path, fixed_chain(run.strategy, run.iters))
     return ChainRun(
         chain_path=chain_path,
@@ -69,6 +85,7 @@ def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
         device_type=run.device_type,
         base_port=run.base_port,
         quiet=run.quiet,
+        fresh=run.fresh,
     )
 
 
@@ -78,11 +95,11 @@ def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
     from cona.runner.schedules.sequence import run_chain  # imports torch
     from cona.runner.stage_run import torchrun_launcher
 
-    run_dir = run.new_run_dir()
+    run_dir = run.open_run_dir()
     run_chain(
         one_stage_chain(run, run_dir), launcher=console.launcher(torchrun_launcher), out=console.message
     )
-    spec = StageSpec.read(run_dir / "stages" / "1" / "spec.json")
+    spec = StageSpec.read(run_files.spec_path(run_dir, 1))
     result = StageResult.read(spec.result_path)
     print(
         f"stage {result.stage} {result.reason} at iteration {result.last_iteration} "

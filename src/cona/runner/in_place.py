@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from cona import run_files
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
 from cona.runner.state import RunState, StageState
@@ -41,13 +42,15 @@ def replay_in_place(
             target_iteration=stage.last_iteration,
             max_tokens=None,
             save_at_end=False,
+            save_interval=None,  # its state is rebuilt, not new: nothing to keep of it
+            save_interval_minutes=None,
             hand_over_in_place=True,
         )
         out(
             f"stage {number}: retraining iterations {stage.start_iteration}..{stage.last_iteration} to "
             f"rebuild the state an in-place switch kept in memory"
         )
-        spec_path = spec.write(spec.stage_dir / "replay_spec.json")
+        spec_path = spec.write(spec.stage_dir / run_files.REPLAY_SPEC)
         spec.result_path.unlink(missing_ok=True)
         launch(spec, spec_path, number)
         result = StageResult.read(spec.result_path)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.engine.spec import LAUNCH_TIME_ENV, RUNNER_PID_ENV, WORKER_CONSOLE_ENV
 from cona.errors import LaunchError
 from cona.runner.run_lock import held_fds
@@ -36,9 +38,8 @@ any of them starts). On one node, without the flag, torchrun picks a free port f
 ANY_FREE_PORT = 0
 """A topology's master port when torchrun is to pick a free one (``--standalone``; one node only)."""
 WORKER_MODULE = "cona.engine.worker"
-TORCHRUN_LOG = "torchrun.log"
-PIDS_FILE = "pids.json"
-PIDS_GLOB = "pids*.json"
+TORCHRUN_LOG = run_files.TORCHRUN_LOG
+PIDS_FILE = run_files.PIDS
 """Every node's pids record in a stage directory (``pids.json``, ``pids.node<r>.json``)."""
 _LOG_TAIL_LINES = 8
 _WATCH_INTERVAL_S = 0.5
@@ -72,11 +73,11 @@ class Topology:
 
     @property
     def torchrun_log(self) -> str:
-        return TORCHRUN_LOG if self.node_rank == 0 else f"torchrun.node{self.node_rank}.log"
+        return run_files.torchrun_log_name(self.node_rank)
 
     @property
     def pids_file(self) -> str:
-        return PIDS_FILE if self.node_rank == 0 else f"pids.node{self.node_rank}.json"
+        return run_files.pids_name(self.node_rank)
 
 
 def resolve_port_base(flag_value: int | None, num_nodes: int) -> int | None:
@@ -200,7 +201,7 @@ def clear_errors(stage_dir: Path, topology: Topology) -> None:
     nodes' ranks are theirs to clear)."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     for rank in topology.local_ranks:
-        (stage_dir / f"rank{rank}.error").unlink(missing_ok=True)
+        (stage_dir / run_files.rank_error_name(rank)).unlink(missing_ok=True)
 
 
 def launch_env(
@@ -257,13 +258,6 @@ def record_exit(path: Path, returncode: int | None) -> None:
     write_json_atomic(path, {**record, "ended": time.time(), "returncode": returncode})
 
 
-def write_json_atomic(path: Path, record: dict) -> None:
-    """Through a temporary name, so a reader (``cona status``, a session's workers) never sees half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
-
-
 def _wait(process: subprocess.Popen, watch: Callable[[], None] | None) -> int:
     """Wait for torchrun, calling ``watch`` meanwhile; stop torchrun (it stops its workers) if it raises."""
     try:
@@ -298,19 +292,19 @@ def describe_failure(stage_dir: Path, returncode: int, *, torchrun_log: str = TO
         after = f"; ranks {sorted({error['rank'] for error in errors})} failed after it" if errors else ""
         return (
             f"stage {stage}: rank {rank} was killed by {signal_name} (it wrote no error; "
-            f"log {stage_dir / f'rank{rank}.log'}){after}"
+            f"log {stage_dir / run_files.rank_log_name(rank)}){after}"
         )
     if errors:
         first = min(errors, key=lambda error: error["time"])
         others = sorted({error["rank"] for error in errors} - {first["rank"]})
         also = f"; ranks {others} failed after it" if others else ""
-        error_path = stage_dir / f"rank{first['rank']}.error"
+        error_path = stage_dir / run_files.rank_error_name(first["rank"])
         return (
             f"stage {stage}: rank {first['rank']} failed: {first['type']}: {first['message']} "
             f"(traceback: {error_path}{also})"
         )
     rank = _root_cause_rank(stage_dir / torchrun_log)
-    log = stage_dir / f"rank{rank}.log" if rank is not None else stage_dir / torchrun_log
+    log = stage_dir / run_files.rank_log_name(rank) if rank is not None else stage_dir / torchrun_log
     who = f"rank {rank}" if rank is not None else "the workers"
     tail = " | ".join(_tail(log))
     return f"stage {stage}: {who} failed (torchrun exit code {returncode}); end of {log}: {tail}"
@@ -318,7 +312,7 @@ def describe_failure(stage_dir: Path, returncode: int, *, torchrun_log: str = TO
 
 def _read_errors(stage_dir: Path) -> list[dict]:
     errors = []
-    for path in stage_dir.glob("rank*.error"):
+    for path in stage_dir.glob(run_files.RANK_ERROR_GLOB):
         try:
             error = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

@@ -28,6 +28,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from cona.atomic_files import write_atomic
 from cona.engine.checkpoint import LATEST_UNIVERSAL, verify_complete
 from cona.errors import CheckpointError
 from cona.runner.schedules.chain import PruneRule, resolve_ckpt_dir
@@ -108,13 +109,9 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 
 def write_marker(marker: Path, name: str) -> None:
-    """Write a marker file naming a directory, atomically (temporary file, fsync, rename)."""
-    tmp = marker.with_name(f".{marker.name}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(name)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, marker)
+    """Write a marker file naming a directory, atomically (the fsync of the directory also makes the
+    rename of the directory it names durable)."""
+    write_atomic(marker, name)
 
 
 def read_marker(marker: Path) -> str | None:

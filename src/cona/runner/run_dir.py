@@ -1,12 +1,8 @@
 """The run directory ``<log_root>/<run_name>/`` and the ``<log_root>/latest`` pointer to it.
 
-Layout::
-
-    <log_root>/<run_name>/metrics.jsonl         rank 0 of every stage appends here
-    <log_root>/<run_name>/switch_request.json   written by the runner's search, read by the workers
-    <log_root>/<run_name>/stages/<N>/           spec.json, stage_result.json, rank<r>.log, rank<r>.error
-    <log_root>/latest                           symlink to the newest run (a text file naming it where
-                                                symlinks are not available)
+Making them (a new run's directory refused when it exists, a stage's directory, the ``latest`` pointer: a
+symlink, or a text file naming the run where symlinks are not available); the names of the files inside are
+:mod:`cona.run_files`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +13,12 @@ import re
 from datetime import UTC, datetime
 from pathlib import Path
 
+from cona import run_files
+from cona.atomic_files import fsync_dir
 from cona.config import ConaConfig
 from cona.errors import LaunchError
 
-LATEST_NAME = "latest"
+LATEST_NAME = run_files.LATEST
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 
 
@@ -66,7 +64,7 @@ def create_run_dir(log_root: Path, run_name: str) -> Path:
 
 def stage_dir(run_dir: Path, stage: int) -> Path:
     """``<run_dir>/stages/<stage>/``, created if missing."""
-    path = Path(run_dir) / "stages" / str(stage)
+    path = run_files.stage_path(run_dir, stage)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -104,6 +102,7 @@ def point_latest(run_dir: Path) -> Path:
                 f"{latest} is a real directory; it is reserved for the pointer to the newest run"
             )
         tmp.replace(latest)
+        fsync_dir(latest.parent)
     except OSError as err:  # a full disk or a read-only log_root: one line, not the chain of both attempts
         raise LaunchError(f"cannot write {latest}: {err.strerror or err}") from None
     return latest

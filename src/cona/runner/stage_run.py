@@ -11,7 +11,6 @@ for its gbs (:func:`stage_lr`) and the timed publish of its checkpoint (:func:`p
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.config import TrainingConfig
 from cona.engine.checkpoint import TRAINER_STATE_FILE, layout_dir, read_checkpoint_info
 from cona.engine.spec import StageSpec
@@ -26,8 +27,9 @@ from cona.engine.switch_check import VERDICT_FILE, Verdict, read_verdict
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.lr_scaling import ScaledLR, scaled_lr
 from cona.runner.launch import WORKER_MODULE, Topology, run_stage
+from cona.runner.noise_history import measured_noise_scale
 from cona.runner.run_lock import lock_directory, locking
-from cona.runner.state import StageState, load_state, measured_noise_scale, state_path
+from cona.runner.state import StageState, load_state, state_path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +193,6 @@ def publish_timed(
 def write_plan(run_dir: Path, step_num: int, plan: dict[str, Any]) -> float:
     """Record the stage's plan in ``stages/<N>/plan.json``; returns its modification time, which dates the
     plan (a checkpoint or result not newer than it is not the stage's own)."""
-    path = run_dir / "stages" / str(step_num) / "plan.json"
+    path = run_files.stage_plan_path(run_dir, step_num)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan, indent=1) + "\n")
-    return path.stat().st_mtime
+    return write_json_atomic(path, plan).stat().st_mtime

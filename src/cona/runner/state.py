@@ -10,45 +10,34 @@ work is idempotent, so a rerun after a SIGKILL anywhere simply redoes the step t
 - ``trained``: the stage's checkpoint is complete and recorded; publishing is (re)done.
 - ``published``: pruning is (re)done.  ``pruned``: only the bookkeeping of ``done`` is left.
 
-The file also names the chain and config it was made for (content hashes), so a run directory is never
-continued with a different chain or config. Besides the state itself this module reads what a run
+The file also names the chain and config it was made for (content hashes, the chain's also per step), so a
+run directory is never continued with a different config, nor a chain whose started steps changed
+(:mod:`cona.runner.schedules.chain_edit`). Besides the state itself this module reads what a run
 directory records for the runner: the checkpoint a resume continues from, a stage result written after the
-runner died, the switch-cost split from the workers' timings, and the noise scale measured so far.
+runner died, and the switch-cost split from the workers' timings (the noise scale measured so far:
+:mod:`cona.runner.noise_history`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cona.config import TrainingConfig
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.engine.checkpoint import LATEST, TRAINER_STATE_FILE, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
-from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.runner.schedules.chain import ChainConfig
-from cona.runner.schedules.online_stages import STAGES_NAME
 
-STATE_NAME = "runner_state.json"
+STATE_NAME = run_files.RUNNER_STATE
 ONLINE_CHAIN = "online"
 """The ``chain_path`` of an online run's state: its stages come from the search, not from a file."""
-REALIZED_NAME = "realized_chain.json"
-"""An online run's realized chain (a chain file that replays it)."""
-FRESH_FILES = (
-    STATE_NAME,
-    "metrics.jsonl",
-    "switch_request.json",
-    "decisions.jsonl",
-    STAGES_NAME,
-    REALIZED_NAME,
-)
-"""What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""
 STATE_VERSION = 1
 Status = Literal["pending", "running", "trained", "published", "pruned", "done"]
 STATUSES: tuple[Status, ...] = ("pending", "running", "trained", "published", "pruned", "done")
@@ -103,6 +92,11 @@ class RunState:
     config_digest: str
     world_size: int
     stages: tuple[StageState, ...]
+    step_digests: tuple[str, ...] = ()
+    """The digest of each chain step as the run took it (:mod:`cona.runner.schedules.chain_edit`); empty
+    online."""
+    workdir: str | None = None
+    """The (resolved) --workdir its checkpoints go to; with the run directory, the run's identity."""
 
     @property
     def current(self) -> StageState | None:
@@ -167,20 +161,12 @@ def trained(stage: StageState, result: StageResult, launched: float | None) -> S
 
 
 def state_path(run_dir: Path) -> Path:
-    return Path(run_dir) / STATE_NAME
+    return run_files.runner_state_path(run_dir)
 
 
 def save_state(run_dir: Path, state: RunState) -> None:
     """Write the state atomically: a kill leaves either the old or the new file, never half of one."""
-    path = state_path(run_dir)
-    tmp = path.with_name(f".{path.name}.tmp")
-    body = {"version": STATE_VERSION, **dataclasses.asdict(state)}
-    with open(tmp, "w") as handle:
-        json.dump(body, handle, indent=1)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(state_path(run_dir), {"version": STATE_VERSION, **dataclasses.asdict(state)})
 
 
 def load_state(run_dir: Path) -> RunState | None:
@@ -197,7 +183,7 @@ def load_state(run_dir: Path) -> RunState | None:
     if raw.pop("version", None) != STATE_VERSION:
         raise ChainError(f"{path}: run state from another cona version; rerun with --fresh to start over")
     stages = tuple(StageState(**{**stage, "pruned": tuple(stage["pruned"])}) for stage in raw.pop("stages"))
-    return RunState(**raw, stages=stages)
+    return RunState(**raw | {"step_digests": tuple(raw.get("step_digests", ()))}, stages=stages)
 
 
 def open_run(
@@ -208,6 +194,7 @@ def open_run(
     world_size: int,
     fresh: bool,
     layout_dirs: Sequence[Path],
+    workdir: Path | None = None,
 ) -> tuple[RunState, str]:
     """Load the run's state (refusing another chain's or config's) or start a new one (``fresh`` discards the
     old one first). Returns it with the line that says which, naming the checkpoint a resume continues from.
@@ -224,6 +211,8 @@ def open_run(
             world_size=world_size,
             num_stages=len(chain.steps),
         )
+        workdir_text = str(Path(workdir).resolve()) if workdir is not None else None
+        state = dataclasses.replace(state, step_digests=chain.step_digests, workdir=workdir_text)
         save_state(run_dir, state)
         return (
             state,
@@ -231,16 +220,21 @@ def open_run(
             f"(run directory {run_dir})",
         )
     check_same_run(
-        state, run_dir=run_dir, chain_digest=chain.digest, config_digest=config_digest, world_size=world_size
+        state,
+        run_dir=run_dir,
+        chain_digest=chain.digest,
+        config_digest=config_digest,
+        world_size=world_size,
+        workdir=workdir,
     )
     return state, resume_line(state, run_dir.name, layout_dirs)
 
 
 def discard_run(run_dir: Path) -> None:
     """``--fresh``: remove what an earlier run left in ``run_dir`` (its state, stages and logs)."""
-    for name in FRESH_FILES:
+    for name in run_files.FRESH_FILES:
         (run_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "stages", ignore_errors=True)
+    shutil.rmtree(run_files.stages_path(run_dir), ignore_errors=True)
 
 
 def resume_line(state: RunState, run_name: str, layout_dirs: Sequence[Path]) -> str:
@@ -284,13 +278,21 @@ def resume_checkpoint(state: RunState, current: StageState, layout_dir: Path) ->
 
 
 def check_same_run(
-    state: RunState, *, run_dir: Path, chain_digest: str, config_digest: str, world_size: int
+    state: RunState,
+    *,
+    run_dir: Path,
+    chain_digest: str,
+    config_digest: str,
+    world_size: int,
+    workdir: Path | None = None,
 ) -> None:
-    """Refuse to continue a run directory made for another chain, config or process count."""
+    """Refuse to continue a run directory made for another chain, config, process count or workdir."""
+    resolved = str(Path(workdir).resolve()) if workdir is not None else None
     mismatches = [
         (state.chain_digest != chain_digest, f"a different chain (it ran {state.chain_path})"),
         (state.config_digest != config_digest, "a different .conaconfig"),
         (state.world_size != world_size, f"{state.world_size} processes, not {world_size}"),
+        (None not in (state.workdir, resolved) and state.workdir != resolved, f"--workdir {state.workdir}"),
     ]
     for differs, why in mismatches:
         if differs:
@@ -366,29 +368,3 @@ def durations(timings: dict[str, float], launched: float | None) -> dict[str, fl
         "save_s": (timings.get("probe_done", timings.get("train_done")), timings.get("save_done")),
     }
     return {key: end - begin for key, (begin, end) in spans.items() if begin is not None and end is not None}
-
-
-def measured_noise_scale(
-    run_dir: Path, training: TrainingConfig, up_to_iteration: int
-) -> NoiseScaleEstimate | None:
-    """The gradient noise scale measured so far (metrics.jsonl up to ``up_to_iteration``), for adascale."""
-    return noise_tracker(run_dir, training.base_gbs, up_to_iteration).estimate()
-
-
-def noise_tracker(run_dir: Path, base_gbs: int, up_to_iteration: int) -> NoiseScaleTracker:
-    """The noise-scale tracker fed with metrics.jsonl up to ``up_to_iteration``. A retried stage logs some
-    iterations twice: each iteration counts once, its last record."""
-    records: dict[int, dict] = {}
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the line a killed worker was writing
-            if isinstance(record.get("iteration"), int) and record["iteration"] <= up_to_iteration:
-                records[record["iteration"]] = record
-    tracker = NoiseScaleTracker(base_batch=base_gbs)
-    for iteration in sorted(records):
-        tracker = tracker.update_from_metrics(records[iteration])
-    return tracker

@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.engine.session import SESSION_FLAG, done_marker, next_command
 from cona.errors import LaunchError
 from cona.runner.launch import (
@@ -42,11 +44,10 @@ from cona.runner.launch import (
     start_torchrun,
     stop_process,
     torchrun_command,
-    write_json_atomic,
 )
 from cona.runner.stage_run import Launcher, StageLaunch, torchrun_launcher
 
-SESSION_PREFIX = "session-"
+SESSION_PREFIX = run_files.SESSION_PREFIX
 _POLL_S = 0.02
 _WATCH_INTERVAL_S = 0.5
 _STOP_GRACE_S = 60.0

@@ -1,4 +1,4 @@
-"""Megatron-DeepSpeed's stdout -> CONA's ``metrics.jsonl`` records (the keys of :mod:`cona.engine.trainer`).
+"""Megatron-DeepSpeed's stdout -> CONA's ``metrics.jsonl`` lines (:class:`cona.metrics_record.MetricsRecord`).
 
 Megatron prints, on the last rank, one line per log interval::
 
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cona.metrics_record import MetricsRecord
 from cona.strategy import Strategy
 
 _FIELD = re.compile(r"\s*([a-z][a-z ()/]*[a-z)]):\s*([-+0-9.eEna]+)\s*")
@@ -141,11 +142,16 @@ class MetricsRecorder:
     """The iteration of the last record (the stage's start iteration when it loads a checkpoint)."""
     evaluations: list[Evaluation] = field(default_factory=list)
     """Every evaluation line seen (switch verification reads the final draws)."""
-    last: dict[str, Any] | None = None
-    """The newest training record (written or pending)."""
+    _pending: MetricsRecord | None = None
+    _last: MetricsRecord | None = None
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """The newest training record (written or pending), as it is written."""
+        return None if self._last is None else self._last.to_dict()
+
     stop: Stop | None = None
     """The hooks' stop line, when one came."""
-    _pending: dict[str, Any] | None = None
     _gns: dict[int, dict[str, float]] = field(default_factory=dict)
     """Gradient-noise values waiting for their iteration's training line."""
 
@@ -163,24 +169,22 @@ class MetricsRecorder:
             self.evaluations.append(evaluation)
             pending = self._pending
             during_training = evaluation.samples is None  # the final draws name their size and split
-            if pending is not None and during_training and evaluation.iteration == pending["iteration"]:
-                pending["eval_loss"] = evaluation.loss
-                pending["eval_ppl"] = math.exp(evaluation.loss) if evaluation.loss < 700 else math.inf
+            if pending is not None and during_training and evaluation.iteration == pending.iteration:
+                self._pending = self._last = pending.with_evaluation(evaluation.loss)
             return
         values = parse_training_line(line)
         if values is None:
             return
         self.flush()
-        self._pending = self._record(values)
-        self.last = self._pending
+        self._pending = self._last = self._record(values)
 
     def flush(self) -> None:
         """Write the held-back record (at the next training line and at the end of the stage)."""
         if self._pending is not None:
-            self.write(self._pending)
+            self.write(self._pending.to_dict())
             self._pending = None
 
-    def _record(self, values: dict[str, float]) -> dict[str, Any]:
+    def _record(self, values: dict[str, float]) -> MetricsRecord:
         iteration = int(values["iteration"])
         steps = iteration - self.previous_iteration if self.previous_iteration is not None else None
         self.previous_iteration = iteration
@@ -188,28 +192,27 @@ class MetricsRecorder:
         gbs = int(values.get("gbs", strategy.gbs))
         step_time = values["step_time_ms"] / 1000.0 if "step_time_ms" in values else math.nan
         gns = self._gns.pop(iteration, {})
-        return {
-            "backend": "megatron-deepspeed",  # the planner predicts this run with that backend's profile
-            "stage": self.stage,
-            "iteration": iteration,
-            "consumed_samples": int(values["consumed_samples"]),
-            "consumed_tokens": int(values.get("consumed_tokens", values["consumed_samples"] * self.seq)),
-            "loss": values.get("loss", math.nan),
-            "lr": values.get("lr", math.nan),
-            "gbs": gbs,
-            "mbs": strategy.mbs,
-            "dp": strategy.dp,
-            "tp": strategy.tp,
-            "pp": strategy.pp,
-            "step_time_s": step_time,
-            "tokens_per_s": gbs * self.seq / step_time if step_time > 0 else math.nan,
-            "mfu": None,
-            "grad_norm": values.get("grad_norm", math.nan),
-            "gns_small_sqr": gns.get("gns_small_sqr"),
-            "gns_big_sqr": gns.get("gns_big_sqr"),
-            "gns_small_batch": int(gns["gns_small_batch"]) if "gns_small_batch" in gns else None,
-            "gns_big_batch": int(gns["gns_big_batch"]) if "gns_big_batch" in gns else None,
-            "steps_in_interval": steps,
-            "skipped_steps": values.get("skipped", 0.0),
-            "time": time.time(),
-        }
+        return MetricsRecord(
+            backend="megatron-deepspeed",  # the planner predicts this run with that backend's profile
+            stage=self.stage,
+            iteration=iteration,
+            consumed_samples=int(values["consumed_samples"]),
+            consumed_tokens=int(values.get("consumed_tokens", values["consumed_samples"] * self.seq)),
+            loss=values.get("loss", math.nan),
+            lr=values.get("lr", math.nan),
+            gbs=gbs,
+            mbs=strategy.mbs,
+            dp=strategy.dp,
+            tp=strategy.tp,
+            pp=strategy.pp,
+            step_time_s=step_time,
+            tokens_per_s=gbs * self.seq / step_time if step_time > 0 else math.nan,
+            grad_norm=values.get("grad_norm", math.nan),
+            gns_small_sqr=gns.get("gns_small_sqr"),
+            gns_big_sqr=gns.get("gns_big_sqr"),
+            gns_small_batch=int(gns["gns_small_batch"]) if "gns_small_batch" in gns else None,
+            gns_big_batch=int(gns["gns_big_batch"]) if "gns_big_batch" in gns else None,
+            steps_in_interval=steps,
+            skipped_steps=values.get("skipped", 0.0),
+            time=time.time(),
+        )  # no mfu (Megatron reports none): written as null; gns_* from the hooks

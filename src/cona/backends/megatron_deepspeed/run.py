@@ -77,10 +77,11 @@ def online_max_samples(run: OnlineRun) -> int:
 
 
 def train_fixed(run: FixedRun, env: MdsEnvironment) -> RunState:
-    """``cona train --dp .. --iters N --workdir W --repo-path PATH`` on one node: a one-stage chain in a
-    new run directory (across nodes the CLI writes the one-step chain file, as for the native backend)."""
+    """``cona train --dp .. --iters N --workdir W --repo-path PATH`` on one node: a one-stage chain in its
+    run directory, resumed when it exists (across nodes the CLI writes the one-step chain file, as for the
+    native backend)."""
     check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
-    chain = one_stage_chain(run, run.new_run_dir())
+    chain = one_stage_chain(run, run.open_run_dir())
     return run_mds_chain(chain, env)
 
 
@@ -100,6 +101,11 @@ def run_mds_chain(
     chain = load_chain(
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
     )
+    if chain.start_checkpoint is not None:
+        raise ChainError(
+            f"{chain.path}: step 1: load_checkpoint: the Megatron-DeepSpeed backend starts a chain from "
+            "scratch for now; use the native backend"
+        )
     strategies = [step.strategy(run.config) for step in chain.steps]
     stops = [end for _, end in planned_iterations(chain)]
     for strategy in strategies:

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cona.atomic_files import write_json_atomic
 from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_layout
 from cona.engine.checkpoint import LATEST_UNIVERSAL
 from cona.errors import ChainError, CheckpointError
@@ -82,7 +83,7 @@ def publish(
             shutil.rmtree(tmp)  # left by a conversion that was killed halfway
         _convert(env, source, tmp, base_env)
         repaired = repair_row_parallel(tmp) if repair else ()
-        (tmp / SOURCE_FILE).write_text(json.dumps(source_identity(source), indent=1) + "\n")
+        write_json_atomic(tmp / SOURCE_FILE, source_identity(source))  # durable before the rename
         os.replace(tmp, final)
     write_marker(source.parent / LATEST_UNIVERSAL, final.name)
     return Publication(universal=final, convert_s=time.perf_counter() - began, repaired=repaired)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cona.atomic_files import write_json_atomic
 from cona.backends.megatron_deepspeed.commands import ChainShape
 from cona.backends.megatron_deepspeed.log_parse import Evaluation
 from cona.config import ConaConfig
@@ -108,10 +109,7 @@ def probe_record(
 
 def write_saved_probe(global_step_dir: Path, probe: SavedProbe) -> Path:
     path = Path(global_step_dir) / PROBE_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(probe.to_dict(), indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json_atomic(path, probe.to_dict())
 
 
 def read_saved_probe(universal_dir: Path) -> SavedProbe | None:

@@ -10,15 +10,13 @@ its default names the strategy instead of the start time.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.config import ConaConfig
 from cona.runner.run_dir import check_run_name
 from cona.strategy import Strategy
-
-CHAIN_NAME = "fixed_strategy_chain.json"
 
 
 def fixed_chain(strategy: Strategy, iters: int) -> dict:
@@ -33,11 +31,10 @@ def fixed_run_name(strategy: Strategy) -> str:
 
 
 def write_chain(path: Path, chain: dict) -> None:
-    """Every node writes the same content; the rename keeps a reader on another node from seeing half."""
+    """Every node writes the same content; the atomic write keeps a reader on another node from seeing
+    half (each writer has its own temporary)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(chain, indent=1) + "\n")
-    partial.replace(path)
+    write_json_atomic(path, chain)
 
 
 def write_fixed_chain(
@@ -45,6 +42,6 @@ def write_fixed_chain(
 ) -> tuple[Path, str]:
     """Write the strategy's one-stage chain into its run directory; returns the chain file and run name."""
     name = check_run_name(run_name or fixed_run_name(strategy))
-    chain_path = Path(config.training.log_root) / name / CHAIN_NAME
+    chain_path = Path(config.training.log_root) / name / run_files.FIXED_CHAIN
     write_chain(chain_path, fixed_chain(strategy, iters))
     return chain_path, name

@@ -35,13 +35,14 @@ from cona.config_fields import reject_unknown
 from cona.engine.checkpoint import layout_dir
 from cona.engine.parallel_dims import validate_layout as engine_validate_layout
 from cona.errors import ChainError, ConaError
+from cona.runner.chain_start import start_point
 from cona.strategy import Strategy
 
 PRUNE_MODES = ("keep-latest", "delete-all")
 STOP_KEYS = ("train_iters", "extra_iters", "target_iters")
 LAYOUT_KEYS = ("dp", "tp", "pp")
 STEP_INT_KEYS = ("step_num", "dp", "tp", "pp", "gbs", "mbs", *STOP_KEYS, "load_dp", "load_tp", "load_pp")
-STEP_KEYS = (*STEP_INT_KEYS, "is_initial", "convert")
+STEP_KEYS = (*STEP_INT_KEYS, "is_initial", "convert", "load_checkpoint")
 PRUNE_KEYS = ("stage", "ckpt_dir", "mode")
 TOP_KEYS = ("steps", "pruning")
 
@@ -73,6 +74,9 @@ class ChainStep:
     """The layout the previous stage saved under (checked against it when given)."""
     convert: bool = False
     """Publish this stage's checkpoint as ``global_step<N>_universal`` with a ``latest_universal`` marker."""
+    load_checkpoint: str | None = None
+    """The initial step only: start from this checkpoint (another run's, to continue or fine-tune it;
+    absolute or relative to the workdir) at its iteration and consumed samples, instead of from scratch."""
 
     def target_iteration(self, start_iteration: int) -> int:
         """The absolute iteration this stage stops at, given the iteration of the checkpoint it loads."""
@@ -125,6 +129,13 @@ class ChainConfig:
     """The file it came from."""
     digest: str = ""
     """sha256 of the file's JSON content (key order and whitespace ignored): identifies the chain of a run."""
+    step_digests: tuple[str, ...] = ()
+    """The same of each step's entry: which steps an edit after a crash changed."""
+    start_checkpoint: Path | None = None
+    """The checkpoint the initial step loads (its ``load_checkpoint``, resolved); None: from scratch."""
+    start_iteration: int = 0
+    start_tokens: int = 0
+    """The iteration and consumed tokens the chain starts at (those of ``start_checkpoint``)."""
 
     def rules_after(self, step_num: int) -> tuple[PruneRule, ...]:
         return tuple(rule for rule in self.pruning if rule.stage == step_num)
@@ -174,7 +185,8 @@ def parse_chain(
     if not isinstance(raw_steps, list) or not raw_steps:
         raise ChainError(f"{where}: 'steps' must be a non-empty list of stage objects")
     steps = tuple(_parse_step(item, index, where) for index, item in enumerate(raw_steps))
-    _check_sequence(steps, where)
+    start = start_point([step.load_checkpoint for step in steps], workdir, where)
+    _check_sequence(steps, where, start_iteration=start[1])
     for previous, step in zip((None, *steps), steps, strict=False):
         _check_step_layout(step, previous, config, world_size, where)
     raw_rules = raw.get("pruning", [])
@@ -183,7 +195,16 @@ def parse_chain(
     rules = tuple(_parse_rule(item, index, where) for index, item in enumerate(raw_rules))
     for index, rule in enumerate(rules):
         _check_pruning(rule, index, steps, config, dtype, workdir, where)
-    return ChainConfig(steps=steps, pruning=rules, path=source, digest=content_digest(raw))
+    return ChainConfig(
+        steps=steps,
+        pruning=rules,
+        path=source,
+        digest=content_digest(raw),
+        step_digests=tuple(content_digest(item) for item in raw_steps),
+        start_checkpoint=start[0],
+        start_iteration=start[1],
+        start_tokens=start[2],
+    )
 
 
 def _parse_step(item: Any, index: int, where: str) -> ChainStep:
@@ -199,6 +220,10 @@ def _parse_step(item: Any, index: int, where: str) -> ChainStep:
     for key in ("is_initial", "convert"):
         if key in item and not isinstance(item[key], bool):
             raise ChainError(f"{label}: {key}: expected true or false, got {json.dumps(item[key])}")
+    if not isinstance(item.get("load_checkpoint", ""), str):
+        raise ChainError(
+            f"{label}: load_checkpoint: expected a path, got {json.dumps(item['load_checkpoint'])}"
+        )
     for key in ("step_num", *LAYOUT_KEYS, "gbs", "mbs"):
         if item.get(key) is None:
             raise ChainError(f"{label}: missing required key '{key}'")
@@ -224,7 +249,7 @@ def _step_label(where: str, step: ChainStep) -> str:
     return f"{where}: step {step.step_num}"
 
 
-def _check_sequence(steps: tuple[ChainStep, ...], where: str) -> None:
+def _check_sequence(steps: tuple[ChainStep, ...], where: str, *, start_iteration: int = 0) -> None:
     for index, step in enumerate(steps):
         if step.step_num != index + 1:
             raise ChainError(
@@ -235,14 +260,14 @@ def _check_sequence(steps: tuple[ChainStep, ...], where: str) -> None:
     if not steps[0].is_initial:
         raise ChainError(
             f"{_step_label(where, steps[0])}: is_initial: the first step must set is_initial true "
-            f"(it starts from scratch)"
+            f"(it starts from scratch, or from its load_checkpoint)"
         )
     if len(initial) > 1:
         raise ChainError(
             f"{_step_label(where, steps[initial[1] - 1])}: is_initial: only the first step may be "
             f"initial (found is_initial on steps {', '.join(map(str, initial))})"
         )
-    previous_end = 0
+    previous_end = start_iteration
     for step in steps:
         # extra_iters always moves forward; an absolute stop at or before the previous stop trains nothing.
         end = step.target_iteration(previous_end)
@@ -341,7 +366,7 @@ def _check_pruning(
 
 def planned_iterations(chain: ChainConfig) -> list[tuple[int, int]]:
     """(start, end) iteration of every stage when each stage reaches its stop (as a chain always does)."""
-    spans, end = [], 0
+    spans, end = [], chain.start_iteration
     for step in chain.steps:
         start, end = end, step.target_iteration(end)
         spans.append((start, end))
@@ -349,8 +374,9 @@ def planned_iterations(chain: ChainConfig) -> list[tuple[int, int]]:
 
 
 def planned_tokens(chain: ChainConfig, seq: int) -> int:
-    """Tokens the whole chain trains on: the horizon of its LR schedule."""
-    return sum(
+    """Tokens the whole chain trains on, counted from the start of training (a loaded checkpoint's tokens
+    included): the horizon of its LR schedule."""
+    return chain.start_tokens + sum(
         (end - start) * step.gbs * seq
         for step, (start, end) in zip(chain.steps, planned_iterations(chain), strict=True)
     )

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
 from cona.planner.policy import Candidate
@@ -35,7 +37,7 @@ from cona.runner.nodes.multinode import cona_command
 from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
 from cona.runner.schedules.chain import content_digest
-from cona.runner.schedules.online_memory import Memory, resumed_memory
+from cona.runner.schedules.online_memory import Memory, resumed_memory, tracker_at_resume
 from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.schedules.online_search import (
     Budget,
@@ -48,7 +50,6 @@ from cona.runner.schedules.online_stages import StageRecords
 from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, torchrun_launcher
 from cona.runner.state import (
     ONLINE_CHAIN,
-    REALIZED_NAME,
     RunState,
     StageState,
     check_same_run,
@@ -61,7 +62,7 @@ from cona.runner.views.online_report import print_summary, realized_chain
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
-__all__ = ["REALIZED_NAME", "OnlineRun", "OnlineSchedule", "run_online"]
+__all__ = ["OnlineRun", "OnlineSchedule", "run_online"]
 
 
 def run_online(
@@ -99,6 +100,7 @@ class OnlineSchedule:
     """The stages the online policy decides (see :class:`cona.runner.driver.Schedule`)."""
 
     reports_switch_cost = False  # the summary table at the end shows the switches' costs
+    first_iteration = 0
 
     def __init__(self, run: OnlineRun, *, out: Callable[[str], None], in_place: bool) -> None:
         self.run, self.out = run, out
@@ -148,6 +150,7 @@ class OnlineSchedule:
                 chain_digest=run.identity(),
                 config_digest=content_digest(run.config.to_dict()),
                 world_size=run.world_size,
+                workdir=run.workdir,
             )
             self.records.load()
             self.out(f"resuming online run {run_dir.name} at stage {len(state.stages)} ({run_dir})")
@@ -177,6 +180,7 @@ class OnlineSchedule:
             config_digest=content_digest(run.config.to_dict()),
             world_size=run.world_size,
             stages=(StageState(step_num=1),),
+            workdir=str(Path(run.workdir).resolve()),
         )
         save_state(run.run_dir, state)
         self.out(f"starting online run {run.run_dir.name} (run directory {run.run_dir})")
@@ -223,7 +227,7 @@ class OnlineSchedule:
             launched_at=time.time(),
             settings=memory.settings,
             policy_state=memory.policy_state,
-            tracker=memory.tracker,
+            tracker=tracker_at_resume(self.run, memory, stage.step_num, spec.load_path),
             frontier=self.frontier,
             budget=self.budget,
             pending=memory.pending,
@@ -246,8 +250,8 @@ class OnlineSchedule:
         file, which stays until the next stage is recorded, so this survives a kill)."""
         if len(state.stages) > stage.step_num:
             return state  # recorded before a kill
-        request_path = self.run.run_dir / "switch_request.json"
-        result = StageResult.read(self.run.run_dir / "stages" / str(stage.step_num) / "stage_result.json")
+        request_path = run_files.switch_request_path(self.run.run_dir)
+        result = StageResult.read(run_files.stage_result_path(self.run.run_dir, stage.step_num))
         if result.reason not in ("switch_requested", "switch_in_place") or not request_path.is_file():
             request_path.unlink(missing_ok=True)
             return state
@@ -309,9 +313,9 @@ class OnlineSchedule:
     def finish(self, state: RunState) -> None:
         run_dir = self.run.run_dir
         chain = realized_chain(state, self.records.entries)
-        (run_dir / REALIZED_NAME).write_text(json.dumps(chain, indent=1) + "\n")
+        realized = write_json_atomic(run_dir / run_files.REALIZED_CHAIN, chain)
         print_summary(run_dir, state, self.records.entries, target_ppl=self.run.target_ppl, out=self.out)
-        self.out(f"realized chain: {run_dir / REALIZED_NAME} (cona train --chain replays it)")
+        self.out(f"realized chain: {realized} (cona train --chain replays it)")
 
 
 def _size(path: Path) -> int:

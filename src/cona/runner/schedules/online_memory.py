@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
+from cona.engine.checkpoint_info import read_checkpoint_info
+from cona.errors import CheckpointError
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state
+from cona.runner.noise_history import noise_tracker
 from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.schedules.online_search import PendingSwitch
 from cona.runner.schedules.online_stages import StageRecords
-from cona.runner.state import RunState, noise_tracker
+from cona.runner.state import RunState
 from cona.runner.views.online_report import stage_rows
 
 
@@ -69,3 +73,21 @@ def _with_switch_costs(policy_state: PolicyState, state: RunState, records: Stag
             policy_state, measured_in_place_cost_s=mean, in_place_switches=len(costs[True])
         )
     return policy_state
+
+
+def tracker_at_resume(
+    run: OnlineRun, memory: Memory, stage: int, load_path: Path | None
+) -> NoiseScaleTracker:
+    """The noise-scale tracker a stage's attempt starts its search with: the memory's, or, when the attempt
+    resumes from a checkpoint the stage itself saved (periodic, or a relaunch), rebuilt from metrics.jsonl
+    up to that checkpoint's iteration, so the search sees each of the stage's lines once, as an
+    uninterrupted stage would."""
+    if load_path is None:
+        return memory.tracker
+    try:
+        saved = read_checkpoint_info(load_path).trainer_state
+    except CheckpointError:
+        return memory.tracker
+    if saved.get("stage") != stage or not isinstance(saved.get("iteration"), int):
+        return memory.tracker
+    return noise_tracker(run.run_dir, run.config.training.base_gbs, saved["iteration"])

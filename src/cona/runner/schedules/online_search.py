@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import threading
 import time
@@ -26,6 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
+from cona.jsonl import JsonlTail
+from cona.metrics_record import MetricsRecord, metrics_records
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.planner.policy import (
     Candidate,
@@ -38,12 +41,11 @@ from cona.planner.policy import (
     next_frontier,
     strategy_dict,
 )
-from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.schedules.frontier import FrontierSearch
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
-DECISIONS_NAME = "decisions.jsonl"
+DECISIONS_NAME = run_files.DECISIONS
 POLL_INTERVAL_S = 0.5
 PRINT_EVERY_STAY = 5
 """Print one "stay" decision in this many (the first of each stage included)."""
@@ -134,7 +136,7 @@ class StageSearch:
         self._evaluations = 0
         self.noise_scale_floor = noise_scale_floor
         self.startup_prices_switch = startup_prices_switch
-        self.tail = JsonlTail(run_dir / "metrics.jsonl", metrics_offset)
+        self.tail = JsonlTail(run_files.metrics_path(run_dir), metrics_offset)
         self.step_rates: list[float] = []
         self.decision: Decision | None = None
         self.stop_reason: str | None = None
@@ -146,7 +148,7 @@ class StageSearch:
 
     @property
     def switch_request_path(self) -> Path:
-        return self.run_dir / "switch_request.json"
+        return run_files.switch_request_path(self.run_dir)
 
     def measured_tokens_per_s(self) -> float | None:
         """Median over the stage's log intervals after the first (which holds start-up and warm-up)."""
@@ -154,15 +156,15 @@ class StageSearch:
 
     def poll(self) -> Decision | None:
         """Read what is new, evaluate once if anything is, and request a switch or stop if due."""
-        records = self.tail.new_records()
+        records = metrics_records(self.tail.new_records())
         if not records or self.requested:
             return None
         for record in records:
             self._absorb(record)
         if self.requested:
             return None
-        last = next((r for r in reversed(records) if r.get("stage") == self.stage), None)
-        if last is None or "iteration" not in last:
+        last = next((r for r in reversed(records) if r.stage == self.stage), None)
+        if last is None or last.iteration is None:
             return None
         return self._evaluate(last)
 
@@ -170,25 +172,26 @@ class StageSearch:
     def requested(self) -> bool:
         return self.decision is not None or self.stop_reason is not None
 
-    def _absorb(self, record: dict[str, Any]) -> None:
+    def _absorb(self, record: MetricsRecord) -> None:
         self.tracker = self.tracker.update_from_metrics(record)
-        if record.get("stage") != self.stage or record.get("tokens_per_s") is None:
+        if record.stage != self.stage or record.tokens_per_s is None:
             return
         if not self._started_logging:
             self._started_logging = True
             self._account_start(record)
-        self.step_rates.append(float(record["tokens_per_s"]))
-        ppl, target = record.get("eval_ppl"), self.budget.target_ppl
+        self.step_rates.append(float(record.tokens_per_s))
+        ppl, target = record.eval_ppl, self.budget.target_ppl
         if target is not None and ppl is not None and ppl <= target and self.target_reached is None:
-            self.target_reached = record
+            self.target_reached = record.to_dict()
             self.stop_reason = f"eval perplexity {ppl:.2f} <= --target-ppl {target:g}"
-            self.out(f"stage {self.stage}: {self.stop_reason} at iteration {record['iteration']}; stopping")
-            _write_atomic(self.switch_request_path, {"action": "stop", "reason": self.stop_reason})
+            self.out(f"stage {self.stage}: {self.stop_reason} at iteration {record.iteration}; stopping")
+            write_json_atomic(self.switch_request_path, {"action": "stop", "reason": self.stop_reason})
 
-    def _account_start(self, record: dict[str, Any]) -> None:
+    def _account_start(self, record: MetricsRecord) -> None:
         """The first interval of the stage dates its start-up: launch until the first step was done."""
-        steps_s = float(record.get("step_time_s", 0.0)) * int(record.get("steps_in_interval", 1))
-        startup_s = max(float(record.get("time", time.time())) - self.launched_at - steps_s, 0.0)
+        step_s, steps = record.step_time_s, record.steps_in_interval
+        steps_s = float(0.0 if step_s is None else step_s) * int(1 if steps is None else steps)
+        startup_s = max(float(_time_of(record)) - self.launched_at - steps_s, 0.0)
         if self.pending is not None:
             self.policy_state = after_switch(
                 self.policy_state,
@@ -203,20 +206,19 @@ class StageSearch:
             cost_s = max(self.settings.predicted_switch_cost_s, startup_s)
             self.settings = dataclasses.replace(self.settings, predicted_switch_cost_s=cost_s)
 
-    def _evaluate(self, last: dict[str, Any]) -> Decision | None:
+    def _evaluate(self, last: MetricsRecord) -> Decision | None:
         if self.pending is not None:
             return None  # the switch into this stage is not accounted yet
         measured = self.measured_tokens_per_s()
         current = self.policy_state.current.strategy
+        iteration, tokens = int(last.iteration), int(last.consumed_tokens)
         measurement = Measurement(
-            time=float(last.get("time", time.time())),
-            iteration=int(last["iteration"]),
-            consumed_tokens=int(last["consumed_tokens"]),
+            time=float(_time_of(last)),
+            iteration=iteration,
+            consumed_tokens=tokens,
             noise=self._noise_estimate(),
             measured_tokens_per_s=measured,
-            remaining_tokens=self.budget.remaining_tokens(
-                int(last["iteration"]), int(last["consumed_tokens"]), current.gbs
-            ),
+            remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
         )
         self._measure(current, measured)
         candidate = None
@@ -232,7 +234,7 @@ class StageSearch:
                 "in_place": bool(decision.record.get("in_place")),
                 **_target(decision),
             }
-            _write_atomic(self.switch_request_path, request)
+            write_json_atomic(self.switch_request_path, request)  # a worker never reads half of it
         return decision
 
     def _noise_estimate(self) -> NoiseScaleEstimate | None:
@@ -302,7 +304,7 @@ class StageSearch:
             self._thread.join()
         if self.error is not None:
             raise self.error
-        for record in self.tail.new_records():  # the stage's last lines: counted, not acted on
+        for record in metrics_records(self.tail.new_records()):  # the last lines: counted, not acted on
             self._absorb(record)
         return StageOutcome(
             decision=self.decision,
@@ -315,6 +317,11 @@ class StageSearch:
         )
 
 
+def _time_of(record: MetricsRecord) -> float:
+    """When the line was written (now, for a line without its time)."""
+    return time.time() if record.time is None else record.time
+
+
 def _target(decision: Decision) -> dict[str, Any]:
     assert decision.target is not None, "a switch or fall-back always names its target"
     return {
@@ -324,14 +331,3 @@ def _target(decision: Decision) -> dict[str, Any]:
         "trial": decision.target.trial,
         "reason": decision.reason,
     }
-
-
-def _write_atomic(path: Path, body: dict[str, Any]) -> None:
-    """Write through a temporary name and rename, so a worker never reads half a request."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as handle:
-        json.dump(body, handle, indent=1)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)

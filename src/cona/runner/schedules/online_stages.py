@@ -13,17 +13,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
+from cona.atomic_files import write_json_atomic
 from cona.planner.policy import Candidate
 from cona.strategy import Strategy
-
-STAGES_NAME = "online_stages.json"
 
 
 class StageRecords:
     """The records of one run directory (``entries``: the JSON list, oldest stage first)."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / STAGES_NAME
+        self.path = Path(run_dir) / run_files.ONLINE_STAGES
         self.entries: list[dict[str, Any]] = []
 
     def load(self) -> None:
@@ -41,9 +41,7 @@ class StageRecords:
                 "in_place": in_place,
             }
         )
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(self.entries, indent=1) + "\n")
-        tmp.replace(self.path)
+        write_json_atomic(self.path, self.entries)
 
     def strategy(self, step_num: int) -> Strategy:
         return Strategy(**self.entries[step_num - 1]["strategy"])

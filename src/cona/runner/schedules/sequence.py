@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cona.engine.checkpoint import resolve_checkpoint
 from cona.engine.spec import StageResult, StageSpec
-from cona.errors import ChainError, LaunchError
+from cona.errors import ChainError, LaunchError, UsageError
 from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.run_dir import point_latest
@@ -37,9 +37,10 @@ from cona.runner.schedules.chain import (
     load_chain,
     planned_tokens,
 )
+from cona.runner.schedules.chain_edit import continue_edited
 from cona.runner.schedules.chain_options import ChainRun, runner_command
 from cona.runner.stage_run import Launcher, StageLaunch, StageLR, checkpoint_dtype, torchrun_launcher
-from cona.runner.state import RunState, StageState, finished_result, open_run
+from cona.runner.state import RunState, StageState, finished_result, load_state, open_run
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
@@ -72,7 +73,7 @@ def run_chain(
 def _in_place(run: ChainRun, launcher: Launcher) -> bool:
     """``--switch-in-place``, refused where the stages do not share their worker processes."""
     if run.switch_in_place and not keeps_workers(launcher):
-        raise ChainError(
+        raise UsageError(
             "--switch-in-place needs the worker processes kept from one stage to the next: one node, the "
             "native backend and no --restart-workers"
         )
@@ -93,6 +94,7 @@ class ChainSchedule:
         """Steps that keep the previous step's layout continue its state in memory."""
         self.dtype = checkpoint_dtype(run.config.training, run.device_type)
         self.planned_tokens = planned_tokens(chain, run.config.model.seq)
+        self.first_iteration = chain.start_iteration
         self.finished_before = False
         self.run_tracker = RunTracker.off()
 
@@ -110,6 +112,8 @@ class ChainSchedule:
         run = self.run
         for step in self.chain.steps:
             lock_directory(self.layout_dir(step), "checkpoint folder")
+        earlier = None if run.fresh else load_state(run.run_dir)
+        edit = continue_edited(earlier, self.chain, run.run_dir)[1] if earlier is not None else None
         state, first_line = open_run(
             run.run_dir,
             chain=self.chain,
@@ -117,8 +121,9 @@ class ChainSchedule:
             world_size=run.world_size,
             fresh=run.fresh,
             layout_dirs=[self.layout_dir(step) for step in self.chain.steps],
+            workdir=run.workdir,
         )
-        self.out(first_line)
+        self.out(first_line if edit is None else f"{first_line}; {edit}")
         point_latest(run.run_dir)
         self.finished_before = state.current is None
         return state
@@ -131,7 +136,10 @@ class ChainSchedule:
                 f"{self.chain.path}: step {step.step_num}: stops at iteration {target}, but its "
                 f"checkpoint is already at iteration {start}"
             )
-        load_path = None if step.is_initial or in_place else self._planned_load(state, step)
+        if in_place or step.is_initial:
+            load_path = None if in_place else self.chain.start_checkpoint  # scratch, or the given one
+        else:
+            load_path = self._planned_load(state, step)
         record = {
             "start_iteration": start,
             "target_iteration": target,

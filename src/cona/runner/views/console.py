@@ -30,8 +30,8 @@ from rich.text import Text
 
 from cona.engine.spec import StageSpec
 from cona.errors import ConfigError
+from cona.jsonl import JsonlTail
 from cona.planner.efficiency import NoiseScaleTracker
-from cona.runner.jsonl_tail import JsonlTail
 from cona.runner.views.console_format import (
     StageSnapshot,
     StopRule,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
 from cona.engine.spec import StageResult
+from cona.metrics_record import read_metrics
 from cona.runner.state import RunState
 from cona.strategy import Strategy
 
@@ -39,37 +40,20 @@ def realized_chain(state: RunState, stages: list[dict[str, Any]]) -> dict[str, A
     return {"steps": steps}
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
 def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per trained stage: strategy, iterations, tokens, wall seconds, mean tokens/s (the log intervals after
     the first, which holds the start-up), the tokens/s predicted when it was chosen, and the last eval
     perplexity."""
-    records = _records(run_dir)
+    records = read_metrics(run_files.metrics_path(run_dir))
     rows = []
     previous_iteration, previous_tokens = 0, 0
     for stage in state.stages:
         if stage.last_iteration is None:
             continue
-        own = [
-            r
-            for r in records
-            if r.get("stage") == stage.step_num and r.get("iteration", 0) > previous_iteration
-        ]
-        rates = [float(r["tokens_per_s"]) for r in own if r.get("tokens_per_s") is not None][1:]
-        evals = [r["eval_ppl"] for r in own if r.get("eval_ppl") is not None]
-        result_path = run_dir / "stages" / str(stage.step_num) / "stage_result.json"
+        own = [r for r in records if r.stage == stage.step_num and (r.iteration or 0) > previous_iteration]
+        rates = [float(r.tokens_per_s) for r in own if r.tokens_per_s is not None][1:]
+        evals = [r.eval_ppl for r in own if r.eval_ppl is not None]
+        result_path = run_files.stage_result_path(run_dir, stage.step_num)
         timings = StageResult.read(result_path).timings if result_path.is_file() else {}
         wall = timings.get("save_done", 0.0) - timings.get("launch", 0.0) if timings else None
         rows.append(
@@ -92,14 +76,14 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
 def time_to_target(run_dir: Path, target_ppl: float) -> tuple[float, int] | None:
     """Seconds from the first stage's launch to the first evaluation at or below ``target_ppl``, and the
     tokens consumed then (None when it was not reached)."""
-    first = run_dir / "stages" / "1" / "stage_result.json"
+    first = run_files.stage_result_path(run_dir, 1)
     if not first.is_file():
         return None
     start = StageResult.read(first).timings.get("launch")
-    for record in _records(run_dir):
-        ppl = record.get("eval_ppl")
+    for record in read_metrics(run_files.metrics_path(run_dir)):
+        ppl = record.eval_ppl
         if ppl is not None and ppl <= target_ppl and start is not None:
-            return record["time"] - start, record["consumed_tokens"]
+            return record.time - start, record.consumed_tokens
     return None
 
 

@@ -12,6 +12,7 @@ The figures are drawn by :mod:`cona.runner.views.report_figures`, the page by
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -19,22 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cona import run_files
 from cona.errors import ChainError, ConaError
+from cona.jsonl import is_number, read_json_lines
+from cona.metrics_record import MetricsRecord
 from cona.planner.efficiency import NoiseScaleTracker, statistical_efficiency
 from cona.runner.state import RunState, durations, load_state, switch_cost
 
-METRICS_FILE = "metrics.jsonl"
-DECISIONS_FILE = "decisions.jsonl"
+METRICS_FILE = run_files.METRICS
+DECISIONS_FILE = run_files.DECISIONS
 REQUIRED_METRIC_KEYS = ("stage", "iteration", "consumed_tokens", "loss", "time")
 STRATEGY_KEYS = ("dp", "tp", "pp", "mbs", "gbs")
 SWITCH_PARTS = ("probe_s", "save_s", "publish_s", "process_start_s", "load_s", "verify_s", "first_step_s")
 """The parts of a switch's cost, in the order they happen."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class JsonLines:
-    records: tuple[dict[str, Any], ...]
-    warnings: tuple[str, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +43,8 @@ class RunData:
     name: str
     """How figures and tables call the run: its directory's name (``latest`` resolved)."""
     metrics: tuple[dict[str, Any], ...]
-    """One record per iteration (the last one written: a relaunched stage logs some twice), in order."""
+    """One line per iteration (the last one written: a relaunched stage logs some twice), in order, as
+    decoded (the figures plot its keys); :attr:`records` has them typed."""
     stage_results: dict[int, dict[str, Any]]
     """``stages/<N>/stage_result.json`` of the stages that finished."""
     specs: dict[int, dict[str, Any]]
@@ -54,6 +53,11 @@ class RunData:
     """``runner_state.json`` (chains only)."""
     decisions: tuple[dict[str, Any], ...]
     warnings: tuple[str, ...]
+
+    @functools.cached_property
+    def records(self) -> tuple[MetricsRecord, ...]:
+        """:attr:`metrics` as records (every line was checked to be one when it was read)."""
+        return tuple(MetricsRecord.from_dict(line) for line in self.metrics)
 
     def training_setting(self, key: str) -> Any:
         """A ``training`` key of the run's resolved config (from the first stage spec), or None."""
@@ -118,56 +122,25 @@ def strategy_label(strategy: dict[str, Any]) -> str:
     return "dp{dp} tp{tp} pp{pp} mbs{mbs} gbs{gbs}".format(**{k: strategy.get(k, "?") for k in STRATEGY_KEYS})
 
 
-def read_json_lines(path: Path, *, required: Sequence[str] = ()) -> JsonLines:
-    """The JSON objects of a JSON-lines file; each line that is not one (or lacks ``required`` keys) is
-    skipped with a warning naming the file and line. A missing file reads as empty."""
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return JsonLines(records=(), warnings=())
-    lines = text.split("\n")  # an unterminated last line is the one a writer has not finished
-    records, warnings = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        problem = None
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            record, problem = None, f"not valid JSON ({err.msg}, column {err.colno})"
-            if number == len(lines):
-                problem = "truncated last line (being written, or its writer was killed)"
-        if record is not None and not isinstance(record, dict):
-            problem = f"a JSON {type(record).__name__}, not an object"
-        elif record is not None:
-            missing = [key for key in required if not _is_number(record.get(key))]
-            problem = f"no number for {', '.join(missing)}" if missing else None
-        if problem is None:
-            records.append(record)
-        else:
-            warnings.append(f"{path}: line {number}: {problem}; skipped")
-    return JsonLines(records=tuple(records), warnings=tuple(warnings))
-
-
 def load_run(run_dir: Path) -> RunData:
     """Read a run directory (finished or running). Raises :class:`ConaError` only when it is not one."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConaError(f"run directory {run_dir} does not exist")
     metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.exists() and not (run_dir / "stages").is_dir():
+    if not metrics_path.exists() and not run_files.stages_path(run_dir).is_dir():
         raise ConaError(f"{run_dir} is not a run directory: it has no {METRICS_FILE} and no stages/")
-    metrics = read_json_lines(metrics_path, required=REQUIRED_METRIC_KEYS)
+    metrics = read_json_lines(metrics_path, required=REQUIRED_METRIC_KEYS, check=MetricsRecord.from_dict)
     decisions = read_json_lines(run_dir / DECISIONS_FILE)
     warnings = [*metrics.warnings, *decisions.warnings]
-    results = _read_stage_files(run_dir, "stage_result.json", warnings)
-    specs = _read_stage_files(run_dir, "spec.json", warnings)
+    results = _read_stage_files(run_dir, run_files.STAGE_RESULT, warnings)
+    specs = _read_stage_files(run_dir, run_files.SPEC, warnings)
     state = None
     try:
         state = load_state(run_dir)
     except (ChainError, TypeError, KeyError) as err:
         warnings.append(
-            f"{run_dir / 'runner_state.json'}: unreadable ({err}); switch costs from stage results"
+            f"{run_files.runner_state_path(run_dir)}: unreadable ({err}); switch costs from stage results"
         )
     if not metrics.records:
         warnings.append(f"{metrics_path}: no metrics yet")
@@ -185,7 +158,7 @@ def load_run(run_dir: Path) -> RunData:
 
 def _read_stage_files(run_dir: Path, name: str, warnings: list[str]) -> dict[int, dict[str, Any]]:
     found: dict[int, dict[str, Any]] = {}
-    for path in sorted((run_dir / "stages").glob(f"*/{name}")):
+    for path in sorted(run_files.stages_path(run_dir).glob(f"*/{name}")):
         if not path.parent.name.isdigit():
             continue
         try:
@@ -205,12 +178,8 @@ def _last_per_iteration(records: Sequence[dict[str, Any]]) -> tuple[dict[str, An
     return tuple(by_iteration[iteration] for iteration in sorted(by_iteration))
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _finite(value: Any) -> float | None:
-    return float(value) if _is_number(value) and math.isfinite(value) else None
+    return float(value) if is_number(value) and math.isfinite(value) else None
 
 
 def run_start_time(run: RunData) -> float | None:
@@ -219,41 +188,42 @@ def run_start_time(run: RunData) -> float | None:
     candidates = [
         result["timings"]["process_start"]
         for result in run.stage_results.values()
-        if _is_number(result.get("timings", {}).get("process_start"))
+        if is_number(result.get("timings", {}).get("process_start"))
     ]
-    if run.metrics:
-        candidates.append(_interval_start(run.metrics[0]))
+    if run.records:
+        candidates.append(_interval_start(run.records[0]))
     return min(candidates) if candidates else None
 
 
-def _interval_start(record: dict[str, Any]) -> float:
+def _interval_start(record: MetricsRecord) -> float:
     """When the steps a record reports began (its time minus their step times)."""
-    steps = record.get("steps_in_interval") or 1
-    return float(record["time"]) - steps * (_finite(record.get("step_time_s")) or 0.0)
+    steps = record.steps_in_interval or 1
+    return float(record.time) - steps * (_finite(record.step_time_s) or 0.0)
 
 
 def stage_summaries(run: RunData) -> list[StageSummary]:
     """The stages seen in the metrics, in the order they ran."""
     summaries: list[StageSummary] = []
-    for stage, records in _records_by_stage(run.metrics):
+    for stage, records in _records_by_stage(run.records):
         result = run.stage_results.get(stage, {})
         timings = result.get("timings", {})
-        speeds = [_finite(record.get("tokens_per_s")) for record in records[1:] or records]
+        speeds = [_finite(record.tokens_per_s) for record in records[1:] or records]
         speeds = sorted(speed for speed in speeds if speed is not None)
-        evals = [_finite(record.get("eval_ppl")) for record in records]
+        evals = [_finite(record.eval_ppl) for record in records]
         evals = [value for value in evals if value is not None]
+        last = records[-1]
         summaries.append(
             StageSummary(
                 stage=stage,
-                strategy={key: int(records[-1].get(key, 0)) for key in STRATEGY_KEYS},
-                first_iteration=int(records[0]["iteration"]),
-                last_iteration=int(records[-1]["iteration"]),
+                strategy={key: int(getattr(last, key) or 0) for key in STRATEGY_KEYS},
+                first_iteration=int(records[0].iteration),
+                last_iteration=int(last.iteration),
                 start_tokens=summaries[-1].end_tokens if summaries else 0,
-                end_tokens=int(records[-1]["consumed_tokens"]),
+                end_tokens=int(last.consumed_tokens),
                 start_time=timings.get("process_start", _interval_start(records[0])),
-                end_time=timings.get("save_done", float(records[-1]["time"])),
+                end_time=timings.get("save_done", float(last.time)),
                 ready_time=timings.get("first_step_done", _interval_start(records[0])),
-                train_end=timings.get("train_done", float(records[-1]["time"])),
+                train_end=timings.get("train_done", float(last.time)),
                 tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
                 last_eval_ppl=evals[-1] if evals else None,
                 reason=result.get("reason"),
@@ -262,10 +232,10 @@ def stage_summaries(run: RunData) -> list[StageSummary]:
     return summaries
 
 
-def _records_by_stage(metrics: Sequence[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
-    groups: list[tuple[int, list[dict[str, Any]]]] = []
+def _records_by_stage(metrics: Sequence[MetricsRecord]) -> list[tuple[int, list[MetricsRecord]]]:
+    groups: list[tuple[int, list[MetricsRecord]]] = []
     for record in metrics:
-        stage = int(record["stage"])
+        stage = int(record.stage)
         if groups and groups[-1][0] == stage:
             groups[-1][1].append(record)
         else:
@@ -290,7 +260,7 @@ def switch_costs(run: RunData) -> list[SwitchCost]:
         }
         parts = {key: value for key, value in parts.items() if value is not None}
         if parts:
-            costs.append(SwitchCost(into_stage=stage, parts=parts, source="stage_result.json"))
+            costs.append(SwitchCost(into_stage=stage, parts=parts, source=run_files.STAGE_RESULT))
     return costs
 
 
@@ -300,7 +270,8 @@ def _switch_costs_from_state(state: RunState) -> list[SwitchCost]:
         # A stage records its switch cost when it is done; a later one shows what is measured so far.
         parts = (stage.switch_cost or switch_cost(previous, stage)) if stage.status != "pending" else {}
         if parts:
-            costs.append(SwitchCost(into_stage=stage.step_num, parts=dict(parts), source="runner_state.json"))
+            source = run_files.RUNNER_STATE
+            costs.append(SwitchCost(into_stage=stage.step_num, parts=dict(parts), source=source))
     return costs
 
 
@@ -310,15 +281,15 @@ def noise_series(run: RunData) -> list[NoisePoint]:
     base = base_batch(run)
     tracker = NoiseScaleTracker(base_batch=base)
     points = []
-    for record in run.metrics:
+    for record in run.records:
         tracker = tracker.update_from_metrics(record)
         phi = tracker.noise_scale()
-        if phi is None or not _is_number(record.get("gbs")):
+        if phi is None or record.gbs is None:
             continue
-        gbs = int(record["gbs"])
+        gbs = int(record.gbs)
         efficiency = float(statistical_efficiency(gbs, phi, base))
         points.append(
-            NoisePoint(tokens=int(record["consumed_tokens"]), noise_scale=phi, gbs=gbs, efficiency=efficiency)
+            NoisePoint(tokens=int(record.consumed_tokens), noise_scale=phi, gbs=gbs, efficiency=efficiency)
         )
     return points
 
@@ -326,9 +297,9 @@ def noise_series(run: RunData) -> list[NoisePoint]:
 def base_batch(run: RunData) -> int:
     """``training.base_gbs`` of the run (the first gbs when the run has no stage spec)."""
     base = run.training_setting("base_gbs")
-    if _is_number(base) and base > 0:
+    if is_number(base) and base > 0:
         return int(base)
-    first = next((record["gbs"] for record in run.metrics if _is_number(record.get("gbs"))), 1)
+    first = next((record.gbs for record in run.records if record.gbs is not None), 1)
     return max(int(first), 1)
 
 
@@ -367,7 +338,7 @@ def decision_stage(decision: dict[str, Any], stages: Sequence[StageSummary]) -> 
     """The stage a decision was made in: the newest one that had logged by its iteration (a decision before
     the first record belongs to the first stage)."""
     iteration = decision.get("iteration")
-    if not _is_number(iteration) or not stages:
+    if not is_number(iteration) or not stages:
         return None
     within = [stage.stage for stage in stages if stage.first_iteration <= iteration]
     return within[-1] if within else stages[0].stage

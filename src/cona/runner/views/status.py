@@ -26,10 +26,11 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from cona import run_files
 from cona.engine.checkpoint import LATEST, LATEST_UNIVERSAL, STEP_DIR
+from cona.metrics_record import MetricsRecord
 from cona.processes import PROC, pid_alive
 from cona.processes import process_state as process_state  # re-exported: it lived here
-from cona.runner.launch import PIDS_GLOB
 from cona.runner.publish import read_marker
 from cona.runner.state import ONLINE_CHAIN
 from cona.runner.views.report import RunData, load_run, strategy_label
@@ -86,8 +87,8 @@ class RunStatus:
     target_iteration: int | None
     target_tokens: int | None
     """The stage's token stop rule (online runs stop at a token budget)."""
-    last_record: dict[str, Any] | None
-    last_eval: dict[str, Any] | None
+    last_record: MetricsRecord | None
+    last_eval: MetricsRecord | None
     checkpoint: CheckpointStatus | None
     last_decision: dict[str, Any] | None
     processes: Processes
@@ -97,12 +98,12 @@ class RunStatus:
 def collect_status(run_dir: Path, *, now: float | None = None, proc_root: Path = PROC) -> RunStatus:
     run = load_run(run_dir)
     stage, total, stage_state, target = _stage_position(run)
-    last = run.metrics[-1] if run.metrics else None
-    evals = [record for record in run.metrics if record.get("eval_ppl") is not None]
+    last = run.records[-1] if run.records else None
+    evals = [record for record in run.records if record.eval_ppl is not None]
     spec = run.specs.get(stage) if stage is not None else None
     strategy = spec.get("strategy") if spec else None
     if strategy is None and last is not None:
-        strategy = last
+        strategy = last.to_dict()
     return RunStatus(
         run=run,
         stage=stage,
@@ -116,7 +117,7 @@ def collect_status(run_dir: Path, *, now: float | None = None, proc_root: Path =
         checkpoint=_last_checkpoint(run),
         last_decision=run.decisions[-1] if run.decisions else None,
         processes=run_processes(run.run_dir, proc_root),
-        record_age_s=(now if now is not None else time.time()) - float(last["time"]) if last else None,
+        record_age_s=(now if now is not None else time.time()) - float(last.time) if last else None,
     )
 
 
@@ -136,7 +137,7 @@ def _stage_position(run: RunData) -> tuple[int | None, int | None, str, int | No
             state += f", online: {switches} switch{'es' if switches != 1 else ''} so far"
             return current.step_num, None, state, current.target_iteration
         return current.step_num, total, state, current.target_iteration
-    numbers = sorted(set(run.specs) | {int(record["stage"]) for record in run.metrics})
+    numbers = sorted(set(run.specs) | {int(record.stage) for record in run.records})
     if not numbers:
         return None, None, "not started", None
     stage = numbers[-1]
@@ -172,7 +173,7 @@ def run_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
 def recorded_processes(run_dir: Path, proc_root: Path = PROC) -> tuple[RecordedProcesses, ...]:
     """The pids records of the newest stage that has any (one per node), each checked for liveness."""
     by_stage: dict[int, list[Path]] = {}
-    for path in Path(run_dir).glob(f"stages/*/{PIDS_GLOB}"):
+    for path in Path(run_dir).glob(f"{run_files.STAGES}/*/{run_files.PIDS_GLOB}"):
         if path.parent.name.isdigit():
             by_stage.setdefault(int(path.parent.name), []).append(path)
     if not by_stage:
@@ -210,7 +211,7 @@ def find_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
     """The processes on this host whose command line names a stage spec of this run directory."""
     if not proc_root.is_dir():
         return Processes(workers=None)
-    marker = str(Path(run_dir).resolve() / "stages") + "/"
+    marker = str(run_files.stages_path(Path(run_dir).resolve())) + "/"
     workers, launchers = [], []
     for entry in proc_root.iterdir():
         if not entry.name.isdigit():
@@ -219,7 +220,7 @@ def find_processes(run_dir: Path, proc_root: Path = PROC) -> Processes:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue  # ended while we looked, or not ours to read
-        if any(arg.startswith(marker) and arg.endswith("spec.json") for arg in argv):
+        if any(arg.startswith(marker) and arg.endswith(run_files.SPEC) for arg in argv):
             (launchers if "torch.distributed.run" in argv else workers).append(int(entry.name))
     return Processes(workers=tuple(sorted(workers)), launchers=tuple(sorted(launchers)))
 
@@ -247,7 +248,7 @@ def status_lines(status: RunStatus) -> list[tuple[str, str]]:
             f" (last metrics {_duration(status.record_age_s)} ago)" if status.record_age_s is not None else ""
         )
         lines += [
-            ("iteration", f"{last['iteration']}{target}{age}"),
+            ("iteration", f"{last.iteration}{target}{age}"),
             ("tokens", _tokens_text(last, status.target_tokens)),
             ("loss", _loss_text(last)),
             ("eval", _eval_text(status.last_eval)),
@@ -272,27 +273,27 @@ def _strategy_text(strategy: dict[str, Any] | None) -> str:
     return strategy_label(strategy) if strategy else "unknown"
 
 
-def _tokens_text(record: dict[str, Any], target: int | None) -> str:
-    tokens = int(record["consumed_tokens"])
+def _tokens_text(record: MetricsRecord, target: int | None) -> str:
+    tokens = int(record.consumed_tokens)
     of = f" of {target:,} ({100 * tokens / target:.0f}%)" if target else ""
-    return f"{tokens:,}{of}, {record.get('consumed_samples', 0):,} samples"
+    return f"{tokens:,}{of}, {record.consumed_samples or 0:,} samples"
 
 
-def _loss_text(record: dict[str, Any]) -> str:
-    speed = record.get("tokens_per_s")
-    parts = [f"{record['loss']:.4f}"]
-    if isinstance(speed, int | float):
+def _loss_text(record: MetricsRecord) -> str:
+    speed = record.tokens_per_s
+    parts = [f"{record.loss:.4f}"]
+    if speed is not None:
         parts.append(f"{speed:,.0f} tokens/s")
-    if isinstance(record.get("mfu"), int | float):
-        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    if record.mfu is not None:
+        parts.append(f"MFU {100 * record.mfu:.1f}%")
     return ", ".join(parts)
 
 
-def _eval_text(record: dict[str, Any] | None) -> str:
+def _eval_text(record: MetricsRecord | None) -> str:
     if record is None:
         return "no evaluation yet"
-    ppl, loss, iteration = record["eval_ppl"], record.get("eval_loss"), record["iteration"]
-    loss_text = f" (loss {loss:.4f})" if isinstance(loss, int | float) else ""
+    ppl, loss, iteration = record.eval_ppl, record.eval_loss, record.iteration
+    loss_text = f" (loss {loss:.4f})" if loss is not None else ""
     return f"perplexity {ppl:.2f}{loss_text} at iteration {iteration}"
 
 

@@ -1,0 +1,47 @@
+"""An online stage resumed from a checkpoint it saved itself (a periodic one) starts its search with the
+noise-scale tracker of the metrics lines up to that checkpoint, as the uninterrupted stage had it then."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import torch
+from chain_fakes import write_tiny_config
+
+from cona.config_file import load_config
+from cona.engine.checkpoint import save_checkpoint
+from cona.runner.noise_history import noise_tracker
+from cona.runner.schedules.online_memory import tracker_at_resume
+from cona.strategy import Strategy
+
+RECORD = {"gns_small_sqr": 2.0, "gns_big_sqr": 1.2, "gns_small_batch": 2, "gns_big_batch": 8}
+
+
+def checkpoint_of(tmp_path, config, *, stage: int, iteration: int):
+    model = torch.nn.Linear(2, 2)
+    return save_checkpoint(
+        tmp_path / "layout",
+        iteration=iteration,
+        model_parts=[model],
+        optimizer=torch.optim.AdamW(model.parameters()),
+        trainer_state={"iteration": iteration, "consumed_samples": 8 * iteration, "stage": stage},
+        config=config,
+        strategy=Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=8),
+    )
+
+
+def test_the_search_of_a_resumed_stage_counts_the_stage_s_lines_up_to_its_checkpoint(tmp_path):
+    config = load_config(write_tiny_config(tmp_path))
+    lines = [json.dumps({"iteration": i, **RECORD, "gns_big_sqr": 1.0 + i / 100}) for i in range(1, 15)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run = types.SimpleNamespace(run_dir=tmp_path, config=config)
+    at_stage_start = noise_tracker(tmp_path, config.training.base_gbs, 4)  # stage 2 started at 4
+    memory = types.SimpleNamespace(tracker=at_stage_start)
+
+    own = checkpoint_of(tmp_path, config, stage=2, iteration=10)
+    resumed = tracker_at_resume(run, memory, 2, own)
+    assert resumed == noise_tracker(tmp_path, config.training.base_gbs, 10) and resumed.samples == 10
+    previous = checkpoint_of(tmp_path, config, stage=1, iteration=4)  # the stage's planned load
+    assert tracker_at_resume(run, memory, 2, previous) is at_stage_start
+    assert tracker_at_resume(run, memory, 2, None) is at_stage_start

@@ -1,0 +1,76 @@
+"""The metrics record: both writers produce the same schema, and the JSON on disk is what it was."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from cona.backends.megatron_deepspeed.log_parse import MetricsRecorder
+from cona.engine.metrics import JsonlSink
+from cona.metrics_record import ALWAYS_WRITTEN, MetricsRecord, read_metrics
+from cona.strategy import Strategy
+
+# A native trainer line as it was written before the record existed (key order included).
+TRAINER_LINE = (
+    '{"stage": 1, "iteration": 5, "consumed_samples": 10, "consumed_tokens": 80, "loss": 3.25, "lr": 0.001, '
+    '"gbs": 2, "mbs": 1, "dp": 2, "tp": 1, "pp": 1, "step_time_s": 0.5, "tokens_per_s": 32.0, "mfu": null, '
+    '"grad_norm": 0.5, "gns_small_sqr": null, "gns_big_sqr": 1.5, "gns_small_batch": 1, "gns_big_batch": 2, '
+    '"steps_in_interval": 5, "skipped_steps": 0, "time": 1700000000.0, "eval_loss": 3.0, '
+    '"eval_ppl": 20.085536923187668, "eval_ppl_tokens": "masked"}'
+)
+
+
+def test_a_record_writes_the_line_the_trainer_wrote(tmp_path: Path) -> None:
+    old = json.loads(TRAINER_LINE)
+    record = MetricsRecord.from_dict({key: old[key] for key in ALWAYS_WRITTEN})
+    record = record.with_evaluation(3.0, masked_tokens=True)
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.write(record.to_dict())
+    sink.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == TRAINER_LINE + "\n"
+    assert MetricsRecord.from_dict(old) == record
+
+
+def test_a_diverged_evaluation_is_an_infinite_perplexity() -> None:
+    record = MetricsRecord(stage=1, iteration=1).with_evaluation(800.0)
+    assert record.eval_ppl == math.inf and "eval_ppl_tokens" not in record.to_dict()
+
+
+def test_the_megatron_parser_writes_the_trainers_keys_and_its_backend() -> None:
+    written: list[dict] = []
+    recorder = MetricsRecorder(
+        stage=1, strategy=Strategy(dp=1, tp=1, pp=2, mbs=1, gbs=4), seq=64, write=written.append
+    )
+    recorder.feed(
+        " iteration        3/      12 | consumed samples:           12 | consumed tokens:          768 |"
+        " elapsed time per iteration (ms): 7193.6 | learning rate: 4.909E-03 | global batch size:     4 |"
+        " lm loss: 1.084810E+01 | grad norm: 1.722 | number of skipped iterations:   0 |"
+    )
+    recorder.feed(" validation loss at iteration 3 | lm loss value: 1.067690E+01 | lm loss PPL: 4.3E+04 |")
+    recorder.flush()
+    [line] = written
+    assert list(line) == ["backend", *ALWAYS_WRITTEN, "eval_loss", "eval_ppl"]
+    assert line["backend"] == "megatron-deepspeed" and line["gns_small_sqr"] is None and line["mfu"] is None
+    assert recorder.last == line
+
+
+def test_reading_is_lenient_about_missing_and_unknown_keys() -> None:
+    record = MetricsRecord.from_dict({"iteration": 3, "tokens_per_s": 10.0, "zero_stage": 2})
+    assert record.iteration == 3 and record.stage is None and record.loss is None
+    assert record.extra == {"zero_stage": 2}
+    assert list(record.to_dict())[-1] == "zero_stage"  # an unknown key is written back, after the known ones
+
+
+@pytest.mark.parametrize(("key", "value"), [("iteration", "3"), ("loss", True), ("backend", 1)])
+def test_a_known_key_of_the_wrong_type_is_refused_by_name(key, value) -> None:
+    with pytest.raises(ValueError, match=f"metrics record: {key} is"):
+        MetricsRecord.from_dict({"iteration": 1, key: value})
+
+
+def test_read_metrics_skips_torn_and_foreign_lines(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 1}\n{"iteration": "two"}\n[3]\n{"iteration": 4}\n{"iter')
+    assert [record.iteration for record in read_metrics(path)] == [1, 4]
