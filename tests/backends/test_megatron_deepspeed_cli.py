@@ -107,11 +107,25 @@ def test_backend_flag_needs_a_checkout(tmp_path, capsys):
     assert "not a Megatron-DeepSpeed checkout (no pretrain_gpt.py)" in _error(capsys)
 
 
-def test_online_mode_is_refused_with_the_reason(tmp_path, capsys):
-    repo, _ = _fake_checkout(tmp_path)
-    assert main(["train", "--gpus", "2", "--initial-gbs", "4", "--repo-path", str(repo)]) == 1
-    err = _error(capsys)
-    assert "online mode" in err and "gradient noise scale" in err and "native backend" in err
+def test_online_mode_refuses_what_the_backend_cannot_run_before_any_launch(tmp_path, capsys):
+    repo, python = _fake_checkout(tmp_path)
+    online = ["train", "--gpus", "2", "--system", "cpu_gloo", "--initial-gbs", "4", "--total-iters", "4"]
+    online += ["--repo-path", str(repo), "--mds-python", str(python), "--workdir", str(tmp_path / "w")]
+    assert main([*online, "--config", str(_config(tmp_path, normalization="layernorm"))]) == 1
+    assert "model.normalization=layernorm" in _error(capsys)
+    (repo / "megatron" / "model" / "transformer.py").write_text(
+        "query_layer = mixed_x_layer[:, :, :self.projection_size]\n"
+    )  # the blocked QKV layout of 676a482c and later
+    (tmp_path / "b").mkdir()
+    text = json.loads(_config(tmp_path / "b").read_text())
+    text["training"].update(vocab_file=str(tmp_path / "v.json"), merge_file=str(tmp_path / "m.txt"))
+    (tmp_path / "v.json").write_text("{}")
+    (tmp_path / "m.txt").write_text("")
+    (tmp_path / "b" / ".conaconfig").write_text(json.dumps(text))
+    assert main([*online, "--config", str(tmp_path / "b" / ".conaconfig")]) == 1
+    assert "online mode may change tp and mbs" in _error(capsys)
+    assert not (tmp_path / "w").exists() and not (tmp_path / "logs").exists()
+    assert not (tmp_path / "b" / "logs").exists()
 
 
 def test_repo_path_contradicting_the_native_backend(tmp_path, capsys):
@@ -157,10 +171,11 @@ def test_fixed_mode_is_a_one_stage_chain_in_a_new_run_directory(tmp_path, capsys
     ]
 
 
-def test_fixed_mode_refuses_several_nodes(tmp_path, capsys):
+def test_several_nodes_started_over_ssh_are_refused(tmp_path, capsys):
     repo, python = _fake_checkout(tmp_path)
+    (tmp_path / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     argv = _fixed(tmp_path, _config(tmp_path), repo, python) + ["--num-nodes", "2", "--gpus-per-node", "1"]
-    assert main(argv) == 1
-    assert "--num-nodes, --gpus-per-node: the Megatron-DeepSpeed backend runs on one node for now" in _error(
+    assert main([*argv, "--hostfile", str(tmp_path / "hostfile"), "--master-addr", "127.0.0.1"]) == 1
+    assert "with the Megatron-DeepSpeed backend start every node's runner yourself (--no-ssh" in _error(
         capsys
     )

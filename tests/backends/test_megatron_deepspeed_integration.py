@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +36,16 @@ from cona.backends.megatron_deepspeed.environment import (
     qkv_layout,
     resolve_environment,
 )
-from cona.backends.megatron_deepspeed.run import run_mds_chain
+from cona.backends.megatron_deepspeed.run import run_mds_chain, run_mds_online
 from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.config_file import load_config
+from cona.data.preprocess import PreprocessOptions, preprocess
 from cona.engine.optim import lr_schedule
 from cona.errors import ChainError, CheckpointError, LaunchError
 from cona.runner.launch import check_port_free
+from cona.runner.run_dir import resolve_log_root
+from cona.runner.schedules.online_options import OnlineRun
+from cona.runner.state import load_state
 from cona.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,41 +75,32 @@ def env() -> MdsEnvironment:
 
 
 @pytest.fixture(scope="module")
-def data_prefix(env, tmp_path_factory) -> Path:
-    """The first 300 articles of the demo corpus, through the checkout's own tools/preprocess_data.py. Real
-    text matters: on random words a model this small and this briefly trained barely uses its attention, and a
-    scrambled QKV then moved the loss of the draw by only 1.2e-4 (tolerance 2.2e-4) in a run here."""
+def data_prefix(tmp_path_factory) -> Path:
+    """The first 300 articles of the demo corpus, through ``cona preprocess`` (Megatron's mmap format; the
+    checkout's own tools/preprocess_data.py leaves each document's EOD out of its size with --append-eod,
+    which CONA's reader refuses). Real text matters: on random words a model this small and this briefly
+    trained barely uses its attention, and a scrambled QKV then moved the loss of the draw by only 1.2e-4
+    (tolerance 2.2e-4) in a run here."""
     directory = tmp_path_factory.mktemp("mds-data")
     with open(CORPUS) as source, open(directory / "docs.jsonl", "w") as target:
         target.writelines(line for _, line in zip(range(300), source, strict=False))
-    command = [str(env.python), "tools/preprocess_data.py", "--input", str(directory / "docs.jsonl")]
-    command += [
-        "--output-prefix",
-        str(directory / "docs"),
-        "--vocab-file",
-        str(VOCAB),
-        "--merge-file",
-        str(MERGES),
-    ]
-    command += [
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--dataset-impl",
-        "mmap",
-        "--append-eod",
-        "--workers",
-        "1",
-    ]
-    subprocess.run(command, cwd=env.repo, env=env.process_env(os.environ, device_type="cpu"), check=True)
+    options = PreprocessOptions(
+        input=directory / "docs.jsonl",
+        output_prefix=str(directory / "docs"),
+        vocab_file=VOCAB,
+        merge_file=MERGES,
+        append_eod=True,
+    )
+    preprocess(options, show_progress=False)
     return directory / "docs_text_document"
 
 
-def _setup(directory: Path, data_prefix: Path, steps: list[dict]) -> argparse.Namespace:
+def _setup(directory: Path, data_prefix: Path, steps: list[dict], **training_keys) -> argparse.Namespace:
     model = {"name": "gpt-mds", "layers": 2, "hidden": 64, "heads": 4, "seq": 64, "normalization": "rmsnorm"}
     training = {"device": "cpu", "zero_stage": 1, "dtype": "fp32", "base_gbs": 4, "base_lr": 5e-3}
     training.update(base_min_lr=5e-4, lr_warmup_tokens=256, split="90,8,2", data_prefix=str(data_prefix))
     training.update(vocab_file=str(VOCAB), merge_file=str(MERGES), log_interval=1, eval_interval=100)
-    training.update(eval_iters=2, log_root=str(directory / "logs"))
+    training.update(eval_iters=2, log_root=str(directory / "logs"), **training_keys)
     config = {"model": {**model, "attention_dropout": 0.0, "hidden_dropout": 0.0}, "training": training}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / ".conaconfig").write_text(json.dumps(config))
@@ -208,3 +204,108 @@ def test_verification_refuses_the_tp_switch_without_the_repairs(env, data_prefix
     verdict = json.loads((tmp_path / "logs" / "it" / "stages" / "2" / "switch_check.json").read_text())
     assert verdict["status"] == "failed" and verdict["difference"] > verdict["tolerance"]
     assert not (tmp_path / "work" / "checkpoints" / "gpt-mds" / "z1" / "fp32" / "tp2_pp1_dp1_sp1").exists()
+
+
+ONLINE_ITERS = 30
+
+
+def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(env, data_prefix, tmp_path):
+    """Online mode through the checkout: the hooks' gradient-noise lines and Megatron's step times reach
+    the decisions, a switch goes through the checkpoint, ds_to_universal and verification, and
+    ``realized_chain.json`` replays through the same backend to the same books and losses."""
+    if qkv_layout(env.repo) == "blocked":
+        pytest.skip("online mode is refused on a blocked-QKV checkout (covered by the CLI tests)")
+    # One LR horizon for the online run and its replay (else online mode ends the cosine at --total-iters x
+    # the initial gbs, the replayed chain at its own tokens): their losses must differ by nothing else.
+    args = _setup(tmp_path, data_prefix, CHAIN, lr_decay_tokens=20_000)
+    config = resolve_log_root(load_config(args.config))
+    run = OnlineRun(
+        config=config,
+        workdir=tmp_path / "work",
+        run_dir=tmp_path / "logs" / "online",
+        world_size=2,
+        device_type="cpu",
+        system="cpu_gloo",
+        initial_gbs=4,
+        max_gbs=8,
+        total_iters=ONLINE_ITERS,
+        botorch=False,
+        base_port=None,
+        quiet=True,
+        # A 30-iteration run of this model measures a noise scale of a few samples, where no larger batch
+        # pays, and a Megatron restart costs more than the rest of the run: decide as a long run would.
+        noise_scale_floor=1000.0,
+        policy_overrides={"predicted_switch_cost_s": 0.0},
+        backend="megatron-deepspeed",
+    )
+    lines: list[str] = []
+    state = run_mds_online(run, env, out=lines.append)
+
+    assert len(state.stages) >= 2 and state.stages[-1].last_iteration == ONLINE_ITERS
+    decisions = [json.loads(line) for line in (run.run_dir / "decisions.jsonl").read_text().splitlines()]
+    switch = next(d for d in decisions if d["decision"] == "switch")
+    assert switch["measured_noise_scale"] is not None and switch["measured_noise_scale"] > 0
+    assert switch["current"]["measured_tokens_per_s"] > 0  # from the log's step times
+    checks = _checks(run.run_dir)
+    assert checks and all(check["status"] == "passed" for check in checks.values())
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Every stage's first step is unpaired (one small batch per step: the difference estimator), the others
+    # carry the hooks' gradient-noise inputs.
+    firsts = {stage.start_iteration + 1 for stage in state.stages}
+    assert all(r["gns_big_sqr"] is not None for r in records if r["iteration"] not in firsts)
+
+    args.chain, args.run_name = str(run.run_dir / "realized_chain.json"), "replay"
+    replayed = run_mds_chain(chain_run_from_args(args), env)
+    books = [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in replayed.stages]
+    assert books == [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in state.stages]
+    replay_records = (tmp_path / "logs" / "replay" / "metrics.jsonl").read_text().splitlines()
+    replay_losses = {r["iteration"]: r["loss"] for r in map(json.loads, replay_records)}
+    online_losses = {record["iteration"]: record["loss"] for record in records}
+    assert replay_losses == pytest.approx(online_losses, rel=1e-5)
+
+
+NODES_TIMEOUT_S = 900  # two stages, a conversion and a verification launch on a shared 2-core machine
+NODES_CHAIN = [CHAIN[0], {**CHAIN[2], "step_num": 2}]  # tp1/pp2 -> tp1/pp1/dp2: no tp change (any checkout)
+
+
+def test_two_loopback_nodes_give_the_losses_of_one_node(env, data_prefix, tmp_path):
+    """The same chain on one node with 2 processes and on two "nodes" of one process each (two runners on
+    this machine, ``--no-ssh --node-rank R``, a loopback hostfile): the same books and losses."""
+    args = _setup(tmp_path, data_prefix, NODES_CHAIN)
+    one_node = run_mds_chain(chain_run_from_args(args), env)
+    (tmp_path / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    node_args = ["--num-nodes", "2", "--gpus-per-node", "1", "--hostfile", str(tmp_path / "hostfile")]
+    node_args += ["--master-addr", "127.0.0.1", "--master-port-base", str(_free_port_base()), "--no-ssh"]
+    command = [sys.executable, "-m", "cona", "train", "--chain", args.chain, "--config", args.config]
+    command += ["--workdir", str(tmp_path / "work-nodes"), "--run-name", "nodes", "--quiet", *node_args]
+    command += ["--repo-path", str(env.repo), "--mds-python", str(env.python)]
+    command += ["--mds-shim", str(env.shim)] if env.shim is not None else []
+    process_env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
+    runners = []
+    for rank in (0, 1):
+        log = open(tmp_path / f"node{rank}.out", "w")  # noqa: SIM115 (closed with the process)
+        runners.append(subprocess.Popen([*command, "--node-rank", str(rank)], stdout=log,
+                                        stderr=subprocess.STDOUT, env=process_env, cwd=tmp_path))  # fmt: skip
+    try:
+        codes = [runner.wait(timeout=NODES_TIMEOUT_S) for runner in runners]
+    finally:
+        for runner in runners:
+            if runner.poll() is None:
+                runner.kill()
+    outputs = {rank: (tmp_path / f"node{rank}.out").read_text()[-3000:] for rank in (0, 1)}
+    assert codes == [0, 0], outputs
+    two_nodes = load_state(tmp_path / "logs" / "nodes")
+    books = [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in two_nodes.stages]
+    assert books == [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in one_node.stages]
+    checks = _checks(tmp_path / "logs" / "nodes")
+    assert sorted(checks) == [2] and checks[2]["status"] == "passed"
+    losses = {name: _losses(tmp_path / "logs" / name) for name in ("it", "nodes")}
+    assert sorted(losses["nodes"]) == list(range(1, 9))
+    assert losses["nodes"] == pytest.approx(losses["it"], rel=1e-5)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {
+        r["iteration"]: r["loss"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }

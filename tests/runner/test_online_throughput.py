@@ -149,3 +149,21 @@ def test_a_strategy_the_run_trained_is_expected_at_its_measured_throughput(setup
     assert strategy == large and last["candidate"]["throughput_source"] == "measured"
     assert predicted == pytest.approx(0.9 * device.tokens_per_s(large))
     assert np.isfinite(last["throughput_fit"]["error"])
+
+
+def test_the_frontier_predicts_with_the_profile_of_the_backend_that_trains(tmp_path):
+    """Online mode through Megatron-DeepSpeed: the frontier's model is that backend's profile (its step
+    seconds, and the best strategy of a gbs ranked by them), not the native engine's."""
+    write_tiny_config(tmp_path)
+    config, system = load_config(tmp_path / ".conaconfig"), load_system("cpu_gloo")
+    native = FrontierSearch(config=config, system=system, n_gpus=2, dtype="fp32", botorch=False)
+    megatron = FrontierSearch(config=config, system=system, n_gpus=2, dtype="fp32", botorch=False,
+                              backend="megatron-deepspeed")  # fmt: skip
+    strategy = Strategy(dp=2, tp=1, pp=1, mbs=1, gbs=4)
+    expected_s = model_step_seconds(config.model, [strategy], system, "fp32", backend="megatron-deepspeed")[0]
+    assert megatron.model_step_s(strategy) == pytest.approx(float(expected_s))
+    assert megatron.model_step_s(strategy) != pytest.approx(native.model_step_s(strategy))
+    best = megatron(4)
+    assert best is not None and best.predicted_tokens_per_s == pytest.approx(
+        4 * config.model.seq / megatron.model_step_s(best.strategy)
+    )

@@ -16,6 +16,7 @@ PATH``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -217,10 +218,6 @@ def _train_chain(args: argparse.Namespace, mds: bool) -> None:
 
 
 def _train_online(args: argparse.Namespace, mds: bool) -> None:
-    if mds:
-        from cona.backends.megatron_deepspeed.run import refuse_online
-
-        refuse_online()
     _refuse_switch_in_place(args)
     others = _given(args, FIXED_STRATEGY_FLAGS)
     if others:
@@ -228,6 +225,12 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
             "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
             f"drop {', '.join(others)}"
         )
+    if mds:
+        from cona.backends.megatron_deepspeed.run import BACKEND_NAME, run_mds_online
+
+        run = dataclasses.replace(online_run(args), backend=BACKEND_NAME)
+        run_mds_online(run, _mds_environment(args))
+        return
     from cona.runner.schedules.online import run_online  # imports torch: not at `cona --help` time
 
     with _console_and_launcher(args) as (console, launcher):
@@ -260,19 +263,24 @@ def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
 
     console = RunConsole.for_stdout(quiet=args.quiet)
     validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
-    if not mds and across_nodes:  # a one-stage chain; each node checks its own GPUs
+    if across_nodes:  # a one-stage chain; each node checks its own GPUs
         from cona.runner.nodes.fixed_across_nodes import write_fixed_chain
         from cona.runner.schedules.sequence import run_chain, torchrun_launcher
 
         chain_path, run_name = write_fixed_chain(config, strategy, args.iters, args.run_name)
         run = chain_run(args, chain=chain_path, run_name=run_name)
+        if mds:
+            from cona.backends.megatron_deepspeed.run import run_mds_chain
+
+            run_mds_chain(run, _mds_environment(args))
+            return
         run_chain(run, launcher=console.launcher(torchrun_launcher), out=console.message)
         return
     run = fixed_run(args, config, strategy)
     if mds:
         from cona.backends.megatron_deepspeed.run import train_fixed
 
-        train_fixed(run, _mds_environment(args), node_flags=across_nodes)
+        train_fixed(run, _mds_environment(args))
         return
     from cona.runner.fixed import run_fixed
 

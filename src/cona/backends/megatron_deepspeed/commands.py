@@ -51,7 +51,13 @@ class ChainShape:
     vocab_multiple: int
     """The padded vocabulary is a multiple of this under every tp."""
     stop_tokens: tuple[int, ...]
-    """Tokens consumed when each stage (in order) reaches its stop iteration: its ``--train-tokens``."""
+    """Tokens consumed when each stage (in order) reaches its stop iteration: its ``--train-tokens``. Empty
+    for an online run, whose stages are decided as it goes: each then stops at the run's token budget
+    (``--train-tokens``) or its stop iteration (CONA's hooks in the launched processes)."""
+
+    def stage_stop_tokens(self, stage: int, max_tokens: int | None) -> int | None:
+        """``--train-tokens`` of stage ``stage``: the chain's planned tokens, else the run's budget."""
+        return self.stop_tokens[stage - 1] if self.stop_tokens else max_tokens
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +115,17 @@ def chain_shape(config: ConaConfig, stages: Iterable[tuple[Strategy, int]]) -> C
     return ChainShape(
         train_samples=max(samples, largest), vocab_multiple=multiple, stop_tokens=tuple(stop_tokens)
     )
+
+
+def online_shape(config: ConaConfig, *, world_size: int, max_samples: int) -> ChainShape:
+    """The shape of an online run on ``world_size`` processes that consumes at most ``max_samples``
+    samples: every tp a stage may choose (a divisor of the world size) pads the vocabulary alike, and
+    ``--train-samples`` is that bound (Megatron's own iteration limit, ``train_samples // gbs``, must not stop
+    a stage before CONA's stop rules do, so the caller's bound covers the most iterations any stage can
+    reach)."""
+    tps = [tp for tp in range(1, world_size + 1) if world_size % tp == 0]
+    multiple = math.lcm(config.model.make_vocab_size_divisible_by, *tps)
+    return ChainShape(train_samples=max_samples, vocab_multiple=multiple, stop_tokens=())
 
 
 def vocab_divisor(shape: ChainShape, tp: int) -> int:

@@ -24,6 +24,10 @@ REPO_ENV = "CONA_MEGATRON_DEEPSPEED"
 PYTHON_ENV = "CONA_MEGATRON_DEEPSPEED_PYTHON"
 SHIM_ENV = "CONA_MEGATRON_DEEPSPEED_SHIM"
 ATTENTION_SOURCE = Path("megatron/model/transformer.py")
+LAUNCHED_DIR = Path(__file__).resolve().parent / "launched"
+"""Files that run inside the checkout's processes (its interpreter, not CONA's): CONA's hooks."""
+ENTRY_SCRIPT = LAUNCHED_DIR / "cona_pretrain_gpt.py"
+"""What the launcher runs: installs the hooks, then runs the checkout's pretrain_gpt.py unchanged."""
 # Since commit 676a482c (FPDT) each tensor-parallel rank's fused QKV output is split as [Q; K; V] blocks
 # (these
 # slices of ``mixed_x_layer`` by ``projection_size`` or by a third of its width). DeepSpeed's universal

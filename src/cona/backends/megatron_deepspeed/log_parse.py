@@ -12,8 +12,13 @@ and after an evaluation ``validation loss at iteration 10 | lm loss value: 1.08E
 ``--skip-train``). A training record is held back until the next line that is not its evaluation, so that an
 evaluation at the same iteration lands in that record (as the native engine writes it).
 
-Megatron-DeepSpeed reports no gradient-noise-scale inputs, so the ``gns_*`` keys are null (online mode, which
-needs them, refuses this backend).
+Megatron-DeepSpeed reports no gradient-noise-scale inputs; CONA's hooks in the launched processes
+(``launched/cona_megatron_hooks.py``) print them just before the iteration line they belong to::
+
+    cona gns | iteration 6 | small sqr: 1.2E-01 | big sqr: 3.4E-02 | small batch: 1 | big batch: 4 | ...
+
+and they fill that record's ``gns_*`` keys (null where no such line came: a run without the hooks). The
+hooks' ``cona stop | iteration N | reason: switch_requested`` line says why the stage left its loop.
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ _EVALUATION = re.compile(
     r"validation loss at (?:iteration (\d+)(?: on (\d+)-sample draw from (validation|test) set)?|(.*?)) \|"
     r" lm loss value: ([-+0-9.eEnaif]+) \|"
 )
+_GNS = re.compile(r"cona gns \| iteration (\d+) \|")
+_STOP = re.compile(
+    r"cona stop \| iteration (\d+) \| consumed samples: (\d+) \| consumed tokens: (\d+) \| reason: ([a-z_]+)"
+)
+GNS_KEYS = {
+    "small sqr": "gns_small_sqr",
+    "big sqr": "gns_big_sqr",
+    "small batch": "gns_small_batch",
+    "big batch": "gns_big_batch",
+}
 TRAIN_KEYS = {
     "consumed samples": "consumed_samples",
     "consumed tokens": "consumed_tokens",
@@ -70,6 +85,38 @@ def parse_training_line(line: str) -> dict[str, float] | None:
     return values
 
 
+def parse_gns_line(line: str) -> tuple[int, dict[str, float]] | None:
+    """The iteration and ``gns_*`` values of a ``cona gns`` line (None for any other line)."""
+    match = _GNS.search(line)
+    if match is None:
+        return None
+    values: dict[str, float] = {}
+    for part in line[match.end() :].split("|"):
+        field_match = _FIELD.fullmatch(part)
+        if field_match and field_match.group(1) in GNS_KEYS:
+            values[GNS_KEYS[field_match.group(1)]] = float(field_match.group(2))
+    return int(match.group(1)), values
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stop:
+    """The hooks' ``cona stop`` line: where and why the stage left Megatron's loop."""
+
+    iteration: int
+    consumed_samples: int
+    consumed_tokens: int
+    reason: str
+    """``completed`` (its stop iteration) or ``switch_requested``."""
+
+
+def parse_stop_line(line: str) -> Stop | None:
+    match = _STOP.search(line)
+    if match is None:
+        return None
+    iteration, samples, tokens = (int(match.group(index)) for index in (1, 2, 3))
+    return Stop(iteration=iteration, consumed_samples=samples, consumed_tokens=tokens, reason=match.group(4))
+
+
 def parse_evaluation_line(line: str) -> Evaluation | None:
     match = _EVALUATION.search(line)
     if match is None:
@@ -103,7 +150,20 @@ class MetricsRecorder:
         """The newest training record (written or pending), as it is written."""
         return None if self._last is None else self._last.to_dict()
 
+    stop: Stop | None = None
+    """The hooks' stop line, when one came."""
+    _gns: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Gradient-noise values waiting for their iteration's training line."""
+
     def feed(self, line: str) -> None:
+        gns = parse_gns_line(line)
+        if gns is not None:
+            self._gns[gns[0]] = gns[1]
+            return
+        stop = parse_stop_line(line)
+        if stop is not None:
+            self.stop = stop
+            return
         evaluation = parse_evaluation_line(line)
         if evaluation is not None:
             self.evaluations.append(evaluation)
@@ -131,6 +191,7 @@ class MetricsRecorder:
         strategy = self.strategy
         gbs = int(values.get("gbs", strategy.gbs))
         step_time = values["step_time_ms"] / 1000.0 if "step_time_ms" in values else math.nan
+        gns = self._gns.pop(iteration, {})
         return MetricsRecord(
             backend="megatron-deepspeed",  # the planner predicts this run with that backend's profile
             stage=self.stage,
@@ -147,7 +208,11 @@ class MetricsRecorder:
             step_time_s=step_time,
             tokens_per_s=gbs * self.seq / step_time if step_time > 0 else math.nan,
             grad_norm=values.get("grad_norm", math.nan),
+            gns_small_sqr=gns.get("gns_small_sqr"),
+            gns_big_sqr=gns.get("gns_big_sqr"),
+            gns_small_batch=int(gns["gns_small_batch"]) if "gns_small_batch" in gns else None,
+            gns_big_batch=int(gns["gns_big_batch"]) if "gns_big_batch" in gns else None,
             steps_in_interval=steps,
             skipped_steps=values.get("skipped", 0.0),
             time=time.time(),
-        )  # no mfu and no gns_* (Megatron reports neither): written as null
+        )  # no mfu (Megatron reports none): written as null; gns_* from the hooks

@@ -1,28 +1,35 @@
-"""``cona train --backend megatron-deepspeed --repo-path PATH``: fixed and chain modes through a checkout.
+"""``cona train --backend megatron-deepspeed --repo-path PATH``: fixed, chain and online modes via a checkout.
 
-Both modes run through :func:`cona.runner.schedules.sequence.run_chain` with this backend's launcher and
-publisher (a
-fixed strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage
-state machine, the backend says how a stage is launched, saved and verified, so the run directory, its state
-and its resume behave as the native backend's. Everything this backend cannot run is refused before the
-first launch: online mode (Megatron-DeepSpeed reports no gradient-noise inputs), several nodes (not verified
-yet), a tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a
-checkout, and the config keys :func:`.commands.check_supported` names.
+Fixed and chain modes run through :func:`cona.runner.schedules.sequence.run_chain`, online mode through
+:func:`cona.runner.schedules.online.run_online`, with this backend's launcher and publisher (a fixed
+strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage state
+machine, the backend says how a stage is launched, saved and verified, so the run directory, its state and
+its resume behave as the native backend's. Online mode gets its gradient-noise inputs from CONA's hooks in
+the launched processes (``launched/``), and its stages stop at the search's switch request through the same
+hooks. Across nodes every node's runner starts its share of each stage with ``deepspeed --no_ssh``
+(:mod:`.nodes`). Everything this backend cannot run is refused before the first launch: node 0 starting the
+other nodes over ssh, a tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches >
+1 on such a checkout (online mode: such a checkout at all, since the policy may choose either), and the
+config keys :func:`.commands.check_supported` names.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
-from cona.backends.megatron_deepspeed.commands import chain_shape, check_supported
+from cona.backends.megatron_deepspeed.commands import chain_shape, check_supported, online_shape
 from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_layout
 from cona.backends.megatron_deepspeed.stage import MdsBackend
 from cona.backends.megatron_deepspeed.universal import check_reshardable
 from cona.errors import ChainError, ConfigError
 from cona.runner.fixed import FixedRun, one_stage_chain
+from cona.runner.nodes.multinode import NodePlacement
 from cona.runner.schedules.chain import load_chain, planned_iterations
 from cona.runner.schedules.chain_options import ChainRun
+from cona.runner.schedules.online import run_online
+from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import checkpoint_dtype
 from cona.runner.state import RunState
@@ -31,20 +38,48 @@ from cona.strategy import Strategy
 BACKEND_NAME = "megatron-deepspeed"
 
 
-def refuse_online() -> None:
-    raise ConfigError(
-        f"cona train --backend {BACKEND_NAME}: online mode (--gpus without --chain) needs the gradient noise "
-        "scale, which Megatron-DeepSpeed does not report; run online mode with the native backend, or give "
-        "--chain FILE or a fixed strategy"
+def run_mds_online(run: OnlineRun, env: MdsEnvironment, *, out: Callable[[str], None] = print) -> RunState:
+    """``cona train --gpus N --repo-path PATH ...``: the online policy decides the stages, this backend runs
+    them (every switch through a checkpoint: the launcher keeps no workers between stages)."""
+    check_nodes(run.nodes)
+    config = run.config
+    check_supported(config, Strategy(dp=run.world_size, tp=1, pp=1, mbs=1, gbs=run.initial_gbs,
+                                     zero_stage=config.training.zero_stage), run.device_type)  # fmt: skip
+    if qkv_layout(env.repo) == "blocked":
+        raise ChainError(
+            f"--repo-path {env.repo}: online mode may change tp and mbs, which this checkout (commit "
+            "676a482c or later: blocked fused-QKV layout) cannot do; use an older checkout, or a chain"
+        )
+    backend = MdsBackend(
+        env=env,
+        shape=online_shape(config, world_size=run.world_size, max_samples=online_max_samples(run)),
+        device_type=run.device_type,
+        base_env=dict(os.environ),
+        switch_requests=True,
+        out=out,
     )
+    return run_online(run, launcher=backend.launch, publisher=backend.publish, out=out)
 
 
-def train_fixed(run: FixedRun, env: MdsEnvironment, *, node_flags: Sequence[str] = ()) -> RunState:
-    """``cona train --dp .. --iters N --workdir W --repo-path PATH``: a one-stage chain in its run
-    directory (resumed when it exists). ``node_flags``: the multi-node flags given, which this backend
-    refuses."""
-    if node_flags:
-        raise ConfigError(f"{', '.join(node_flags)}: the Megatron-DeepSpeed backend runs on one node for now")
+def online_max_samples(run: OnlineRun) -> int:
+    """A bound on the samples and, times the largest gbs, on the iterations of an online run: its
+    ``--train-samples``, constant over the run (see :func:`.commands.online_shape`). The gbs never falls
+    below ``--initial-gbs``, so a token budget is reached within ``budget samples / initial gbs``
+    iterations."""
+    seq = run.config.model.seq
+    total_tokens = run.total_tokens if run.total_tokens is not None else run.config.training.lr_decay_tokens
+    bounds = [] if run.total_iters is None else [run.total_iters]
+    if total_tokens is not None:
+        bounds.append(math.ceil(math.ceil(total_tokens / seq) / run.initial_gbs))
+    if not bounds:
+        raise ConfigError("online mode: give --total-iters or --total-tokens (or training.lr_decay_tokens)")
+    return min(bounds) * run.max_gbs
+
+
+def train_fixed(run: FixedRun, env: MdsEnvironment) -> RunState:
+    """``cona train --dp .. --iters N --workdir W --repo-path PATH`` on one node: a one-stage chain in its
+    run directory, resumed when it exists (across nodes the CLI writes the one-step chain file, as for the
+    native backend)."""
     check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
     chain = one_stage_chain(run, run.open_run_dir())
     return run_mds_chain(chain, env)
@@ -61,11 +96,7 @@ def run_mds_chain(
 ) -> RunState:
     """Validate the chain for this checkout, then run it. ``repair``/``check_qkv`` off only in the tests that
     show what verification catches without them."""
-    if run.nodes.num_nodes > 1:
-        raise ChainError(
-            f"--num-nodes {run.nodes.num_nodes}: the Megatron-DeepSpeed backend runs on one node for now "
-            "(its launcher commands for several nodes are generated but not verified); use the native backend"
-        )
+    check_nodes(run.nodes)
     dtype = checkpoint_dtype(run.config.training, run.device_type)
     chain = load_chain(
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
@@ -91,6 +122,18 @@ def run_mds_chain(
         out=out,
     )
     return run_chain(run, launcher=backend.launch, publisher=backend.publish, out=out)
+
+
+def check_nodes(nodes: NodePlacement) -> None:
+    """Across nodes every node's runner must be started with this backend's flags: by hand (``--no-ssh
+    --node-rank R``) or by Slurm. Node 0's ssh start would start them without (it passes the mode's flags
+    only), so it is refused."""
+    if nodes.num_nodes > 1 and nodes.ssh:
+        raise ChainError(
+            f"--num-nodes {nodes.num_nodes}: with the Megatron-DeepSpeed backend start every node's runner "
+            "yourself (--no-ssh --node-rank R, the same --repo-path/--mds-python on each) or under Slurm; "
+            "node 0 does not start them over ssh for this backend yet"
+        )
 
 
 def check_checkout(env: MdsEnvironment, strategies: Sequence[Strategy], *, where: str) -> None:

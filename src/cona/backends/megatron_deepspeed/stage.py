@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from cona.backends.megatron_deepspeed import nodes
 from cona.backends.megatron_deepspeed.commands import (
     ChainShape,
     CheckpointLoad,
-    LaunchPlacement,
     StageArgs,
     check_supported,
     ds_config,
@@ -33,8 +33,9 @@ from cona.backends.megatron_deepspeed.commands import (
     precision_of,
     pretrain_args,
 )
-from cona.backends.megatron_deepspeed.environment import MdsEnvironment
+from cona.backends.megatron_deepspeed.environment import ENTRY_SCRIPT, MdsEnvironment
 from cona.backends.megatron_deepspeed.log_parse import MetricsRecorder
+from cona.backends.megatron_deepspeed.nodes import LastRankView
 from cona.backends.megatron_deepspeed.universal import publish
 from cona.backends.megatron_deepspeed.verify import (
     SavedProbe,
@@ -51,8 +52,8 @@ from cona.engine.metrics import ConsoleSink, JsonlSink, MetricsLogger, MetricsSi
 from cona.engine.optim import lr_schedule
 from cona.engine.spec import StageResult, StageSpec
 from cona.engine.switch_check import Verdict, write_verdict
+from cona.engine.trainer import gns_steps_per_line
 from cona.errors import LaunchError
-from cona.runner.launch import ANY_FREE_PORT, check_port_free, pick_free_port
 from cona.runner.stage_run import StageLaunch, checkpoint_dtype
 from cona.strategy import Strategy
 
@@ -78,7 +79,8 @@ _ERROR_LINE = re.compile(r"(Error|Exception|error:)")
 class LaunchOutput:
     returncode: int
     timings: dict[str, float]
-    recorder: MetricsRecorder
+    view: LastRankView
+    """What the last rank printed (on another node: that node's launcher shared it)."""
     log: Path
     seconds: float
 
@@ -94,6 +96,8 @@ class MdsBackend:
     repair: bool = True
     """Repair defect A after each conversion (off only in the tests that show the defect)."""
     verify: bool = True
+    switch_requests: bool = False
+    """Online mode: a stage stops early, saving, when the search writes its switch request."""
     out: Callable[[str], None] = print
 
     def publish(self, global_step_dir: Path) -> Path:
@@ -113,15 +117,18 @@ class MdsBackend:
         check_supported(spec.config, strategy, self.device_type)
         load = CheckpointLoad.from_path(spec.load_path) if spec.load_path is not None else None
         verdict = self._verify(launch, load) if load is not None and load.universal and self.verify else None
+        writes = launch.topology.node_rank == 0  # the stage directory is shared across nodes
         if verdict is not None:
-            write_verdict(spec.stage_dir, verdict)
+            if writes:
+                write_verdict(spec.stage_dir, verdict)
             if not verdict.passed:
                 raise LaunchError(verdict_line(verdict))
         output = self._run(
             launch, strategy, self._stage_args(spec, strategy, load), MEGATRON_LOG, metrics=True
         )
         self._check_exit(output, spec)
-        self._write_result(launch, strategy, output, verdict)
+        if writes:
+            self._write_result(launch, strategy, output, verdict)
 
     def _stage_args(
         self, spec: StageSpec, strategy: Strategy, load: CheckpointLoad | None, *, probe: bool = False
@@ -129,7 +136,7 @@ class MdsBackend:
         dtype = checkpoint_dtype(spec.config.training, self.device_type)
         return StageArgs(
             ds_config_path=spec.stage_dir / ("verify_ds_config.json" if probe else "ds_config.json"),
-            stop_tokens=None if probe else self.shape.stop_tokens[spec.stage - 1],
+            stop_tokens=None if probe else self.shape.stage_stop_tokens(spec.stage, spec.max_tokens),
             save_dir=None if probe else layout_dir(spec.workdir, spec.config, strategy, dtype),
             load=load,
             schedule=lr_schedule(
@@ -148,28 +155,22 @@ class MdsBackend:
     def _run(
         self, launch: StageLaunch, strategy: Strategy, args: StageArgs, log_name: str, *, metrics: bool
     ) -> LaunchOutput:
-        spec = launch.spec
+        spec, topology = launch.spec, launch.topology
         spec.stage_dir.mkdir(parents=True, exist_ok=True)
+        args = replace(args, ds_config_path=args.ds_config_path.with_name(
+            nodes.node_file(args.ds_config_path.name, topology)))  # fmt: skip
         args.ds_config_path.write_text(
             json.dumps(ds_config(strategy, spec.config.training, self.device_type), indent=1) + "\n"
         )
-        topology = launch.topology
-        port = topology.master_port
-        if port == ANY_FREE_PORT:
-            port = pick_free_port()  # the deepspeed launcher has no port 0 of its own
-        check_port_free(port)  # else the launch fails only after its minutes of start-up
-        placement = LaunchPlacement(
-            processes_per_node=topology.nproc_per_node,
-            master_port=port,
-            master_addr=topology.master_addr or "127.0.0.1",
-        )
+        log = spec.stage_dir / nodes.node_file(log_name, topology)
         command = launcher_command(
             self.env.deepspeed_launcher,
-            placement,
-            self.env.repo / "pretrain_gpt.py",
+            nodes.placement(spec.stage_dir, topology),
+            ENTRY_SCRIPT,
             pretrain_args(spec.config, strategy, self.shape, args),
         )
-        (spec.stage_dir / f"{Path(log_name).stem}.command.txt").write_text(" ".join(command) + "\n")
+        (log.parent / f"{log.stem}.command.txt").write_text(" ".join(command) + "\n")
+        nodes.forget_view(log, topology)
         logger = self._logger(spec, quiet=launch.quiet or not metrics)
         recorder = MetricsRecorder(
             stage=spec.stage,
@@ -179,19 +180,35 @@ class MdsBackend:
             previous_iteration=_start_iteration(spec),
         )
         try:
-            returncode, timings, seconds = self._stream(command, spec.stage_dir / log_name, recorder)
+            env = self._hook_env(spec, training=not args.skip_train)
+            returncode, timings, seconds = self._stream(command, env, log, recorder)
         finally:
             recorder.flush()
             logger.close()
-        return LaunchOutput(
-            returncode=returncode,
-            timings=timings,
-            recorder=recorder,
-            log=spec.stage_dir / log_name,
-            seconds=seconds,
-        )
+        view = nodes.exchange_view(
+            log, recorder, topology, succeeded=returncode == 0, stage=spec.stage,
+            timeout_s=spec.config.training.distributed_timeout_minutes * 60.0,
+        )  # fmt: skip
+        return LaunchOutput(returncode=returncode, timings=timings, view=view, log=log, seconds=seconds)
 
-    def _stream(self, command: list[str], log: Path, recorder: MetricsRecorder) -> tuple[int, dict, float]:
+    def _hook_env(self, spec: StageSpec, *, training: bool) -> dict[str, str]:
+        """The launch's environment, with what CONA's hooks in the launched processes read
+        (``launched/cona_megatron_hooks.py``): the checkout's script, how many steps before each log line
+        measure the gradient-noise inputs (as the native engine), and, when training, the stop rules."""
+        env = self.env.process_env(self.base_env, device_type=self.device_type)
+        env["CONA_MDS_SCRIPT"] = str(self.env.repo / "pretrain_gpt.py")
+        env["CONA_MDS_GNS_STEPS"] = str(gns_steps_per_line(spec.config.training.log_interval))
+        for key in ("CONA_MDS_STOP_ITERATION", "CONA_MDS_SWITCH_REQUEST"):
+            env.pop(key, None)
+        if training and spec.target_iteration is not None:
+            env["CONA_MDS_STOP_ITERATION"] = str(spec.target_iteration)
+        if training and self.switch_requests:
+            env["CONA_MDS_SWITCH_REQUEST"] = str(spec.switch_request_path)
+        return env
+
+    def _stream(
+        self, command: list[str], env: dict[str, str], log: Path, recorder: MetricsRecorder
+    ) -> tuple[int, dict, float]:
         timings: dict[str, float] = {"launch": time.time()}
         began = time.perf_counter()
         with open(log, "w", buffering=1) as handle:  # line-buffered: the log is readable while it runs
@@ -201,7 +218,7 @@ class MdsBackend:
                 stderr=subprocess.STDOUT,
                 text=True,
                 cwd=self.env.repo,
-                env=self.env.process_env(self.base_env, device_type=self.device_type),
+                env=env,
             )
             assert process.stdout is not None
             try:
@@ -245,7 +262,7 @@ class MdsBackend:
         if output.returncode != 0:
             raise LaunchError(f"stage {spec.stage}: the verification launch failed: {_failure(output)}")
         loaded = probe_record(
-            output.recorder.evaluations,
+            output.view.evaluations,
             config=spec.config,
             shape=self.shape,
             strategy=strategy,
@@ -268,18 +285,14 @@ class MdsBackend:
         save_dir = layout_dir(
             spec.workdir, spec.config, strategy, checkpoint_dtype(spec.config.training, self.device_type)
         )
-        iteration = _saved_iteration(save_dir, spec)
+        stop = output.view.stop
+        reason = stop.reason if stop is not None else "completed"
+        iteration = _saved_iteration(save_dir, spec, early=reason == "switch_requested")
         checkpoint = save_dir / f"global_step{iteration}"
-        tokens = self.shape.stop_tokens[spec.stage - 1]
-        last = output.recorder.last
-        if last is not None and last["iteration"] == iteration and last["consumed_tokens"] != tokens:
-            raise LaunchError(
-                f"stage {spec.stage}: Megatron reports {last['consumed_tokens']} tokens at iteration "
-                f"{iteration}, CONA planned {tokens}; see {output.log}"
-            )
+        tokens = self._consumed_tokens(spec, output, iteration)
         eval_seconds = _span(output.timings, "save_done", "final_eval_done")
         record = probe_record(
-            output.recorder.evaluations,
+            output.view.evaluations,
             config=spec.config,
             shape=self.shape,
             strategy=strategy,
@@ -293,7 +306,7 @@ class MdsBackend:
             )
         StageResult(
             stage=spec.stage,
-            reason="completed",
+            reason=reason,
             last_iteration=iteration,
             consumed_samples=tokens // spec.config.model.seq,
             consumed_tokens=tokens,
@@ -301,6 +314,28 @@ class MdsBackend:
             timings=output.timings,
             switch_check=verdict.to_dict() if verdict is not None else None,
         ).write(spec.result_path)
+
+    def _consumed_tokens(self, spec: StageSpec, output: LaunchOutput, iteration: int) -> int:
+        """The tokens consumed at the saved iteration: a chain's plan (checked against Megatron's count),
+        else Megatron's own count (an online stage stops where the budget or a switch request stops it)."""
+        last, stop = output.view.last, output.view.stop
+        reported = last["consumed_tokens"] if last is not None and last["iteration"] == iteration else None
+        if stop is not None and stop.iteration == iteration:
+            reported = stop.consumed_tokens  # also where no log line fell on the stop
+        if not self.shape.stop_tokens:
+            if reported is None:
+                raise LaunchError(
+                    f"stage {spec.stage}: Megatron-DeepSpeed reported no consumed tokens at its last "
+                    f"iteration {iteration} (no log line and no stop line of CONA's hooks); see {output.log}"
+                )
+            return int(reported)
+        tokens = self.shape.stop_tokens[spec.stage - 1]
+        if reported is not None and reported != tokens:
+            raise LaunchError(
+                f"stage {spec.stage}: Megatron reports {reported} tokens at iteration "
+                f"{iteration}, CONA planned {tokens}; see {output.log}"
+            )
+        return tokens
 
 
 def _discard(record: dict) -> None:
@@ -315,10 +350,9 @@ def _start_iteration(spec: StageSpec) -> int:
     return int(match.group(1)) if match else 0
 
 
-def _saved_iteration(save_dir: Path, spec: StageSpec) -> int:
+def _saved_iteration(save_dir: Path, spec: StageSpec, *, early: bool = False) -> int:
     """The iteration of the checkpoint Megatron saved at the stage's end (its tracker file), checked against
-    the
-    stage's target."""
+    the stage's target (``early``: a switch request stopped it before, which only an online stage does)."""
     tracker = save_dir / "latest_checkpointed_iteration.txt"
     try:
         iteration = int(tracker.read_text().strip())
@@ -326,7 +360,8 @@ def _saved_iteration(save_dir: Path, spec: StageSpec) -> int:
         raise LaunchError(
             f"stage {spec.stage}: Megatron-DeepSpeed saved no checkpoint ({tracker} missing)"
         ) from None
-    if spec.target_iteration is not None and iteration != spec.target_iteration:
+    too_far = spec.target_iteration is not None and iteration > spec.target_iteration
+    if too_far or (spec.target_iteration is not None and iteration != spec.target_iteration and not early):
         raise LaunchError(
             f"stage {spec.stage}: Megatron-DeepSpeed stopped at iteration {iteration}, not at the stage's "
             f"target {spec.target_iteration} (see {spec.stage_dir / MEGATRON_LOG})"

@@ -29,9 +29,11 @@ class FrontierSearch:
         dtype: str,
         botorch: bool | None = None,
         top_k: int = 16,
+        backend: str = "native",
     ) -> None:
+        """``backend``: whose performance profile predicts the strategies (``cona.planner.profiles``)."""
         self.config, self.system, self.n_gpus, self.dtype = config, system, n_gpus, dtype
-        self.botorch, self.top_k = botorch, top_k
+        self.botorch, self.top_k, self.backend = botorch, top_k, backend
         self.options = space_options(config.training)
         self.estimator = ThroughputEstimator(seq=config.model.seq)
         self._cache: dict[int, list[tuple[Strategy, float]]] = {}
@@ -51,7 +53,11 @@ class FrontierSearch:
         self.estimator = self.estimator.with_point(point)
 
     def model_step_s(self, strategy: Strategy) -> float:
-        return float(model_step_seconds(self.config.model, [strategy], self.system, self.dtype)[0])
+        return float(
+            model_step_seconds(self.config.model, [strategy], self.system, self.dtype, backend=self.backend)[
+                0
+            ]
+        )
 
     def predicted_tokens_per_s(self, strategy: Strategy) -> float:
         """The estimator's throughput of one strategy (its measured value when it has one)."""
@@ -80,6 +86,7 @@ class FrontierSearch:
                 dtype=self.dtype,
                 top_k=self.top_k,
                 botorch=self.botorch,
+                backend=self.backend,
             )
         except PlanError:
             return []  # nothing valid or fitting at this gbs: the frontier skips it

@@ -32,8 +32,9 @@ from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
 from cona.planner.policy import Candidate
 from cona.planner.systems import load_system
-from cona.runner.driver import Plan, drive, keeps_workers, start_text
+from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
 from cona.runner.nodes.multinode import cona_command
+from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
 from cona.runner.schedules.chain import content_digest
 from cona.runner.schedules.online_memory import Memory, resumed_memory, tracker_at_resume
@@ -69,8 +70,10 @@ def run_online(
     *,
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
+    publisher: Publisher = publish,
 ) -> RunState:
     """Run (or resume) an online run to its end; writes realized_chain.json and prints the summary.
+    ``launcher`` and ``publisher``: the backend's (the Megatron-DeepSpeed backend passes its own).
 
     Across nodes node 0 searches, decides and announces every stage; the other nodes run their share of
     each (:mod:`cona.runner.nodes.across_nodes`)."""
@@ -88,6 +91,7 @@ def run_online(
         lambda stage_launcher: OnlineSchedule(run, out=out, in_place=keeps_workers(stage_launcher)),
         launcher=launcher,
         out=out,
+        publisher=publisher,
         remote_command=remote_command if run.nodes.num_nodes > 1 else (),
     )
 
@@ -108,6 +112,7 @@ class OnlineSchedule:
             n_gpus=run.world_size,
             dtype=system.resolve_dtype(checkpoint_dtype(training, run.device_type)),
             botorch=run.botorch,
+            backend=run.backend,
         )
         self.budget = Budget(
             total_iters=run.total_iters,

@@ -43,6 +43,8 @@ class OnlineRun:
     the demo and tests: a short run of a tiny model measures a noise scale far below where a switch pays."""
     nodes: NodePlacement = NodePlacement()
     """Where this node stands in a multi-node run (one node by default); node 0 searches and decides."""
+    backend: str = "native"
+    """Who trains the stages (``--backend``): its performance profile predicts the candidates."""
 
     def mode_args(self) -> list[str]:
         """The flags that decide this run's stages, for the runners node 0 starts on the other hosts."""
@@ -67,7 +69,11 @@ class OnlineRun:
         """A digest of what decides the run's stages: a run directory is only continued with the same."""
         keys = ("system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "botorch")
         chosen = {key: getattr(self, key) for key in keys}
-        return content_digest(chosen | {"policy": self.policy_overrides, "floor": self.noise_scale_floor})
+        # another backend is another run; native runs keep the digest they had before backends were chosen
+        backend = {"backend": self.backend} if self.backend != "native" else {}
+        return content_digest(
+            chosen | {"policy": self.policy_overrides, "floor": self.noise_scale_floor} | backend
+        )
 
     @property
     def planned_tokens(self) -> int:
