@@ -7,7 +7,7 @@ Shared by the planner (which ranks strategies), the runner (which chains them) a
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -58,6 +58,23 @@ class Strategy:
         """Whether ``other`` differs from this one in gbs and mbs at most: a switch between them can keep
         the model's sharding and optimizer state in memory (an in-place switch)."""
         return replace(other, gbs=self.gbs, mbs=self.mbs) == self
+
+
+def configured_strategy(training: Any, *, dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Strategy:
+    """These degrees and batch sizes, run as the config's ``training`` section says (ZeRO stage, recompute,
+    sequence parallelism, pipeline schedule and virtual stages): what a flag set or a chain step means."""
+    return Strategy(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        mbs=mbs,
+        gbs=gbs,
+        zero_stage=training.zero_stage,
+        recompute=training.recompute,
+        sequence_parallel=training.sequence_parallel,
+        pipeline_schedule=training.pipeline_schedule,
+        virtual_stages=training.pipeline_virtual_stages,
+    )
 
 
 @dataclass(frozen=True, slots=True)

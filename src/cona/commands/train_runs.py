@@ -27,7 +27,7 @@ from cona.runner.nodes.multinode import NodePlacement, resolve_placement
 from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
 from cona.runner.schedules.chain_options import ChainRun
 from cona.runner.schedules.online_options import OnlineRun
-from cona.strategy import Strategy
+from cona.strategy import Strategy, configured_strategy
 
 PLACEMENT_FLAGS = ("num_nodes", "gpus_per_node", "gpus", "hostfile", "master_addr", "node_rank", "no_ssh")
 
@@ -223,16 +223,6 @@ def fixed_run(flags: Any, config: ConaConfig, strategy: Strategy) -> FixedRun:
 
 def strategy_from_flags(flags: Any, config: ConaConfig) -> Strategy:
     """The flags' degrees and batch sizes; how to run them (zero stage, schedule, ...) from the config."""
-    training = config.training
-    return Strategy(
-        dp=flags.dp,
-        tp=flags.tp,
-        pp=flags.pp,
-        mbs=flags.mbs,
-        gbs=flags.gbs,
-        zero_stage=training.zero_stage,
-        recompute=training.recompute,
-        sequence_parallel=training.sequence_parallel,
-        pipeline_schedule=training.pipeline_schedule,
-        virtual_stages=training.pipeline_virtual_stages,
+    return configured_strategy(
+        config.training, dp=flags.dp, tp=flags.tp, pp=flags.pp, mbs=flags.mbs, gbs=flags.gbs
     )

@@ -36,7 +36,7 @@ from cona.engine.checkpoint import layout_dir
 from cona.engine.parallel_dims import validate_layout as engine_validate_layout
 from cona.errors import ChainError, ConaError
 from cona.runner.chain_start import start_point
-from cona.strategy import Strategy
+from cona.strategy import Strategy, configured_strategy
 
 PRUNE_MODES = ("keep-latest", "delete-all")
 STOP_KEYS = ("train_iters", "extra_iters", "target_iters")
@@ -87,18 +87,8 @@ class ChainStep:
         return absolute
 
     def strategy(self, config: ConaConfig) -> Strategy:
-        training = config.training
-        return Strategy(
-            dp=self.dp,
-            tp=self.tp,
-            pp=self.pp,
-            mbs=self.mbs,
-            gbs=self.gbs,
-            zero_stage=training.zero_stage,
-            recompute=training.recompute,
-            sequence_parallel=training.sequence_parallel,
-            pipeline_schedule=training.pipeline_schedule,
-            virtual_stages=training.pipeline_virtual_stages,
+        return configured_strategy(
+            config.training, dp=self.dp, tp=self.tp, pp=self.pp, mbs=self.mbs, gbs=self.gbs
         )
 
     @property
