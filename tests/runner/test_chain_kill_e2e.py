@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import killed_in_own_process_group
 from kill_in_save_worker import KILL_STAGE_ENV
 from test_chain_e2e import free_port_base
 from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, trained_steps
@@ -36,7 +36,6 @@ STEPS = (
     {"dp": 1, "tp": 1, "pp": 2, "gbs": 16, "mbs": 4, "extra_iters": 1},
 )
 TOTAL_SAMPLES = 3 * 8 + 3 * 16 + 1 * 16
-CHILD_TIMEOUT_S = 480
 
 
 def killing_launcher(launch: StageLaunch) -> None:
@@ -54,30 +53,6 @@ def killing_launcher(launch: StageLaunch) -> None:
     )
 
 
-def run_in_own_process_group(args) -> int:
-    """Run the chain in a forked child that leads its own process group (the worker's kill takes the group
-    down: the child runner, torchrun and the workers, never this test); returns the child's wait status."""
-    pid = os.fork()
-    if pid == 0:
-        status = 3  # the chain finished: the kill never came
-        try:
-            os.setsid()
-            run_chain(train_runs.chain_run(args), launcher=killing_launcher, out=lambda line: None)
-        except BaseException:  # noqa: BLE001 (any failure must end the child, not continue the test in it)
-            status = 4
-        finally:
-            os._exit(status)
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while time.monotonic() < deadline:
-        done, wait_status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return wait_status
-        time.sleep(0.2)
-    os.killpg(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"the chain was not killed within {CHILD_TIMEOUT_S} s")
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeating_samples(
@@ -88,7 +63,9 @@ def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeat
     config = write_config_and_data(tmp_path)
     chain = write_chain(tmp_path / "chain.json", list(STEPS))
     args = chain_args(config, chain, tmp_path, "kill", stages=len(STEPS))
-    wait_status = run_in_own_process_group(args)
+    wait_status = killed_in_own_process_group(
+        lambda: run_chain(train_runs.chain_run(args), launcher=killing_launcher, out=lambda line: None)
+    )
     assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
 
     run_dir = tmp_path / "logs" / "kill"

@@ -9,11 +9,11 @@ import functools
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import killed_in_own_process_group
 from kill_mid_stage_worker import KILL_AT_ENV, KILL_STAGE_ENV, ONCE_SAVED_ENV
 from test_chain_e2e import free_port_base
 from test_train_cli import train_args, write_tiny_setup
@@ -30,7 +30,6 @@ from cona.runner.stage_run import StageLaunch
 from cona.runner.worker_session import WorkerSession, stage_launcher
 
 HERE = Path(__file__).resolve().parent
-CHILD_TIMEOUT_S = 480
 PERIODIC = {"save_interval": 2, "keep_checkpoints": 2}
 
 
@@ -42,30 +41,6 @@ def kill_env(*, stage: int, at: int, once_saved: int) -> dict[str, str]:
         ONCE_SAVED_ENV: str(once_saved),
         "PYTHONPATH": os.pathsep.join(python_path),
     }
-
-
-def killed_in_own_process_group(run) -> int:
-    """Run ``run()`` in a forked child that leads its own process group (the worker's kill takes the group
-    down: the child runner, torchrun and the workers, never this test); returns the child's wait status."""
-    pid = os.fork()
-    if pid == 0:
-        status = 3  # it finished: the kill never came
-        try:
-            os.setsid()
-            run()
-        except BaseException:  # noqa: BLE001 (any failure must end the child, not continue the test in it)
-            status = 4
-        finally:
-            os._exit(status)
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while time.monotonic() < deadline:
-        done, wait_status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return wait_status
-        time.sleep(0.2)
-    os.killpg(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"the run was not killed within {CHILD_TIMEOUT_S} s")
 
 
 def with_training(config: Path, **training) -> Path:
