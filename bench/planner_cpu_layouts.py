@@ -33,7 +33,7 @@ import numpy as np
 
 from cona.config import PATH_KEYS
 from cona.config_file import load_config
-from cona.planner.calibration import Calibration, fit_calibration, measurements_from_metrics
+from cona.planner.calibration import Calibration, describe, fit_calibration, measurements_from_metrics
 from cona.planner.perf_model import predict
 from cona.planner.systems import load_system
 from cona.strategy import Strategy
@@ -224,11 +224,7 @@ def tabulate(results: dict, statistic: str = "median") -> dict:
     for label, numbers in summary.items():
         print(f"{label}: mean |error| {numbers['mean_abs']:.1%}, max {numbers['max_abs']:.1%}")
     fit_names = ", ".join(layout.name for layout in layouts if layout.fit)
-    print(
-        f"factors (fitted on {fit_names}): compute efficiency {calibration.compute_efficiency:.3f}"
-        f", comm efficiency {calibration.comm_efficiency:.3f}, overhead "
-        f"{calibration.overhead_s * 1e3:.1f} ms per micro-batch"
-    )
+    print(f"factors (fitted on {fit_names}): {describe(calibration)}")
     loads = results["load_average"]
     print(
         f"1-minute load average after each run: min {min(loads):.1f}, median {statistics.median(loads):.1f}, "

@@ -24,7 +24,13 @@ import numpy as np
 
 from cona.config import ModelConfig
 from cona.config_file import load_config
-from cona.planner.calibration import Calibration, fit_calibration, fit_factors, measurements_from_metrics
+from cona.planner.calibration import (
+    Calibration,
+    describe,
+    fit_calibration,
+    fit_factors,
+    measurements_from_metrics,
+)
 from cona.planner.perf_model import predict
 from cona.planner.profiles import BackendProfile, native_profile
 from cona.planner.systems import load_system
@@ -138,7 +144,7 @@ def validate_megatron() -> bool:
         predicted = predict(model, strategy, system, dtype="fp16", calibration=calibration, backend=MEGATRON)
         loo.append(abs(predicted.iteration_time_s[0] / measured - 1))
     print(
-        f"for comparison, leave-one-out calibration (3 factors fitted on the other 7 rows): mean |error| "
+        f"for comparison, leave-one-out calibration (the factors fitted on the other 7 rows): mean |error| "
         f"{np.mean(loo):.2%}, max {np.max(loo):.2%}\n"
     )
     return met
@@ -188,19 +194,27 @@ def _native(case) -> BackendProfile:
     return native_profile(cuda_graphs=case[4])
 
 
+def _leave_one_strategy_out(cases, system) -> list[dict]:
+    """Each case predicted with factors fitted on the cases of other (model, strategy) pairs."""
+    rows = []
+    for _, model, strategy, _, graphs in cases:
+        others = [case for case in cases if (case[1], case[2]) != (model, strategy)]
+        calibration = fit_factors(_predictor(others, system, "bf16", _native), [c[3] for c in others])
+        profile = native_profile(cuda_graphs=graphs)
+        rows.append(predict(model, strategy, system, calibration=calibration, backend=profile).row(0))
+    return rows
+
+
 def validate_h200() -> bool:
     system = load_system("h200_141g")
     cases = h200_cases()
     print("## (b) CONA's engine on one H200 (docs/benchmarks.md): profile native, system h200_141g\n")
-    print("One set of factors is fitted for all rows (the communication factor stays at 1: one GPU has no")
-    print("communication); leave-one-out fits on the other 11 rows and predicts the 12th.\n")
+    print("Leave-one-out: the factors (matrix, memory, host; the communication factor stays at 1 on one GPU)")
+    print("are fitted on the rows of the other strategies and predict the held-out one. The row of the same")
+    print("model and mbs with CUDA graphs the other way is held out with it: its device work is the same, so")
+    print("fitting on it would leak the held-out row's device time.\n")
     before = [predict(m, s, system, backend=_native(c)).row(0) for c in cases for _, m, s, _, _ in [c]]
-    loo = []
-    for held_out, (_, model, strategy, _, graphs) in enumerate(cases):
-        others = [case for index, case in enumerate(cases) if index != held_out]
-        calibration = fit_factors(_predictor(others, system, "bf16", _native), [c[3] for c in others])
-        profile = native_profile(cuda_graphs=graphs)
-        loo.append(predict(model, strategy, system, calibration=calibration, backend=profile).row(0))
+    loo = _leave_one_strategy_out(cases, system)
     print("| case | measured ms | before | error | host-bound part | leave-one-out | error |")
     print("|---|---|---|---|---|---|---|")
     errors = {"before": [], "loo": []}
@@ -222,10 +236,7 @@ def validate_h200() -> bool:
         f"{np.max(errors['loo']):.2%} (target mean <= {NATIVE_TARGET[1]:.0%}): {'met' if met else 'NOT met'}"
     )
     fitted = fit_factors(_predictor(cases, system, "bf16", _native), [c[3] for c in cases])
-    print(
-        f"factors fitted on all 12 rows: compute efficiency {fitted.compute_efficiency:.3f}, overhead "
-        f"{fitted.overhead_s * 1e3:.2f} ms per micro-batch\n"
-    )
+    print(f"factors fitted on all 12 rows: {describe(fitted)}\n")
     return met
 
 
@@ -238,8 +249,7 @@ def validate_metrics(metrics: str, config_path: str, system_name: str) -> None:
     print(f"## (c) {metrics} on {system_name}: {len(measured)} strategies\n")
     print(
         f"before {calibration.error_before:.2%}, after (in-sample) {calibration.error_after:.2%}; factors "
-        f"compute {calibration.compute_efficiency:.3f}, comm {calibration.comm_efficiency:.3f}, "
-        f"overhead {calibration.overhead_s * 1e3:.2f} ms per micro-batch"
+        f"{describe(calibration)}"
     )
     if len(measured) > 2:
         loo = []
