@@ -7,9 +7,7 @@ import pytest
 
 from cona.config import ModelConfig
 from cona.errors import PlanError
-from cona.planner.calibration_factors import Calibration
 from cona.planner.perf_model import predict
-from cona.planner.step_shape import StepShape
 from cona.planner.systems import load_system
 from cona.planner.throughput import (
     Point,
@@ -21,7 +19,7 @@ from cona.planner.throughput import (
     model_step_parts,
     model_step_seconds,
 )
-from cona.strategy import Strategy, StrategyArray
+from cona.strategy import Strategy
 
 SEQ = 512
 MODEL = ModelConfig(name="gpt-125m", layers=12, hidden=768, heads=12, seq=SEQ, vocab_size=50257)
@@ -113,21 +111,6 @@ def test_no_point_gives_the_raw_model_and_one_point_a_single_factor():
 def model_of(*values: float) -> StepParts:
     """A model step of given seconds (as matrix arithmetic: these tests are about measured values)."""
     return StepParts.of(matrix_s=list(values))
-
-
-def test_model_parts_add_up_to_the_models_device_time_and_host_dispatch():
-    strategies = [one_gpu(8, 8), one_gpu(16, 8), Strategy(dp=2, tp=2, pp=2, mbs=2, gbs=16)]
-    parts = model_step_parts(MODEL, strategies, SYSTEM)
-    prediction = predict(MODEL, StrategyArray.from_strategies(strategies), SYSTEM)
-    assert np.allclose(parts.raw_step_s, prediction.iteration_time_s)
-    assert np.all(parts.matrix_s > 0) and np.all(parts.memory_s > 0)
-    assert parts.comm_s[0] == 0 and parts.comm_s[2] > 0
-    assert np.allclose(parts.micro_batches, [1.0, 2.0, 2.0])
-    # Each part is what its calibration factor divides inside the model.
-    calibration = Calibration(matrix_efficiency=0.8, memory_efficiency=1.3, comm_efficiency=0.5)
-    shape = StepShape(form="overlap", matrix_efficiency=0.8, memory_efficiency=1.3, comm_efficiency=0.5)
-    calibrated = predict(MODEL, StrategyArray.from_strategies(strategies), SYSTEM, calibration=calibration)
-    assert np.allclose(shape.step_s(parts), calibrated.iteration_time_s, rtol=1e-3)
 
 
 def test_a_measured_strategy_is_estimated_at_what_it_measured_whatever_the_model_says():

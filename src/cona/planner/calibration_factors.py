@@ -1,5 +1,5 @@
-"""The performance model's correction factors, apart from their fit (:mod:`cona.planner.calibration`) so
-that the model, which applies them, does not import the fit, which runs the model."""
+"""The performance model's correction factors, as :func:`cona.planner.perf_model.predict` applies them
+inside its kernels; apart from the model so that the model does not import what corrects it."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
-    """Correction factors for :func:`cona.planner.perf_model.predict` and how well they fit.
+    """Correction factors for :func:`cona.planner.perf_model.predict`.
 
-    Each factor divides one kind of term, because each kind misses by its own ratio: the matrix products'
-    arithmetic (the system's matrix efficiency curve), the memory traffic (its memory efficiency curve:
-    elementwise kernels, the matmuls' operand traffic, the optimizer), the communication, and the host's
-    kernel dispatch (the backend profile's), which the step takes the larger of with the device's work.
-    One factor for the whole device would fit a single ratio where the ratio changes with the model's size:
-    the share of memory traffic in a step falls as the model grows (docs/perf-model.md, "Calibration").
+    Each factor divides one kind of term, because each kind's prior misses by its own ratio: the matrix
+    products' arithmetic (the system's matrix efficiency curve), the memory traffic (its memory efficiency
+    curve: elementwise kernels, the matmuls' operand traffic, the optimizer), the communication, and the
+    host's kernel dispatch (the backend profile's), of which and the device's work the step takes the
+    larger. The fit on measured steps (:mod:`cona.planner.step_shape`) scales the same terms
+    (:mod:`cona.planner.step_parts` splits the step with these factors).
     """
 
     matrix_efficiency: float = 1.0
@@ -27,7 +27,3 @@ class Calibration:
     """Divides the host dispatch time (systems with asynchronous dispatch only)."""
     overhead_s: float = 0.0
     """Seconds per micro-batch, added after the ``max(host, device)``."""
-    error_before: float = float("nan")
-    """Mean absolute relative error of the uncorrected model on the measurements."""
-    error_after: float = float("nan")
-    measurements: int = 0
