@@ -78,7 +78,7 @@ MUTATIONS = (
         why="the online search takes the raw model's throughput for a candidate (its correction dropped)",
         path="src/cona/planner/throughput.py",
         old="return strategy.gbs * self.seq / float(step[0])",
-        new="return strategy.gbs * self.seq / model_step_s",
+        new="return strategy.gbs * self.seq / float(model.raw_step_s[0])",
         tests=THROUGHPUT_TESTS,
     ),
     Mutation(
@@ -86,7 +86,7 @@ MUTATIONS = (
         why="the online search applies the throughput correction inverted",
         path="src/cona/planner/throughput.py",
         old="return strategy.gbs * self.seq / float(step[0])",
-        new="return strategy.gbs * self.seq / (model_step_s**2 / float(step[0]))",
+        new="return strategy.gbs * self.seq / float(model.raw_step_s[0] ** 2 / step[0])",
         tests=THROUGHPUT_TESTS,
     ),
     Mutation(

@@ -33,8 +33,9 @@ import numpy as np
 
 from cona.config import PATH_KEYS
 from cona.config_file import load_config
-from cona.planner.calibration import Calibration, fit_calibration, measurements_from_metrics
-from cona.planner.perf_model import predict
+from cona.planner.calibration import measurements_from_metrics
+from cona.planner.step_parts import model_step_parts
+from cona.planner.step_shape import StepShape, fit_shape
 from cona.planner.systems import load_system
 from cona.strategy import Strategy
 
@@ -189,20 +190,22 @@ def tabulate(results: dict, statistic: str = "median") -> dict:
     layouts = [Layout(**row) for row in results["layouts"] if results["step_s"][row["name"]]]
     measured = {layout.name: pick(results["step_s"][layout.name]) for layout in layouts}
     strategies = {layout.name: strategy_of(layout, training) for layout in layouts}
-    fitted_on = [(strategies[layout.name], measured[layout.name]) for layout in layouts if layout.fit]
-    calibration = fit_calibration(model, fitted_on, system, training.dtype)
+    parts = model_step_parts(model, [strategies[layout.name] for layout in layouts], system, training.dtype)
+    fitted_on = [row for row, layout in enumerate(layouts) if layout.fit]
+    # The runtime's calibration (what cona plan and the online search fit on measured steps).
+    calibration = fit_shape(parts.take(fitted_on), [measured[layouts[row].name] for row in fitted_on])
     tokens = {layout.name: layout.gbs * model.seq for layout in layouts}
     cores = results["cores"]
     print("| layout | ranks | role | measured tokens/s (runs) | predicted before | error | after | error |")
     print("|---|---:|---|---|---:|---:|---:|---:|")
     errors: dict[str, dict[str, list[float]]] = {"fit": {}, "held-out": {}}
-    for layout in layouts:
+    for row, layout in enumerate(layouts):
         role = "fit" if layout.fit else "held-out"
         runs = ", ".join(f"{tokens[layout.name] / s:.0f}" for s in results["step_s"][layout.name])
         measured_tps = tokens[layout.name] / measured[layout.name]
         cells = []
-        for key, fitted in (("before", None), ("after", calibration)):
-            seconds = _predicted_step(model, strategies[layout.name], system, training.dtype, fitted)
+        for key, fitted in (("before", StepShape()), ("after", calibration)):
+            seconds = float(fitted.step_s(parts.take(row))[0])
             predicted_tps = tokens[layout.name] / seconds
             error = predicted_tps / measured_tps - 1
             errors[role].setdefault(key, []).append(error)
@@ -224,21 +227,13 @@ def tabulate(results: dict, statistic: str = "median") -> dict:
     for label, numbers in summary.items():
         print(f"{label}: mean |error| {numbers['mean_abs']:.1%}, max {numbers['max_abs']:.1%}")
     fit_names = ", ".join(layout.name for layout in layouts if layout.fit)
-    print(
-        f"factors (fitted on {fit_names}): compute efficiency {calibration.compute_efficiency:.3f}"
-        f", comm efficiency {calibration.comm_efficiency:.3f}, overhead "
-        f"{calibration.overhead_s * 1e3:.1f} ms per micro-batch"
-    )
+    print(f"fitted on {fit_names}: {calibration.describe()}")
     loads = results["load_average"]
     print(
         f"1-minute load average after each run: min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
         f"max {max(loads):.1f}; {cores} cores"
     )
     return summary
-
-
-def _predicted_step(model, strategy: Strategy, system, dtype: str, calibration: Calibration | None) -> float:
-    return float(predict(model, strategy, system, dtype=dtype, calibration=calibration).iteration_time_s[0])
 
 
 def pooled(measurements: list[dict]) -> dict:

@@ -181,11 +181,7 @@ def _estimator(
     estimator = estimator_from_step_times(
         list(trace.timed), config.model, system, seq=config.model.seq, dtype=dtype, backend=backend
     )
-    shape = estimator.shape
-    fit = (
-        f"{shape.form}: efficiency {shape.efficiency:.3g}, host {shape.host_step_s * 1e3:.3g} ms per step + "
-        f"{shape.host_micro_batch_s * 1e3:.3g} ms per micro-batch; mean error {shape.error:.1%}"
-    )
+    fit = estimator.shape.describe()
     return estimator, (
         f"{len(trace.timed)} {'strategy' if len(trace.timed) == 1 else 'strategies'} at the measured "
         "throughput, the others predicted by the model "

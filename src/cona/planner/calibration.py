@@ -1,114 +1,23 @@
-"""Correct the performance model with measured step times: three factors fitted by least squares.
-
-``compute_efficiency`` divides every on-GPU time (matmuls, elementwise, optimizer, so also the bubble),
-``comm_efficiency`` divides every communication time, and ``overhead_s`` is a fixed cost per micro-batch
-(kernel launches, Python, data loading) that the model does not see. They are fitted on the log of
-predicted/measured step time, so a 10% miss counts the same on a fast and a slow strategy, with a weak pull
-towards "no correction" so that few or uninformative measurements (no communication at all, say) leave the
-unidentifiable factors at 1 instead of anywhere.
+"""Measured step times of a run for the calibration: the median step of each strategy in a
+``metrics.jsonl``. The fit itself is :func:`cona.planner.step_shape.fit_shape` (the one that ``cona plan``
+and the online search use), on the model's terms from :func:`cona.planner.step_parts.model_step_parts`.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from scipy.optimize import least_squares
-
-from cona.config import ModelConfig, TrainingConfig
+from cona.config import TrainingConfig
 from cona.errors import PlanError
 from cona.jsonl import read_lines
 from cona.metrics_record import MetricsRecord
-from cona.planner.calibration_factors import Calibration
-from cona.planner.flops import ModelShape
-from cona.planner.perf_model import predict
-from cona.planner.systems import System
-from cona.strategy import Strategy, StrategyArray
+from cona.strategy import Strategy
 
-PRIOR_WEIGHTS = (0.05, 0.05, 1.0)
-"""Pull of log(compute factor), log(comm factor) and overhead/median-step towards 0, against a log error of 1
-per measurement: a 5% miss weighs as much as a factor e off in compute or communication, or an overhead of 5%
-of the median step. With too few measurements to tell them apart, a miss is blamed on the compute factor
-(the priors are optimistic rates) rather than on an overhead."""
-FACTOR_BOUNDS = (0.02, 50.0)
 STRATEGY_KEYS = ("dp", "tp", "pp", "mbs", "gbs")
 OPTIONAL_KEYS = ("zero_stage", "recompute", "sequence_parallel", "pipeline_schedule", "virtual_stages")
-
-
-def relative_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
-    """``predicted / measured - 1`` per measurement."""
-    return np.asarray(predicted, dtype=float) / np.asarray(measured, dtype=float) - 1.0
-
-
-def fit_calibration(
-    model: ModelConfig | ModelShape,
-    measured: list[tuple[Strategy, float]],
-    system: System,
-    dtype: str = "bf16",
-    *,
-    flash_attention: bool | None = None,
-    backend: str = "native",
-) -> Calibration:
-    """Fit the three factors to ``(strategy, measured step seconds)`` pairs of one model, as ``backend``
-    runs it."""
-    if not measured:
-        raise PlanError("calibration needs at least one measured strategy")
-    strategies = StrategyArray.from_strategies([strategy for strategy, _ in measured])
-
-    def predicted(calibration: Calibration) -> np.ndarray:
-        return predict(
-            model,
-            strategies,
-            system,
-            dtype=dtype,
-            calibration=calibration,
-            flash_attention=flash_attention,
-            backend=backend,
-        ).iteration_time_s
-
-    return fit_factors(predicted, [seconds for _, seconds in measured])
-
-
-def fit_factors(predicted: Callable[[Calibration], np.ndarray], measured_s: Sequence[float]) -> Calibration:
-    """Fit the factors for any predictor of the measured rows (e.g. rows of several models)."""
-    times = np.asarray(measured_s, dtype=float)
-    if times.size == 0:
-        raise PlanError("calibration needs at least one measured strategy")
-    if not np.all(times > 0):
-        raise PlanError("calibration: measured step times must be positive")
-    scale = float(np.median(times))
-
-    def calibration_of(params: np.ndarray) -> Calibration:
-        # Log factors keep efficiencies positive; the overhead is in units of the median step.
-        return Calibration(
-            compute_efficiency=float(np.exp(params[0])),
-            comm_efficiency=float(np.exp(params[1])),
-            overhead_s=float(params[2]) * scale,
-        )
-
-    def residuals(params: np.ndarray) -> np.ndarray:
-        misses = np.log(predicted(calibration_of(params)) / times)
-        return np.concatenate([misses, np.multiply(PRIOR_WEIGHTS, params)])
-
-    low, high = np.log(FACTOR_BOUNDS)
-    # The overhead starts just inside its bound: least_squares does not move a variable that starts on one.
-    fit = least_squares(
-        residuals, x0=np.array([0.0, 0.0, 1e-3]), bounds=([low, low, 0.0], [high, high, 1.0]), diff_step=1e-4
-    )
-    fitted = calibration_of(fit.x)
-    before = predicted(Calibration())
-    after = predicted(fitted)
-    return Calibration(
-        compute_efficiency=fitted.compute_efficiency,
-        comm_efficiency=fitted.comm_efficiency,
-        overhead_s=fitted.overhead_s,
-        measurements=int(times.size),
-        error_before=float(np.mean(np.abs(relative_errors(before, times)))),
-        error_after=float(np.mean(np.abs(relative_errors(after, times)))),
-    )
 
 
 def measurements_from_metrics(

@@ -58,6 +58,8 @@ class Prediction:
     """Calibrated fixed cost per micro-batch times the micro-batches (zero without calibration)."""
     host_bound_s: np.ndarray
     """Host dispatch beyond the device's work: ``max(0, host - device)`` (the step is the larger)."""
+    host_dispatch_s: np.ndarray
+    """The host's dispatch time of a step (zero on a system without asynchronous dispatch)."""
     weights_gib: np.ndarray
     grads_gib: np.ndarray
     optimizer_gib: np.ndarray
@@ -250,7 +252,8 @@ class _Step(StepTerms):
         dp_exposed = np.where(self.dp > 1, self.dp_comm_exposed(window_fw, window_bw), 0.0)
         optimizer = self.optimizer_time()
         device = compute + tp_comm + bubble + p2p + dp_exposed + optimizer
-        host_bound = np.maximum(self.host_time() - device, 0.0)
+        host = self.host_time()
+        host_bound = np.maximum(host - device, 0.0)
         total = device + host_bound + overhead
         memory = self.memory_gib()
         memory_total = sum(memory.values())
@@ -265,6 +268,7 @@ class _Step(StepTerms):
             optimizer_s=optimizer,
             overhead_s=np.broadcast_to(overhead, total.shape),
             host_bound_s=host_bound,
+            host_dispatch_s=host,
             memory_gib=memory_total,
             oom=oom,
             tokens_per_s=self.gbs_tokens / total,

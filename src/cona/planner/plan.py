@@ -40,7 +40,7 @@ from cona.planner.policy import (
 from cona.planner.search_choice import search_strategies
 from cona.planner.space import SpaceOptions
 from cona.planner.systems import System
-from cona.planner.throughput import ThroughputEstimator
+from cona.planner.throughput import ThroughputEstimator, model_step_parts
 from cona.planner.trace import Trace
 from cona.planner.trace_progress import noise_profile, progress_at_tokens
 from cona.strategy import Strategy
@@ -162,7 +162,8 @@ def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Cand
             strategy=result.best, predicted_tokens_per_s=float(result.prediction.tokens_per_s[0])
         )
     strategies = [result.candidates[row] for row in range(len(result.candidates))]
-    best = search.estimator.ranked(strategies, result.prediction.iteration_time_s.tolist())[0]
+    models = model_step_parts(config.model, strategies, search.system, search.dtype, backend=search.backend)
+    best = search.estimator.ranked(strategies, models)[0]
     return Candidate(
         strategy=best.strategy, predicted_tokens_per_s=best.tokens_per_s, throughput_source=best.source
     )

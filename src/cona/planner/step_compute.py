@@ -51,8 +51,10 @@ class StepTerms:
         self.matrix_peak = system.gpu.matrix_tflops[dtype] * 1e12
         self.vector_peak = system.gpu.vector_tflops[dtype] * 1e12
         corrected = calibration is not None
-        self.compute_scale = 1.0 / calibration.compute_efficiency if corrected else 1.0
+        self.matrix_scale = 1.0 / calibration.matrix_efficiency if corrected else 1.0
+        self.memory_scale = 1.0 / calibration.memory_efficiency if corrected else 1.0
         self.comm_scale = 1.0 / calibration.comm_efficiency if corrected else 1.0
+        self.host_scale = 1.0 / calibration.host_efficiency if corrected else 1.0
         self.overhead_per_microbatch = calibration.overhead_s if corrected else 0.0
         f = lambda a: np.asarray(a, dtype=float)  # noqa: E731
         self.dp, self.tp, self.pp, self.mbs = f(s.dp), f(s.tp), f(s.pp), f(s.mbs)
@@ -72,14 +74,14 @@ class StepTerms:
         total = flops_per_token * self.tokens
         efficiency = self.system.gpu.matrix_efficiency(total / 1e9)
         math = total / (self.matrix_peak * efficiency)
-        return self.compute_scale * math + self.memory_time(np.asarray(nbytes, dtype=float))
+        return self.matrix_scale * math + self.memory_time(np.asarray(nbytes, dtype=float))
 
     def memory_time(self, nbytes: np.ndarray, flops: np.ndarray | float = 0, kernels: int = 1) -> np.ndarray:
         """Memory-bound kernels: bytes at the bandwidth, or their arithmetic at the vector rate if slower."""
         gpu = self.system.gpu
         efficiency = gpu.memory_efficiency(np.maximum(nbytes, 1.0) / kernels / 1e6)
         seconds = np.maximum(nbytes / (gpu.memory_gbps * 1e9), flops / self.vector_peak)
-        return self.compute_scale * seconds / efficiency
+        return self.memory_scale * seconds / efficiency
 
     def gemm_times(self, gemm: Gemm) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Forward, input-gradient and weight-gradient seconds of one weight matmul (each ``2 M k n``)."""
@@ -178,9 +180,9 @@ class StepTerms:
             whole = np.zeros_like(self.tp, dtype=bool)
         pick = lambda key: np.where(whole, getattr(graphs or plain, key), getattr(plain, key))  # noqa: E731
         micro_batch = self.layers * pick("block_s") + pick("micro_batch_s")
-        # The calibrated compute factor scales the host's work too: it measures the whole software stack
-        # against the priors, and a host-bound measurement must be able to move it.
-        return self.compute_scale * (self.m * micro_batch + self.layers * pick("step_block_s"))
+        # The host has its own calibrated factor: the device's factors say nothing about the Python and
+        # launch work, and a host-bound measurement must be able to move the host alone.
+        return self.host_scale * (self.m * micro_batch + self.layers * pick("step_block_s"))
 
     # ---- tensor parallel -----------------------------------------------------------------------------------
     def tp_collective_times(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ from cona.planner.plan import space_options
 from cona.planner.policy import Candidate
 from cona.planner.search_choice import search_strategies
 from cona.planner.systems import System
-from cona.planner.throughput import Point, ThroughputEstimator, model_step_seconds
+from cona.planner.throughput import Point, StepParts, ThroughputEstimator, model_step_parts
 from cona.strategy import Strategy
 
 
@@ -36,7 +36,7 @@ class FrontierSearch:
         self.botorch, self.top_k, self.backend = botorch, top_k, backend
         self.options = space_options(config.training)
         self.estimator = ThroughputEstimator(seq=config.model.seq)
-        self._cache: dict[int, list[tuple[Strategy, float]]] = {}
+        self._cache: dict[int, tuple[list[Strategy], StepParts | None]] = {}
 
     def add_measurement(
         self, strategy: Strategy, tokens_per_s: float, *, intervals: int = 1, source: str = ""
@@ -46,36 +46,40 @@ class FrontierSearch:
         point = Point(
             strategy=strategy,
             tokens_per_s=tokens_per_s,
-            model_step_s=self.model_step_s(strategy),
+            model=self.model_step(strategy),
             intervals=intervals,
             source=source,
         )
         self.estimator = self.estimator.with_point(point)
 
+    def model_steps(self, strategies: list[Strategy]) -> StepParts:
+        """The raw model's steps of ``strategies`` in the parts the estimator corrects."""
+        return model_step_parts(self.config.model, strategies, self.system, self.dtype, backend=self.backend)
+
+    def model_step(self, strategy: Strategy) -> StepParts:
+        return self.model_steps([strategy])
+
     def model_step_s(self, strategy: Strategy) -> float:
-        return float(
-            model_step_seconds(self.config.model, [strategy], self.system, self.dtype, backend=self.backend)[
-                0
-            ]
-        )
+        """The raw model's device seconds of one strategy."""
+        return float(self.model_step(strategy).device_s[0])
 
     def predicted_tokens_per_s(self, strategy: Strategy) -> float:
         """The estimator's throughput of one strategy (its measured value when it has one)."""
-        return self.estimator.estimate(strategy, self.model_step_s(strategy)).tokens_per_s
+        return self.estimator.estimate(strategy, self.model_step(strategy)).tokens_per_s
 
     def __call__(self, gbs: int) -> Candidate | None:
         if gbs not in self._cache:
             self._cache[gbs] = self._search(gbs)
-        ranked = self._cache[gbs]
-        if not ranked:
+        strategies, models = self._cache[gbs]
+        if models is None:
             return None
-        best = self.estimator.ranked([s for s, _ in ranked], [t for _, t in ranked])[0]
+        best = self.estimator.ranked(strategies, models)[0]
         return Candidate(
             strategy=best.strategy, predicted_tokens_per_s=best.tokens_per_s, throughput_source=best.source
         )
 
-    def _search(self, gbs: int) -> list[tuple[Strategy, float]]:
-        """The model's ``top_k`` strategies of ``gbs`` with their raw model step seconds."""
+    def _search(self, gbs: int) -> tuple[list[Strategy], StepParts | None]:
+        """The model's ``top_k`` strategies of ``gbs`` with their raw model steps in parts (None: none)."""
         try:
             result = search_strategies(
                 self.config.model,
@@ -89,9 +93,7 @@ class FrontierSearch:
                 backend=self.backend,
             )
         except PlanError:
-            return []  # nothing valid or fitting at this gbs: the frontier skips it
+            return [], None  # nothing valid or fitting at this gbs: the frontier skips it
         # Every candidate of the space is one the engine trains (the space applies cona.layout_rules).
-        return [
-            (result.candidates[row], float(result.prediction.iteration_time_s[row]))
-            for row in range(len(result.candidates))
-        ]
+        strategies = [result.candidates[row] for row in range(len(result.candidates))]
+        return (strategies, self.model_steps(strategies)) if strategies else ([], None)

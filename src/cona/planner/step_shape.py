@@ -1,0 +1,167 @@
+"""How measured step times relate to the raw model's: the calibration the decisions use (pure).
+
+The model's step is ``max(host, matrix + memory + comm)`` (:class:`~cona.planner.step_parts.StepParts`).
+A measured run corrects it in *shape*, each term by its own factor, because each prior misses by its own
+ratio and the terms' shares change with the strategy and the model's size (one factor for the whole device
+fits one size and misses the others: on the H200 the matrix rate is optimistic and the traffic time
+pessimistic, so the error grew with the model, issue 19). Besides the profile's host dispatch the run may
+show host time the profile does not have (a host-bound GPU dispatching eagerly, issue 16; a CPU computing
+what it dispatches), fitted as ``host_step_s + host_micro_batch_s * m`` with ``m`` the micro-batches per
+pipeline stage. Two forms:
+
+* ``overlap``: ``max(host / host_efficiency + host_step_s + host_micro_batch_s * m, device)``: an
+  asynchronous device, the host dispatching ahead of it (CUDA);
+* ``serial``: ``max(host / host_efficiency, device + host_step_s + host_micro_batch_s * m)``: the extra host
+  work and the device one after the other (a CPU doing both, or a step that synchronises),
+
+with ``device = matrix / matrix_efficiency + memory / memory_efficiency + comm / comm_efficiency``. The one
+whose fit misses least wins. Both are fitted on log step times with a weak pull of every parameter towards
+"the model is right" (factors 1, no extra host time), so a term the points cannot identify (communication
+on one GPU, the host on device-bound steps) stays at its neutral value instead of anywhere. One measured
+point cannot tell a host floor from a slow device: it gives a single factor on the whole step (``scale``);
+no point gives the raw model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from cona.errors import PlanError
+from cona.planner.step_parts import StepParts
+
+Form = Literal["model", "scale", "overlap", "serial"]
+PRIOR_WEIGHTS = (0.01, 0.1, 0.1, 0.01, 0.03, 0.01)
+"""Pull towards 0, against a log error of 1 per measured strategy, of: the log of the device's overall
+factor; the log of the ratios that set the matrix factor above and the memory factor below it (their
+geometric mean is the overall factor) and the communication factor against it; the log of the host
+factor; the extra host time per step and per micro-batch (both in units of the median measured step).
+Weak on the overall level and the host, which the priors get least right and which two points can place;
+ten times firmer on the ratios between the device's terms, which come from the same system file: a 10%
+miss weighs as much as a ratio e off, so a few points with the terms in similar shares move the level, and
+the split needs points whose shares differ (several model sizes, say). Host time that the points cannot
+place goes mostly (9:1) to the micro-batches: an eager step's host work is the forward and backward
+dispatch of each micro-batch, the optimizer's foreach kernels are few."""
+EFFICIENCY_BOUNDS = (0.01, 100.0)
+HOST_BOUND = 10.0
+"""Most extra host time per step or micro-batch, in median measured steps."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepShape:
+    """How measured step seconds relate to the raw model's: see the module docstring."""
+
+    form: Form = "model"
+    matrix_efficiency: float = 1.0
+    memory_efficiency: float = 1.0
+    comm_efficiency: float = 1.0
+    host_efficiency: float = 1.0
+    host_step_s: float = 0.0
+    host_micro_batch_s: float = 0.0
+    error: float = float("nan")
+    """Mean |predicted / measured - 1| over the measured strategies it was fitted on."""
+
+    def step_s(self, parts: StepParts) -> np.ndarray:
+        """Corrected step seconds of each strategy of ``parts``."""
+        device = (
+            parts.matrix_s / self.matrix_efficiency
+            + parts.memory_s / self.memory_efficiency
+            + parts.comm_s / self.comm_efficiency
+        )
+        dispatch = parts.host_s / self.host_efficiency
+        extra = self.host_step_s + self.host_micro_batch_s * parts.micro_batches
+        if self.form == "serial":
+            return np.maximum(dispatch, device + extra)
+        return np.maximum(dispatch + extra, device)
+
+    def record(self) -> dict[str, float | str]:
+        return {
+            "form": self.form,
+            "matrix_efficiency": self.matrix_efficiency,
+            "memory_efficiency": self.memory_efficiency,
+            "comm_efficiency": self.comm_efficiency,
+            "host_efficiency": self.host_efficiency,
+            "host_step_s": self.host_step_s,
+            "host_micro_batch_s": self.host_micro_batch_s,
+            "error": self.error,
+        }
+
+    def describe(self) -> str:
+        """The fit in one line (for reports)."""
+        return (
+            f"{self.form}: matrix efficiency {self.matrix_efficiency:.3g}, memory "
+            f"{self.memory_efficiency:.3g}, comm {self.comm_efficiency:.3g}, host "
+            f"{self.host_efficiency:.3g}; extra host "
+            f"{self.host_step_s * 1e3:.3g} ms per step + {self.host_micro_batch_s * 1e3:.3g} ms per "
+            f"micro-batch; mean error {self.error:.1%}"
+        )
+
+
+def fit_shape(parts: StepParts, measured_s: np.ndarray | list[float]) -> StepShape:
+    """The form and parameters that best map the model's step parts onto the measured seconds."""
+    times = np.asarray(measured_s, dtype=float)
+    if len(parts) != times.size:
+        raise PlanError("fit_shape: model parts and measured step times differ in length")
+    if times.size == 0:
+        return StepShape()
+    if not (np.all(times > 0) and np.all(parts.raw_step_s > 0)):
+        raise PlanError("fit_shape: step times must be positive")
+    if times.size == 1:
+        factor = float(times[0] / parts.raw_step_s[0])
+        shape = StepShape(form="scale", **dict.fromkeys(_FACTORS, 1.0 / factor))
+        return replace(shape, error=_error(shape, parts, times))
+    fits = [_fit_form(form, parts, times) for form in ("overlap", "serial")]
+    best = min(fits, key=lambda fit: fit[1])[0]
+    return replace(best, error=_error(best, parts, times))
+
+
+_FACTORS = ("matrix_efficiency", "memory_efficiency", "comm_efficiency", "host_efficiency")
+
+
+def _fit_form(form: Form, parts: StepParts, times: np.ndarray) -> tuple[StepShape, float]:
+    """Least squares from several starts: the max has a kink per point that a local fit does not cross."""
+    scale = float(np.median(times))
+
+    def shape_of(params: np.ndarray) -> StepShape:
+        level, split, comm, host = np.exp(params[:4])
+        return StepShape(
+            form=form,
+            matrix_efficiency=float(level * split),
+            memory_efficiency=float(level / split),
+            comm_efficiency=float(level * comm),
+            host_efficiency=float(host),
+            host_step_s=float(params[4]) * scale,
+            host_micro_batch_s=float(params[5]) * scale,
+        )
+
+    def residuals(params: np.ndarray) -> np.ndarray:
+        misses = np.log(shape_of(params).step_s(parts) / times)
+        return np.concatenate([misses, np.multiply(PRIOR_WEIGHTS, params)])
+
+    low, high = np.log(EFFICIENCY_BOUNDS)
+    floor = float(np.min(times)) / scale / 2.0  # half per step, half per micro-batch
+    per_micro_batch = floor / max(float(np.min(parts.micro_batches)), 1.0)
+    best = None
+    # Extra host times start just inside their bound: least_squares does not move a variable that starts
+    # on one. Device factors from 3% to 3x: an efficiency that makes a point device-bound must be started
+    # near.
+    for log_efficiency, host in itertools.product(np.linspace(np.log(0.03), np.log(3.0), 5), (1e-3, floor)):
+        start = [log_efficiency, 0.0, 0.0, 0.0, host, per_micro_batch if host == floor else host]
+        fit = least_squares(
+            residuals,
+            x0=np.array(start),
+            bounds=([low] * 4 + [0.0, 0.0], [high] * 4 + [HOST_BOUND, HOST_BOUND]),
+            diff_step=1e-4,
+        )
+        if best is None or fit.cost < best.cost:
+            best = fit
+    assert best is not None
+    return shape_of(best.x), float(best.cost)
+
+
+def _error(shape: StepShape, parts: StepParts, times: np.ndarray) -> float:
+    return float(np.mean(np.abs(shape.step_s(parts) / times - 1.0)))

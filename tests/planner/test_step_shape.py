@@ -1,0 +1,108 @@
+"""The calibration on measured steps (fit_shape over the model's terms): it recovers planted factors, tells
+the matrix rate from the memory traffic, and leaves what the points cannot show at its neutral value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cona.config import ModelConfig
+from cona.errors import PlanError
+from cona.planner.calibration_factors import Calibration
+from cona.planner.perf_model import predict
+from cona.planner.step_parts import StepParts, model_step_parts
+from cona.planner.step_shape import StepShape, fit_shape
+from cona.planner.systems import load_system
+from cona.strategy import Strategy, StrategyArray
+
+SYSTEM = load_system("a100_80g_2gpu_node")
+DEVICE_BOUND_MODEL = ModelConfig(layers=8, hidden=4096, heads=32, seq=1024, vocab_size=8000)
+"""Large enough that the device, not the host's kernel dispatch, sets every step time of the planted fit
+(host-bound rows cannot show the communication factor)."""
+H200 = load_system("h200_141g")
+GPT_125M = ModelConfig(layers=12, hidden=768, heads=12, seq=512, vocab_size=50257)
+GPT_SIZES = [(12, 768, 12), (24, 1024, 16), (24, 2048, 16)]
+
+
+def test_model_parts_add_up_to_the_models_device_time_and_host_dispatch():
+    strategies = [
+        Strategy(dp=1, tp=1, pp=1, mbs=8, gbs=8),
+        Strategy(dp=1, tp=1, pp=1, mbs=8, gbs=16),
+        Strategy(dp=2, tp=2, pp=2, mbs=2, gbs=16),
+    ]
+    parts = model_step_parts(GPT_125M, strategies, H200)
+    prediction = predict(GPT_125M, StrategyArray.from_strategies(strategies), H200)
+    assert np.allclose(parts.raw_step_s, prediction.iteration_time_s)
+    assert np.all(parts.matrix_s > 0) and np.all(parts.memory_s > 0)
+    assert parts.comm_s[0] == 0 and parts.comm_s[2] > 0
+    assert np.allclose(parts.micro_batches, [1.0, 2.0, 2.0])
+    # Each part is what its calibration factor divides inside the model.
+    calibration = Calibration(matrix_efficiency=0.8, memory_efficiency=1.3, comm_efficiency=0.5)
+    shape = StepShape(form="overlap", matrix_efficiency=0.8, memory_efficiency=1.3, comm_efficiency=0.5)
+    calibrated = predict(GPT_125M, StrategyArray.from_strategies(strategies), H200, calibration=calibration)
+    assert np.allclose(shape.step_s(parts), calibrated.iteration_time_s, rtol=1e-3)
+
+
+def test_fit_recovers_planted_factors():
+    """Planted in the model's kernels, recovered from its terms. ZeRO 0: its all-reduce is exposed, as the
+    native engine's TP collectives are; an overlapped collective's exposed part does not scale with the
+    communication factor alone, and there the terms are a first-order split (docs/perf-model.md)."""
+    strategies = [
+        Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=32, zero_stage=0)
+        for dp, tp, pp in ((1, 1, 1), (4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (8, 1, 1))
+        for mbs in (1, 4)
+    ]
+    planted = Calibration(matrix_efficiency=0.6, memory_efficiency=0.6, comm_efficiency=0.4)
+    array = StrategyArray.from_strategies(strategies)
+    times = predict(DEVICE_BOUND_MODEL, array, SYSTEM, calibration=planted).iteration_time_s
+    parts = model_step_parts(DEVICE_BOUND_MODEL, strategies, SYSTEM)
+    fitted = fit_shape(parts, times)
+    assert fitted.matrix_efficiency == pytest.approx(0.6, rel=0.03)
+    assert fitted.memory_efficiency == pytest.approx(0.6, rel=0.05)
+    assert fitted.comm_efficiency == pytest.approx(0.4, rel=0.05)
+    assert np.mean(np.abs(parts.raw_step_s / times - 1)) > 0.3 and fitted.error < 0.01
+
+
+def test_matrix_and_memory_factors_are_told_apart_by_models_of_different_sizes():
+    """The H200 case (issue 19): the prior's matrix rate too high and its traffic time too long. The share of
+    traffic in a step falls as the model grows, so one device factor cannot fit several sizes; two can,
+    and fitted on the smallest and the largest model they predict the one between."""
+    planted = Calibration(matrix_efficiency=0.85, memory_efficiency=1.4)
+    models = [ModelConfig(layers=n, hidden=h, heads=a, seq=1024, vocab_size=50304) for n, h, a in GPT_SIZES]
+    strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16)]
+    parts = StepParts.concat([model_step_parts(model, strategies, H200) for model in models])
+    times = np.array(
+        [predict(m, s, H200, calibration=planted).iteration_time_s[0] for m in models for s in strategies]
+    )
+    fitted_on, held_out = [0, 1, 4, 5], [2, 3]
+    fitted = fit_shape(parts.take(fitted_on), times[fitted_on])
+    assert fitted.matrix_efficiency == pytest.approx(0.85, rel=0.03)
+    assert fitted.memory_efficiency == pytest.approx(1.4, rel=0.05)
+    assert np.all(np.abs(fitted.step_s(parts.take(held_out)) / times[held_out] - 1) < 0.01)
+    # No single device factor fits all three sizes within 3%.
+    for factor in np.linspace(0.8, 1.25, 46):
+        assert np.max(np.abs(parts.device_s / factor / times - 1)) > 0.03
+
+
+def test_unidentifiable_factors_stay_neutral():
+    """One GPU has no communication and device-bound steps show no host: the communication factor stays
+    at the device's level, the host factor at 1."""
+    model = ModelConfig(layers=24, hidden=2048, heads=16, seq=1024, vocab_size=50304)
+    strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (4, 8, 16)]
+    parts = model_step_parts(model, strategies, H200)
+    fitted = fit_shape(parts, 1.2 * parts.raw_step_s)
+    assert fitted.host_efficiency == pytest.approx(1.0, abs=1e-3)
+    level = np.sqrt(fitted.matrix_efficiency * fitted.memory_efficiency)
+    assert fitted.comm_efficiency == pytest.approx(level, rel=1e-3)
+    assert fitted.error < 0.005
+
+
+def test_one_point_gives_one_factor_and_bad_input_is_refused():
+    parts = StepParts.of(matrix_s=[0.01], memory_s=[0.01], host_s=[0.005])
+    single = fit_shape(parts, [0.04])
+    assert single.form == "scale" and single.step_s(parts)[0] == pytest.approx(0.04)
+    assert fit_shape(StepParts.of(matrix_s=[]), []).form == "model"
+    with pytest.raises(PlanError, match="positive"):
+        fit_shape(StepParts.of(matrix_s=[1.0, 1.0]), [0.0, 1.0])
+    with pytest.raises(PlanError, match="differ in length"):
+        fit_shape(StepParts.of(matrix_s=[1.0, 1.0]), [1.0])
