@@ -335,20 +335,36 @@ def test_a_run_of_the_same_name_under_another_log_root_never_replaces_the_first_
     assert checkpoint_times(tmp_path / "checkpoints") == first
 
 
-def test_a_run_an_older_cona_started_resumes_from_its_checkpoint_at_the_old_path(tmp_path):
+def as_an_older_version_left_it(workdir: Path) -> None:
+    """Move run ``run``'s checkpoints where versions without the run in the path kept them
+    (``checkpoints/tiny/...``), and what its run directory recorded of them with them."""
+    os.replace(workdir / "checkpoints" / "run" / "tiny", workdir / "checkpoints" / "tiny")
+    run_dir = workdir / "logs" / "run"
+    for record in (run_dir / "runner_state.json", *run_dir.glob("stages/*/stage_result.json")):
+        text = record.read_text().replace(str(workdir / "checkpoints" / "run"), str(workdir / "checkpoints"))
+        record.write_text(text)
+
+
+@pytest.mark.parametrize("kill_point", KILL_POINTS)
+def test_a_run_an_older_version_started_resumes_from_its_checkpoints_at_the_old_path(
+    tmp_path, kill_point, uninterrupted
+):
     chain_path = setup_run(tmp_path)
-    run_until_killed(tmp_path, chain_path, "training")  # stage 2 saved iteration 4, then died
-    old_layout = tmp_path / tiny_layout(1, 1, 4)  # where versions without the run in the path saved it
-    old_layout.parent.mkdir(parents=True)
-    os.replace(tmp_path / run_layout(1, 1, 4), old_layout)
+    run_until_killed(tmp_path, chain_path, kill_point)
+    as_an_older_version_left_it(tmp_path)
+    before = load_state(tmp_path / "logs" / "run")
     engine = FakeEngine()
     lines, state = run(tmp_path, engine)
-    assert lines[0].startswith(f"resuming run run at stage 2 (running) from {old_layout / 'global_step4'}")
-    assert engine.launches[0].spec.load_path == old_layout / "global_step4"
-    assert state.stages[-1].consumed_samples == FINAL_SAMPLES
-    assert state.stages[1].checkpoint == str(
-        tmp_path / run_layout(1, 1, 4) / "global_step6"
-    )  # saves: new path
+    assert stage_books(state) == uninterrupted
+    for earlier, stage in zip(before.stages, state.stages, strict=True):  # trained since: at the new path
+        folder = (
+            "checkpoints/tiny" if earlier.status not in ("pending", "running") else "checkpoints/run/tiny"
+        )
+        assert Path(stage.checkpoint).is_relative_to(tmp_path / folder), (stage.step_num, stage.checkpoint)
+    if kill_point == "training":  # stage 2 saved iteration 4 at the old path, then died
+        old = tmp_path / tiny_layout(1, 1, 4) / "global_step4"
+        assert lines[0].startswith(f"resuming run run at stage 2 (running) from {old}, iteration=4")
+        assert engine.launches[0].spec.load_path == old
 
 
 def test_an_older_cona_s_checkpoint_of_another_run_is_not_resumed_from(tmp_path):
