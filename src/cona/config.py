@@ -38,7 +38,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase")
-"""``model.name`` is one path component under ``<workdir>/checkpoints/``: no separator, no ``..``."""
+"""``model.name`` is one path component under ``<workdir>/checkpoints/<run_name>/``: no ``/``, no ``..``."""
 PATH_KEYS = (
     "data_prefix",
     "vocab_file",
@@ -55,7 +55,7 @@ class ModelConfig:
     """The ``model`` section: the network's shape."""
 
     name: str = "gpt"
-    """Model identifier; names the checkpoint directory ``checkpoints/<name>/...``."""
+    """Model identifier; names the checkpoint directory ``checkpoints/<run_name>/<name>/...``."""
     family: Literal["gpt", "llama", "bert"] = "gpt"
     """``gpt`` and ``llama``: causal decoders trained on next-token prediction; ``bert``: a bidirectional
     encoder with Megatron's masked-LM head. Fills the unset keys below (:data:`FAMILY_DEFAULTS`)."""

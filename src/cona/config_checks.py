@@ -13,7 +13,7 @@ from typing import Any
 from cona.errors import ConfigError
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
-"""What ``model.name`` may be: it names ``checkpoints/<name>/`` under the workdir."""
+"""What ``model.name`` may be: it names ``checkpoints/<run_name>/<name>/`` under the workdir."""
 
 
 def check_values(model: Any, training: Any, where: str) -> None:
@@ -31,8 +31,8 @@ def _check_model(model: Any, where: str) -> None:
     if not MODEL_NAME.fullmatch(model.name):
         fail(
             "model.name",
-            f"{model.name!r} is not a plain directory name (it names checkpoints/<name>/ under --workdir): "
-            "use letters, digits and . _ + -, starting with a letter or digit",
+            f"{model.name!r} is not a plain directory name (it names checkpoints/<run_name>/<name>/ under "
+            "--workdir): use letters, digits and . _ + -, starting with a letter or digit",
         )
     for key in ("layers", "hidden", "heads", "seq", "make_vocab_size_divisible_by"):
         if getattr(model, key) <= 0:

@@ -197,13 +197,15 @@ def test_verification_refuses_the_tp_switch_without_the_repairs(env, data_prefix
         CheckpointError, match="switch verification refused checkpoint .*global_step4_universal"
     ):
         run_mds_chain(chain_run_from_args(args), env, repair=blocked, check_qkv=False)
-    layout = tmp_path / "work" / "checkpoints" / "gpt-mds" / "z1" / "fp32" / "tp1_pp2_dp1_sp1"
+    layout = tmp_path / "work" / "checkpoints" / "it" / "gpt-mds" / "z1" / "fp32" / "tp1_pp2_dp1_sp1"
     assert (layout / "global_step4").is_dir() and (
         layout / "latest_universal"
     ).read_text() == "global_step4_universal"
     verdict = json.loads((tmp_path / "logs" / "it" / "stages" / "2" / "switch_check.json").read_text())
     assert verdict["status"] == "failed" and verdict["difference"] > verdict["tolerance"]
-    assert not (tmp_path / "work" / "checkpoints" / "gpt-mds" / "z1" / "fp32" / "tp2_pp1_dp1_sp1").exists()
+    assert not (
+        tmp_path / "work" / "checkpoints" / "it" / "gpt-mds" / "z1" / "fp32" / "tp2_pp1_dp1_sp1"
+    ).exists()
 
 
 ONLINE_ITERS = 30

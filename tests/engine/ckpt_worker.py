@@ -251,7 +251,7 @@ def mesh_for(strategy: Strategy) -> DeviceMesh | None:
 
 
 def checkpoint_root(workdir: Path, config: ConaConfig, strategy: Strategy) -> Path:
-    return layout_dir(workdir, config, strategy, "fp32")
+    return layout_dir(workdir, config, strategy, "fp32", run_name="run")
 
 
 def save(workdir: Path, config: ConaConfig, name: str, make_run: Callable) -> None:

@@ -27,6 +27,7 @@ from cona.engine.checkpoint import (
     verify_checkpoint,
     verify_complete,
 )
+from cona.engine.checkpoint_paths import resume_folders
 from cona.engine.model import GPT
 from cona.engine.optim import build_optimizer, set_lr
 from cona.strategy import Strategy
@@ -49,7 +50,7 @@ def trained(config: ConaConfig, steps: int = 2, offset: float = 0.0):
 
 def save(root: Path, config: ConaConfig, model, optimizer, iteration: int) -> Path:
     return save_checkpoint(
-        layout_dir(root, config, ONE, "fp32"),
+        layout_dir(root, config, ONE, "fp32", run_name="run"),
         iteration=iteration,
         model_parts=[model],
         optimizer=optimizer,
@@ -73,10 +74,16 @@ def saved(tmp_path: Path):
     return config, save(tmp_path, config, model, optimizer, 2), (model, optimizer)
 
 
-def test_layout_dir_follows_the_seed() -> None:
+def test_layout_dir_is_the_seeds_layout_under_the_runs_folder() -> None:
     strategy = Strategy(dp=2, tp=4, pp=3, mbs=1, gbs=8, zero_stage=3)
-    path = layout_dir(Path("/w"), small_config(), strategy, "bf16")
-    assert path == Path("/w/checkpoints/gpt/z3/bf16/tp4_pp3_dp2_sp1")
+    path = layout_dir(Path("/w"), small_config(), strategy, "bf16", run_name="first")
+    assert path == Path("/w/checkpoints/first/gpt/z3/bf16/tp4_pp3_dp2_sp1")
+    other = layout_dir(Path("/w"), small_config(), strategy, "bf16", run_name="second")
+    assert other == Path("/w/checkpoints/second/gpt/z3/bf16/tp4_pp3_dp2_sp1")
+    assert resume_folders(Path("/w"), small_config(), strategy, "bf16", run_name="first") == (
+        path,
+        Path("/w/checkpoints/gpt/z3/bf16/tp4_pp3_dp2_sp1"),  # where older versions kept every run's
+    )
 
 
 def test_save_writes_dir_json_files_and_latest_last(saved) -> None:
@@ -137,9 +144,9 @@ def test_markers_and_direct_paths_resolve(saved, tmp_path: Path) -> None:
 def test_a_later_save_moves_latest_and_resaving_an_iteration_replaces_it(saved) -> None:
     config, path, (model, optimizer) = saved
     ckpt_worker.train_step(model, optimizer, 3)
-    newer = save(path.parents[5], config, model, optimizer, 3)
+    newer = save(path.parents[6], config, model, optimizer, 3)
     assert resolve_checkpoint(path.parent) == newer and path.is_dir()
-    again = save(path.parents[5], config, model, optimizer, 3)
+    again = save(path.parents[6], config, model, optimizer, 3)
     assert again == newer and resolve_checkpoint(path.parent) == newer
     verify_complete(newer)
     assert sorted(p.name for p in path.parent.iterdir()) == ["global_step2", "global_step3", "latest"]
@@ -163,7 +170,7 @@ def test_interleaved_parts_save_under_global_names(tmp_path: Path) -> None:
         set_lr(optimizer, 0.01 * step)
         optimizer.step()
     path = save_checkpoint(
-        layout_dir(tmp_path, config, ONE, "fp32"),
+        layout_dir(tmp_path, config, ONE, "fp32", run_name="run"),
         iteration=2,
         model_parts=[first, second],
         optimizer=optimizer,
@@ -181,7 +188,7 @@ def test_interleaved_parts_save_under_global_names(tmp_path: Path) -> None:
 
 def test_crash_before_rename_keeps_previous_latest_and_next_save_cleans_up(saved, monkeypatch) -> None:
     config, path, (model, optimizer) = saved
-    root = path.parents[5]
+    root = path.parents[6]
 
     def crash(*_args) -> None:
         raise KeyboardInterrupt("killed between the shards and the rename")
@@ -210,7 +217,7 @@ def test_crash_before_marker_leaves_previous_latest(saved, monkeypatch) -> None:
 
     monkeypatch.setattr(ckpt, "_write_marker", crash)
     with pytest.raises(KeyboardInterrupt):
-        save(path.parents[5], config, model, optimizer, 3)
+        save(path.parents[6], config, model, optimizer, 3)
     assert (path.parent / "global_step3").is_dir()
     assert resolve_checkpoint(path.parent) == path  # the new one is complete but not yet named
 
@@ -225,7 +232,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint_loadable(tmp_path: Pa
         env=env,
     )
     config = parse_config({"model": ckpt_worker.BIG, "training": {}})
-    layout = layout_dir(tmp_path, config, ONE, "fp32")
+    layout = layout_dir(tmp_path, config, ONE, "fp32", run_name="run")
     try:
         killed_mid_save = wait_for_save_in_progress(layout, process)
     finally:

@@ -194,7 +194,7 @@ def test_a_full_disk_during_the_save_is_one_line_with_cause_and_path(saved, monk
 
     monkeypatch.setattr(dcp.filesystem.FileSystem, "create_stream", full_disk)
     with pytest.raises(CheckpointError) as failed:
-        save(path.parents[5], config, model, optimizer, 3)
+        save(path.parents[6], config, model, optimizer, 3)
     message = str(failed.value)
     assert "\n" not in message and "CheckpointException" not in message
     assert message.startswith(f"saving checkpoint {path.parent}/global_step3 failed on rank 0: OSError: ")
@@ -213,7 +213,7 @@ def test_an_unwritable_layout_directory_is_one_line(saved, monkeypatch) -> None:
     shutil.rmtree(layout)
     monkeypatch.setattr(Path, "mkdir", no_permission)
     with pytest.raises(CheckpointError) as failed:
-        save(path.parents[5], config, model, optimizer, 3)
+        save(path.parents[6], config, model, optimizer, 3)
     assert str(failed.value) == (
         f"saving a checkpoint into {layout} failed on rank 0: [Errno 13] Permission denied: '{layout}'"
     )

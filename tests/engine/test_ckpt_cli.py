@@ -30,7 +30,7 @@ def checkpoint(tmp_path: Path):
     ckpt_worker.train_step(model, optimizer, 1)
     state = {"iteration": 5, "consumed_samples": 40, "consumed_tokens": 320, "stage": 1}
     path = save_checkpoint(
-        layout_dir(tmp_path, config, STRATEGY, "fp32"),
+        layout_dir(tmp_path, config, STRATEGY, "fp32", run_name="run"),
         iteration=5,
         model_parts=[model],
         optimizer=optimizer,

@@ -62,7 +62,7 @@ def _save(tmp_path: Path, model_keys: dict, files: tuple[Path, Path] | None) -> 
             param.copy_(torch.randn_like(param) * 0.2)
     optimizer = build_optimizer([model], config.training)
     path = save_checkpoint(
-        layout_dir(tmp_path, config, STRATEGY, "fp32"),
+        layout_dir(tmp_path, config, STRATEGY, "fp32", run_name="run"),
         iteration=3,
         model_parts=[model],
         optimizer=optimizer,
@@ -135,7 +135,7 @@ def test_bert_is_refused_with_the_reason(tmp_path: Path, capsys) -> None:
     model = GPT(parse_config(raw).model)
     optimizer = build_optimizer([model], parse_config(raw).training)
     path = save_checkpoint(
-        layout_dir(tmp_path, parse_config(raw), STRATEGY, "fp32"),
+        layout_dir(tmp_path, parse_config(raw), STRATEGY, "fp32", run_name="run"),
         iteration=1,
         model_parts=[model],
         optimizer=optimizer,

@@ -48,7 +48,13 @@ def write_tiny_config(directory: Path) -> Path:
 
 
 def tiny_layout(tp: int, pp: int, dp: int) -> str:
+    """The layout as a chain file's pruning entry names it (the seed's form, without the run)."""
     return f"checkpoints/tiny/z1/fp32/tp{tp}_pp{pp}_dp{dp}_sp1"
+
+
+def run_layout(tp: int, pp: int, dp: int, run: str = "run") -> str:
+    """Where run ``run`` keeps its checkpoints of the layout, relative to the workdir."""
+    return f"checkpoints/{run}/tiny/z1/fp32/tp{tp}_pp{pp}_dp{dp}_sp1"
 
 
 def seed_shaped_chain(iters: int = 3) -> dict:
@@ -122,7 +128,7 @@ class FakeEngine:
                 loaded["consumed_tokens"],
             )
         loaded_at = time.time()
-        target_dir = layout_dir(spec.workdir, spec.config, spec.strategy, "fp32")
+        target_dir = layout_dir(spec.workdir, spec.config, spec.strategy, "fp32", run_name=spec.run_name)
         gbs, seq = spec.strategy.gbs, spec.config.model.seq
         killing = self.kill_at is not None and spec.stage == self.kill_stage
         if killing and self.kill_at == "training":

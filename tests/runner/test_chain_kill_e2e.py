@@ -72,7 +72,7 @@ def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeat
     state = load_state(run_dir)
     assert [stage.status for stage in state.stages] == ["done", "running", "pending"]
     stage1_universal = Path(state.stages[0].universal)
-    stage2_layout = tmp_path / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp2_pp1_dp1_sp1"
+    stage2_layout = tmp_path / "checkpoints" / "kill" / "gpt-tiny" / "z1" / "fp32" / "tp2_pp1_dp1_sp1"
     leftovers = sorted(path.name for path in stage2_layout.iterdir())
     assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-global_step6-"), leftovers
     assert list((stage2_layout / leftovers[0]).glob("*.distcp"))  # the shards were written

@@ -30,7 +30,9 @@ def test_a_chain_whose_first_step_loads_another_run_s_checkpoint_continues_that_
     alone = write_chain(tmp_path / "first.json", [first])
     run_chain(train_runs.chain_run(chain_args(config, alone, tmp_path / "a", "a", stages=1)),
               out=lambda line: None)  # fmt: skip
-    given = tmp_path / "a" / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1" / "global_step3"
+    given = (
+        tmp_path / "a" / "checkpoints" / "a" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1" / "global_step3"
+    )
     rest = {**then, "is_initial": True, "load_checkpoint": str(given)}
     continued = write_chain(tmp_path / "continued.json", [rest])
     lines: list[str] = []

@@ -192,7 +192,7 @@ class StreamingEngine:
             if spec.switch_request_path.exists():
                 reason = "switch_requested"
                 break
-        target_dir = layout_dir(spec.workdir, spec.config, spec.strategy, "fp32")
+        target_dir = layout_dir(spec.workdir, spec.config, spec.strategy, "fp32", run_name=spec.run_name)
         checkpoint = FakeEngine._save(spec, target_dir, iteration, samples, tokens)
         now = time.time()
         timings = {"launch": started, "process_start": started, "setup_done": started,

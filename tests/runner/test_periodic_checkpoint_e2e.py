@@ -89,7 +89,9 @@ def test_a_killed_fixed_run_resumes_with_the_same_command_from_its_periodic_chec
     config = with_training(write_tiny_setup(tmp_path), **PERIODIC, eval_interval=1000)
     assert main(train_args(config, tmp_path / "whole", "--run-name", "whole", iters=8)) == 0
     reference = tmp_path / "logs" / "whole"
-    whole_layout = tmp_path / "whole" / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    whole_layout = (
+        tmp_path / "whole" / "checkpoints" / "whole" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    )
     # Periodic saves at 2, 4, 6 (the newest two kept), the stage's own at its end.
     assert sorted(p.name for p in whole_layout.glob("global_step*")) == ["global_step4", "global_step6",
                                                                          "global_step8"]  # fmt: skip
@@ -107,7 +109,7 @@ def test_a_killed_fixed_run_resumes_with_the_same_command_from_its_periodic_chec
     wait_status = killed_in_own_process_group(killed_run)
     assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
     run_dir = tmp_path / "logs" / "killed"
-    layout = tmp_path / "work" / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    layout = tmp_path / "work" / "checkpoints" / "killed" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
     assert (layout / "global_step4").is_dir() and not (layout / "global_step8").exists()
     killed_at = max(step.iteration for step in trained_steps(run_dir))
     assert 5 <= killed_at < 8
@@ -174,7 +176,7 @@ def test_a_chain_killed_mid_stage_resumes_from_the_stage_s_periodic_checkpoint(t
         lambda: run_chain(train_runs.chain_run(args), launcher=killing_launcher, out=lambda line: None)
     )
     assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
-    layout = tmp_path / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp2_pp1_dp1_sp1"
+    layout = tmp_path / "checkpoints" / "kill" / "gpt-tiny" / "z1" / "fp32" / "tp2_pp1_dp1_sp1"
     newest = newest_periodic(layout)
 
     lines: list[str] = []
@@ -215,7 +217,7 @@ def test_a_stage_continued_in_place_and_killed_resumes_from_its_periodic_checkpo
     assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
     run_dir = tmp_path / "logs" / "kill"
     assert StageSpec.read(run_dir / "stages" / "2" / "spec.json").continue_in_place
-    layout = tmp_path / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    layout = tmp_path / "checkpoints" / "kill" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
     newest = newest_periodic(layout)
 
     lines: list[str] = []
@@ -239,7 +241,7 @@ def test_saves_by_time_happen_at_the_step_rank_0_s_clock_picks_and_the_newest_ar
         write_tiny_setup(tmp_path), save_interval=None, save_interval_minutes=1e-4, keep_checkpoints=1
     )
     assert main(train_args(config, tmp_path / "work", "--run-name", "timed", iters=8)) == 0
-    layout = tmp_path / "work" / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    layout = tmp_path / "work" / "checkpoints" / "timed" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
     states = {
         path.name: json.loads((path / "trainer_state.json").read_text())
         for path in layout.glob("global_step*")

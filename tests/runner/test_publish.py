@@ -124,29 +124,29 @@ def universal_dirs(layout: Path) -> list[str]:
 
 def test_keep_latest_keeps_only_what_the_marker_names(tmp_path):
     layout = publish_three(tmp_path)
-    result = prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="keep-latest"), tmp_path)
+    result = prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="keep-latest"), layout)
     assert result.removed == ("global_step1_universal", "global_step2_universal")
     assert universal_dirs(layout) == ["global_step3_universal"]
     assert (layout / "global_step1").is_dir() and (layout / "global_step2").is_dir()  # originals untouched
     assert resolve_checkpoint(layout / LATEST_UNIVERSAL) == layout / "global_step3_universal"
-    again = prune(PruneRule(stage=1, ckpt_dir=str(layout), mode="keep-latest"), tmp_path)
+    again = prune(PruneRule(stage=1, ckpt_dir=str(layout), mode="keep-latest"), layout)
     assert again.removed == () and universal_dirs(layout) == ["global_step3_universal"]
 
 
 def test_delete_all_removes_every_copy_and_the_marker(tmp_path):
     layout = publish_three(tmp_path)
-    result = prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="delete-all"), tmp_path)
+    result = prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="delete-all"), layout)
     assert len(result.removed) == 3 and universal_dirs(layout) == []
     assert not (layout / LATEST_UNIVERSAL).exists()
     assert (layout / "global_step3" / ".metadata").is_file()
-    assert prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="delete-all"), tmp_path).removed == ()
+    assert prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="delete-all"), layout).removed == ()
 
 
 def test_prune_clears_what_a_killed_prune_left(tmp_path):
     layout = publish_three(tmp_path)
     os.replace(layout / "global_step1_universal", layout / "global_step1_universal.deleting")
     (layout / "global_step2_universal.deleting").mkdir()  # same name as a live one: removed first
-    result = prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="keep-latest"), tmp_path)
+    result = prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="keep-latest"), layout)
     assert set(result.removed) == {"global_step1_universal", "global_step2_universal"}
     assert sorted(path.name for path in layout.iterdir() if path.is_dir()) == [
         "global_step1",
@@ -160,6 +160,9 @@ def test_keep_latest_without_a_marker_removes_nothing(tmp_path, caplog):
     layout = publish_three(tmp_path)
     (layout / LATEST_UNIVERSAL).unlink()
     with caplog.at_level(logging.WARNING, logger="cona.runner.publish"):
-        assert prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="keep-latest"), tmp_path).removed == ()
+        assert prune(PruneRule(stage=1, ckpt_dir=LAYOUT, mode="keep-latest"), layout).removed == ()
     assert "removes nothing" in caplog.text and len(universal_dirs(layout)) == 3
-    assert prune(PruneRule(stage=1, ckpt_dir="checkpoints/none", mode="delete-all"), tmp_path).removed == ()
+    assert (
+        prune(PruneRule(stage=1, ckpt_dir="checkpoints/none", mode="delete-all"), tmp_path / "none").removed
+        == ()
+    )

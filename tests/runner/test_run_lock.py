@@ -87,9 +87,10 @@ def test_a_second_chain_on_a_live_run_directory_or_checkpoint_folder_is_refused_
         kill(holder)
     assert not run_dir.exists()  # refused before it wrote anything
 
-    layout = layout_dir(tmp_path, load_config(config), Strategy(dp=2, tp=1, pp=1, gbs=8, mbs=4), "fp32")
+    strategy = Strategy(dp=2, tp=1, pp=1, gbs=8, mbs=4)
+    layout = layout_dir(tmp_path, load_config(config), strategy, "fp32", run_name="second")
     holder = hold(layout)
-    try:  # another run name, the same workdir: its checkpoints would go into the held folder
+    try:  # held by a run of the same name under another log_root: its checkpoints go into the same folder
         args.run_name = "second"
         with pytest.raises(RunLocked, match=rf"^checkpoint folder {layout} is in use by pid {holder.pid} "):
             run_chain(train_runs.chain_run(args), out=lambda line: None)
@@ -99,8 +100,10 @@ def test_a_second_chain_on_a_live_run_directory_or_checkpoint_folder_is_refused_
 
 def test_a_fixed_run_into_a_live_checkpoint_folder_is_refused(tmp_path, capsys):
     config = write_config_and_data(tmp_path)
-    layout = layout_dir(tmp_path, load_config(config), Strategy(dp=1, tp=1, pp=1, gbs=8, mbs=4), "fp32")
+    strategy = Strategy(dp=1, tp=1, pp=1, gbs=8, mbs=4)
+    layout = layout_dir(tmp_path, load_config(config), strategy, "fp32", run_name="fixed")
     fixed = ["--dp", "1", "--tp", "1", "--pp", "1", "--gbs", "8", "--mbs", "4", "--iters", "1"]
+    fixed += ["--run-name", "fixed"]
     holder = hold(layout)
     try:
         code = main(["train", *fixed, "--config", str(config), "--workdir", str(tmp_path), "--device", "cpu"])

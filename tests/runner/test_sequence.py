@@ -16,6 +16,7 @@ from chain_fakes import (
     KILL_POINTS,
     FakeEngine,
     chain_run,
+    run_layout,
     run_until_killed,
     seed_shaped_chain,
     tiny_layout,
@@ -62,7 +63,7 @@ def test_chain_hands_each_stage_the_previous_checkpoint(tmp_path):
     assert lines[0].startswith("starting run run: 3 stages")
     assert stage_books(state) == [("done", 0, 3, 24, 192), ("done", 3, 6, 72, 576), ("done", 6, 9, 168, 1344)]
     specs = [launch.spec for launch in engine.launches]
-    layout1, layout2 = tmp_path / tiny_layout(1, 2, 2), tmp_path / tiny_layout(1, 1, 4)
+    layout1, layout2 = tmp_path / run_layout(1, 2, 2), tmp_path / run_layout(1, 1, 4)
     assert [spec.load_path for spec in specs] == [
         None,
         layout1 / "global_step3_universal",
@@ -148,7 +149,7 @@ def test_a_chain_edited_after_a_crash_continues_with_the_steps_not_yet_started_a
     lines, state = run(tmp_path, engine)
     assert lines[0].startswith("resuming run run at stage 2 (running)")
     assert lines[0].endswith("edited after step 2 started: steps 3..4 as the file now says")
-    assert engine.launches[0].spec.load_path == tmp_path / tiny_layout(1, 1, 4) / "global_step4"
+    assert engine.launches[0].spec.load_path == tmp_path / run_layout(1, 1, 4) / "global_step4"
     assert [spec.target_iteration for spec in (launch.spec for launch in engine.launches)] == [6, 11, 12]
     assert [stage.status for stage in state.stages] == ["done"] * 4
     assert state.stages[-1].consumed_samples == 3 * 8 + 3 * 16 + 5 * 32 + 1 * 32
@@ -160,7 +161,7 @@ def test_a_first_step_continues_from_a_given_checkpoint_of_another_run(tmp_path)
     (tmp_path / "first").mkdir()
     setup_run(tmp_path / "first")
     run(tmp_path / "first", FakeEngine())
-    given = tmp_path / "first" / tiny_layout(1, 1, 4) / "global_step9"
+    given = tmp_path / "first" / run_layout(1, 1, 4) / "global_step9"
     step = {**seed_shaped_chain(ITERS)["steps"][2], "is_initial": True, "load_checkpoint": str(given)}
     del step["target_iters"], step["load_dp"], step["load_tp"], step["load_pp"]
     setup_run(tmp_path, {"steps": [{**step, "step_num": 1, "extra_iters": 2}]})
@@ -178,7 +179,7 @@ def test_a_first_step_continues_from_a_given_checkpoint_of_another_run(tmp_path)
     [
         ({"load_checkpoint": "nowhere"}, "step 1: load_checkpoint: checkpoint .*nowhere does not exist"),
         ({"load_checkpoint": 3}, r"steps\[0\] \(step_num 1\): load_checkpoint: expected a path"),
-        ({"load_checkpoint": f"given/{tiny_layout(1, 2, 2)}"}, "train_iters: 3 is not past the iteration"),
+        ({"load_checkpoint": f"given/{run_layout(1, 2, 2)}"}, "train_iters: 3 is not past the iteration"),
     ],
 )
 def test_a_given_checkpoint_is_refused_in_one_line(tmp_path, change, expected):
@@ -263,7 +264,7 @@ def test_options_from_the_command_line(tmp_path):
 def test_a_marker_moved_by_someone_else_is_refused(tmp_path):
     chain_path = setup_run(tmp_path)
     run_until_killed(tmp_path, chain_path, "between_stages")
-    layout = tmp_path / tiny_layout(1, 2, 2)
+    layout = tmp_path / run_layout(1, 2, 2)
     (layout / "global_step99_universal").mkdir()
     (layout / LATEST_UNIVERSAL).write_text("global_step99_universal")
     with pytest.raises(ChainError, match="names global_step99_universal, not global_step3_universal"):
@@ -291,7 +292,7 @@ def test_sigkill_then_rerun_finishes_with_the_same_books(tmp_path, kill_point, u
     assert stage_books(state) == uninterrupted
     assert state.stages[-1].consumed_samples == FINAL_SAMPLES
     if kill_point == "training":  # relaunched from the checkpoint the stage saved before it died
-        assert engine.launches[0].spec.load_path == tmp_path / tiny_layout(1, 1, 4) / "global_step4"
+        assert engine.launches[0].spec.load_path == tmp_path / run_layout(1, 1, 4) / "global_step4"
         assert "iteration=4, consumed_samples=40" in lines[0]
     leftovers = [
         p.name for p in (tmp_path / "checkpoints").rglob("*") if p.name.endswith((".tmp", ".deleting"))
@@ -299,13 +300,83 @@ def test_sigkill_then_rerun_finishes_with_the_same_books(tmp_path, kill_point, u
     assert leftovers == []
 
 
-def test_a_second_run_in_the_same_workdir_never_replaces_the_first_one_s_checkpoints(tmp_path):
+def checkpoint_times(layouts: Path) -> dict[Path, float]:
+    return {path: path.stat().st_mtime for path in layouts.rglob("global_step*")}
+
+
+def test_two_runs_in_one_workdir_keep_their_checkpoints(tmp_path):
     setup_run(tmp_path)
-    run(tmp_path, FakeEngine())
-    first = {path: path.stat().st_mtime for path in (tmp_path / "checkpoints").rglob("global_step*")}
+    _, first_state = run(tmp_path, FakeEngine())
+    first = checkpoint_times(tmp_path / "checkpoints" / "run")
     other = dataclasses.replace(
         chain_run(tmp_path, tmp_path / "chain.json"), run_dir=tmp_path / "logs" / "other"
     )
+    other_state = run_chain(other, launcher=FakeEngine(), out=lambda line: None)
+    assert checkpoint_times(tmp_path / "checkpoints" / "run") == first  # the first run's, untouched
+    for state, name in ((first_state, "run"), (other_state, "other")):
+        assert [stage.checkpoint for stage in state.stages] == [
+            str(tmp_path / run_layout(1, 2, 2, name) / "global_step3"),
+            str(tmp_path / run_layout(1, 1, 4, name) / "global_step6"),
+            str(tmp_path / run_layout(1, 1, 4, name) / "global_step9"),
+        ]
+    lines, _ = run(tmp_path, FakeEngine())  # each run still finds its own state and checkpoints
+    assert lines[0].startswith("run run already finished at iteration 9")
+
+
+def test_a_run_of_the_same_name_under_another_log_root_never_replaces_the_first_one_s_checkpoints(tmp_path):
+    setup_run(tmp_path)
+    run(tmp_path, FakeEngine())
+    first = checkpoint_times(tmp_path / "checkpoints")
+    other = dataclasses.replace(
+        chain_run(tmp_path, tmp_path / "chain.json"), run_dir=tmp_path / "other_logs" / "run"
+    )
     with pytest.raises(CheckpointError, match=r"stage 1: .*global_step3 is another run's checkpoint"):
         run_chain(other, launcher=FakeEngine(), out=lambda line: None)
-    assert {path: path.stat().st_mtime for path in (tmp_path / "checkpoints").rglob("global_step*")} == first
+    assert checkpoint_times(tmp_path / "checkpoints") == first
+
+
+def as_an_older_version_left_it(workdir: Path) -> None:
+    """Move run ``run``'s checkpoints where versions without the run in the path kept them
+    (``checkpoints/tiny/...``), and what its run directory recorded of them with them."""
+    os.replace(workdir / "checkpoints" / "run" / "tiny", workdir / "checkpoints" / "tiny")
+    run_dir = workdir / "logs" / "run"
+    for record in (run_dir / "runner_state.json", *run_dir.glob("stages/*/stage_result.json")):
+        text = record.read_text().replace(str(workdir / "checkpoints" / "run"), str(workdir / "checkpoints"))
+        record.write_text(text)
+
+
+@pytest.mark.parametrize("kill_point", KILL_POINTS)
+def test_a_run_an_older_version_started_resumes_from_its_checkpoints_at_the_old_path(
+    tmp_path, kill_point, uninterrupted
+):
+    chain_path = setup_run(tmp_path)
+    run_until_killed(tmp_path, chain_path, kill_point)
+    as_an_older_version_left_it(tmp_path)
+    before = load_state(tmp_path / "logs" / "run")
+    engine = FakeEngine()
+    lines, state = run(tmp_path, engine)
+    assert stage_books(state) == uninterrupted
+    for earlier, stage in zip(before.stages, state.stages, strict=True):  # trained since: at the new path
+        folder = (
+            "checkpoints/tiny" if earlier.status not in ("pending", "running") else "checkpoints/run/tiny"
+        )
+        assert Path(stage.checkpoint).is_relative_to(tmp_path / folder), (stage.step_num, stage.checkpoint)
+    if kill_point == "training":  # stage 2 saved iteration 4 at the old path, then died
+        old = tmp_path / tiny_layout(1, 1, 4) / "global_step4"
+        assert lines[0].startswith(f"resuming run run at stage 2 (running) from {old}, iteration=4")
+        assert engine.launches[0].spec.load_path == old
+
+
+def test_an_older_cona_s_checkpoint_of_another_run_is_not_resumed_from(tmp_path):
+    chain_path = setup_run(tmp_path)
+    run_until_killed(tmp_path, chain_path, "training")
+    old_layout = tmp_path / tiny_layout(1, 1, 4)
+    old_layout.parent.mkdir(parents=True)
+    os.replace(tmp_path / run_layout(1, 1, 4), old_layout)
+    trainer_state = old_layout / "global_step4" / "trainer_state.json"
+    raw = json.loads(trainer_state.read_text())
+    raw["run"] = "0123456789ab"  # another run's save: the stage relaunches from what it loaded first
+    trainer_state.write_text(json.dumps(raw))
+    engine = FakeEngine()
+    run(tmp_path, engine)
+    assert engine.launches[0].spec.load_path == tmp_path / run_layout(1, 2, 2) / "global_step3_universal"

@@ -28,7 +28,7 @@ def recorded(tmp_path: Path):
     config = small_config()
     model, optimizer = trained(config)
     checkpoint = save_checkpoint(
-        layout_dir(tmp_path / "work", config, ONE, "fp32"),
+        layout_dir(tmp_path / "work", config, ONE, "fp32", run_name="run"),
         iteration=BOOKS["iteration"],
         model_parts=[model],
         optimizer=optimizer,

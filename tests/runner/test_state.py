@@ -171,7 +171,7 @@ def test_resuming_from_another_backends_checkpoint_takes_the_counters_of_the_run
     first = advance(advance(state.stage(1), "running"), "trained", checkpoint=str(megatron_checkpoint))
     first = dataclasses.replace(first, last_iteration=5, consumed_samples=40, consumed_tokens=320)
     state = state.with_stage(advance(first, "done"))
-    line = resume_line(state, "run", [tmp_path / "layout"] * 3)
+    line = resume_line(state, "run", [(tmp_path / "layout",)] * 3)
     assert line == (
         f"resuming run run at stage 2 (pending) from {megatron_checkpoint}, iteration=5, "
         "consumed_samples=40, consumed_tokens=320"

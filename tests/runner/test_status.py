@@ -47,7 +47,8 @@ def test_status_of_a_finished_run():
     assert lines["iteration"] == "180 (last metrics 30 s ago)"  # an online stage stops at a token budget
     assert lines["tokens"] == "460,800 of 460,800 (100%), 3,600 samples"
     assert lines["eval"] == "perplexity 373.15 (loss 5.9220) at iteration 180"
-    assert lines["checkpoint"].startswith("work/checkpoints/gpt-tiny/z1/fp32/tp2_pp1_dp2_sp1/global_step180")
+    own = "work/checkpoints/run_chain_small/gpt-tiny/z1/fp32"  # the run's own folder in the workdir
+    assert lines["checkpoint"].startswith(f"{own}/tp2_pp1_dp2_sp1/global_step180")
     assert "missing on disk" in lines["checkpoint"]  # the fixture carries no checkpoints
     assert lines["decision"] == "stay at iteration 180: gbs 32 is the largest allowed (max gbs)"
     assert lines["processes"] == "none (the run finished)"
@@ -64,7 +65,7 @@ def test_status_of_a_running_run_with_live_workers(tmp_path, monkeypatch):
     )
     (run_dir / "stages" / "3" / "stage_result.json").unlink()
     monkeypatch.chdir(tmp_path)  # the fixture's checkpoint paths are relative
-    layout = tmp_path / "work/checkpoints/gpt-tiny/z1/fp32/tp1_pp1_dp4_sp1"
+    layout = tmp_path / "work/checkpoints/run_chain_small/gpt-tiny/z1/fp32/tp1_pp1_dp4_sp1"
     (layout / "global_step110").mkdir(parents=True)
     (layout / "latest").write_text("global_step110\n")
     spec = run_dir / "stages" / "3" / "spec.json"
@@ -80,7 +81,7 @@ def test_status_of_a_running_run_with_live_workers(tmp_path, monkeypatch):
 
     assert lines["stage"] == "3 of 3 (running)"
     assert lines["iteration"] == "180 (last metrics 10.0 min ago)"
-    assert lines["checkpoint"] == "work/checkpoints/gpt-tiny/z1/fp32/tp1_pp1_dp4_sp1/global_step110"
+    assert lines["checkpoint"] == f"{layout.relative_to(tmp_path)}/global_step110"
     assert lines["markers"] == "latest -> global_step110, latest_universal missing"
     assert lines["processes"] == f"1 worker(s) alive on this host (pids {worker.pid}), torchrun none"
     after = dict(status_lines(collect_status(run_dir)))

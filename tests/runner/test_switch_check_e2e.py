@@ -159,7 +159,7 @@ def test_a_damaged_shard_is_refused_before_the_next_stage_trains(setup_dir, tmp_
     assert state.stages[0].universal == str(universal)
     assert (checkpoint.parent / LATEST_UNIVERSAL).read_text().strip() == universal.name
     assert not any(json.loads(line)["stage"] == 2 for line in (run_dir / "metrics.jsonl").open())
-    stage2_layout = Path(tmp_path, "checkpoints", "gpt-tiny", "z1", "fp32", "tp1_pp2_dp1_sp1")
+    stage2_layout = Path(tmp_path, "checkpoints", "damaged", "gpt-tiny", "z1", "fp32", "tp1_pp2_dp1_sp1")
     assert not list(stage2_layout.glob("global_step*"))
 
     # The same command again refuses again, and leaves the checkpoint as it was.

@@ -174,7 +174,7 @@ def test_train_runs_one_stage_on_two_cpu_processes(tmp_path, capfd):
 
     result = json.loads((run_dir / "stages" / "1" / "stage_result.json").read_text())
     assert result["reason"] == "completed" and result["last_iteration"] == 4
-    layout = tmp_path / "work" / "checkpoints" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
+    layout = tmp_path / "work" / "checkpoints" / "e2e" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
     assert Path(result["checkpoint"]) == layout / "global_step4"
     assert (layout / "latest").read_text().strip() == "global_step4"
     assert (run_dir / "stages" / "1" / "rank1.log").exists()

@@ -66,7 +66,8 @@ def register(subparsers) -> None:
         "--workdir",
         type=Path,
         default=None,
-        help="checkpoints go to WORKDIR/checkpoints/... in every mode (default: the current directory)",
+        help="checkpoints go to WORKDIR/checkpoints/<run name>/... in every mode (default: the current "
+        "directory)",
     )
     add_config_flags(parser)
     parser.add_argument(

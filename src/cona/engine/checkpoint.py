@@ -71,6 +71,7 @@ from cona.engine.checkpoint_manifest import (
     shares,
     write_manifest,
 )
+from cona.engine.checkpoint_paths import layout_dir
 from cona.engine.checkpoint_state import (
     barrier,
     distributed,
@@ -115,11 +116,6 @@ RUN_KEY = "run"
 TMP_PREFIX = ".tmp-"
 OWNER_TAG = "-of-"
 OWNER_CHARS = 12
-
-
-def layout_dir(workdir: Path, config: ConaConfig, strategy: Strategy, dtype: str) -> Path:
-    """``<workdir>/checkpoints/<model.name>/z<zero_stage>/<dtype>/tp<tp>_pp<pp>_dp<dp>_sp1``."""
-    return Path(workdir, "checkpoints", config.model.name, f"z{strategy.zero_stage}", dtype, strategy.layout)
 
 
 # ----------------------------------------------------------------------------------------------- save
@@ -305,8 +301,9 @@ def another_runs_checkpoint(final_dir: Path, owner: str) -> str | None:
     if not isinstance(saved, str) or saved == owner:
         return None
     return (
-        f"{final_dir} is another run's checkpoint (its trainer_state.json names run {saved}); refusing to "
-        f"replace it: give this run a --workdir of its own"
+        f"{final_dir} is another run's checkpoint (its trainer_state.json names run {saved}, a run of the "
+        f"same name under another log_root); refusing to replace it: give this run another --run-name or "
+        f"a --workdir of its own"
     )
 
 

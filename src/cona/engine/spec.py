@@ -39,7 +39,8 @@ class StageSpec:
     stage: int
     """Stage number, counted from 1; names stages/<stage>/ and is written into every metrics line."""
     workdir: Path
-    """Checkpoints go to ``<workdir>/checkpoints/<model>/z<zero>/<dtype>/<layout>/``."""
+    """Checkpoints go to ``<workdir>/checkpoints/<run_name>/<model>/z<zero>/<dtype>/<layout>/``
+    (:func:`cona.engine.checkpoint_paths.layout_dir`)."""
     planned_tokens: int
     """Horizon of the LR schedule in tokens (used when training.lr_decay_tokens is not set)."""
     load_path: Path | None = None
@@ -91,6 +92,11 @@ class StageSpec:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"stage spec: {name} must be positive, got {value}")
+
+    @property
+    def run_name(self) -> str:
+        """The run directory's name: with the workdir, what names the run's checkpoint folders."""
+        return self.run_dir.name
 
     @property
     def stage_dir(self) -> Path:

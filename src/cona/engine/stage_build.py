@@ -85,7 +85,7 @@ def continue_in_place(
         min_lr_factor=spec.min_lr_factor,
     )
     dtype = resolved_dtype(spec.config.training, model.device)
-    root = layout_dir(spec.workdir, spec.config, strategy, dtype)
+    root = layout_dir(spec.workdir, spec.config, strategy, dtype, run_name=spec.run_name)
     saving = (spec, model, old.optimizer, schedule, root, old.probe_batch)
     context = dataclasses.replace(
         old,
@@ -157,7 +157,7 @@ def build_stage(
     dp_rank = mesh["dp"].get_local_rank()
     dtype = resolved_dtype(config.training, device)
     probe = probe_batch(splits)
-    root = layout_dir(spec.workdir, config, strategy, dtype)
+    root = layout_dir(spec.workdir, config, strategy, dtype, run_name=spec.run_name)
     saving = (spec, model, optimizer, schedule, root, probe)
     context = StageContext(
         spec=spec,

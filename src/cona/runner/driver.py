@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from cona import run_files
 from cona.engine.checkpoint import another_runs_checkpoint, layout_dir, tmp_owner
+from cona.engine.checkpoint_paths import resume_folders
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import CheckpointError
 from cona.runner.in_place import replay_in_place
@@ -212,7 +213,19 @@ class StageDriver:
         return state
 
     def layout_dir(self, step_num: int) -> Path:
-        return layout_dir(self.run.workdir, self.run.config, self.schedule.strategy(step_num), self.dtype)
+        """The run's own checkpoint folder of stage ``step_num``'s layout."""
+        strategy = self.schedule.strategy(step_num)
+        return layout_dir(
+            self.run.workdir, self.run.config, strategy, self.dtype, run_name=self.run.run_dir.name
+        )
+
+    def resume_folders(self, step_num: int) -> tuple[Path, ...]:
+        """Where a relaunch of stage ``step_num`` looks for what it saved (the run's folder, then an older
+        cona's shared one)."""
+        strategy = self.schedule.strategy(step_num)
+        return resume_folders(
+            self.run.workdir, self.run.config, strategy, self.dtype, run_name=self.run.run_dir.name
+        )
 
     def save(self, state: RunState, stage: StageState) -> RunState:
         state = state.with_stage(stage)
@@ -299,7 +312,7 @@ class StageDriver:
         as ``training.save_interval`` and ``save_interval_minutes`` say."""
         # A token budget has no stop iteration: any iteration past the start is the stage's own.
         span = dataclasses.replace(stage, target_iteration=stage.target_iteration or sys.maxsize)
-        own = own_checkpoint(span, self.layout_dir(stage.step_num))
+        own = own_checkpoint(span, self.resume_folders(stage.step_num), owner=tmp_owner(self.run.run_dir))
         load_path = own if own is not None else (Path(stage.load_path) if stage.load_path else None)
         in_place = own is None and self.continues_in_place(state, stage.step_num)
         return StageSpec(

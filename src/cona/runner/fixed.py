@@ -40,7 +40,7 @@ class FixedRun:
     """The iteration the stage stops at."""
     config: ConaConfig
     workdir: Path
-    """Checkpoints go to ``<workdir>/checkpoints/...`` (absolute)."""
+    """Checkpoints go to ``<workdir>/checkpoints/<run name>/...`` (absolute)."""
     device_type: str
     """``cpu`` or ``cuda``, as the workers will resolve it."""
     run_name: str | None = None

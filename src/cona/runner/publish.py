@@ -31,7 +31,7 @@ from pathlib import Path
 from cona.atomic_files import write_atomic
 from cona.engine.checkpoint import LATEST_UNIVERSAL, verify_complete
 from cona.errors import CheckpointError
-from cona.runner.schedules.chain import PruneRule, resolve_ckpt_dir
+from cona.runner.schedules.chain import PruneRule
 
 LOG = logging.getLogger(__name__)
 UNIVERSAL_SUFFIX = "_universal"
@@ -121,14 +121,15 @@ def read_marker(marker: Path) -> str | None:
         return None
 
 
-def prune(rule: PruneRule, workdir: Path) -> PruneResult:
-    """Apply one pruning entry to its layout directory. Idempotent: safe to rerun after a kill mid-prune.
+def prune(rule: PruneRule, layout_dir: Path) -> PruneResult:
+    """Apply one pruning entry to ``layout_dir``, the run's own folder of the layout the entry names.
+    Idempotent: safe to rerun after a kill mid-prune.
 
     keep-latest removes every ``*_universal`` directory except the one ``latest_universal`` names; when no
     marker exists it removes nothing (it cannot tell which copy is live). delete-all removes the marker
     first (so it never names a half-deleted directory), then every ``*_universal`` directory.
     """
-    layout_dir = resolve_ckpt_dir(rule.ckpt_dir, workdir)
+    layout_dir = Path(layout_dir)
     if not layout_dir.is_dir():
         return PruneResult(layout_dir=layout_dir, removed=(), kept=None)
     marker = layout_dir / LATEST_UNIVERSAL

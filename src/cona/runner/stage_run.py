@@ -83,7 +83,8 @@ def launch_stage(launcher: Launcher, launch: StageLaunch) -> float:
     if locking():  # within a run's scope (the run directory is held already: no-op)
         lock_directory(spec.run_dir, "run directory")
         dtype = checkpoint_dtype(spec.config.training, launch.device_type)
-        lock_directory(layout_dir(spec.workdir, spec.config, spec.strategy, dtype), "checkpoint folder")
+        layout = layout_dir(spec.workdir, spec.config, spec.strategy, dtype, run_name=spec.run_name)
+        lock_directory(layout, "checkpoint folder")
     check_trainer_state(spec.run_dir, spec.load_path)
     stage_dir = spec.stage_dir
     (stage_dir / VERDICT_FILE).unlink(missing_ok=True)  # an earlier attempt's verdict is not this one's

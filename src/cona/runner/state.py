@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from cona import run_files
 from cona.atomic_files import write_json_atomic
-from cona.engine.checkpoint import LATEST, TRAINER_STATE_FILE, read_checkpoint_info
+from cona.engine.checkpoint import LATEST, RUN_KEY, TRAINER_STATE_FILE, read_checkpoint_info, tmp_owner
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.runner.schedules.chain import ChainConfig
@@ -193,12 +193,13 @@ def open_run(
     config_digest: str,
     world_size: int,
     fresh: bool,
-    layout_dirs: Sequence[Path],
+    resume_folders: Sequence[Sequence[Path]],
     workdir: Path | None = None,
 ) -> tuple[RunState, str]:
     """Load the run's state (refusing another chain's or config's) or start a new one (``fresh`` discards the
     old one first). Returns it with the line that says which, naming the checkpoint a resume continues from.
-    ``layout_dirs`` are the steps' checkpoint layout directories."""
+    ``resume_folders``: per step, where a relaunch looks for its own checkpoints
+    (:func:`cona.engine.checkpoint_paths.resume_folders`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if fresh:
         discard_run(run_dir)
@@ -227,7 +228,7 @@ def open_run(
         world_size=world_size,
         workdir=workdir,
     )
-    return state, resume_line(state, run_dir.name, layout_dirs)
+    return state, resume_line(state, run_dir.name, resume_folders, owner=tmp_owner(run_dir))
 
 
 def discard_run(run_dir: Path) -> None:
@@ -237,8 +238,11 @@ def discard_run(run_dir: Path) -> None:
     shutil.rmtree(run_files.stages_path(run_dir), ignore_errors=True)
 
 
-def resume_line(state: RunState, run_name: str, layout_dirs: Sequence[Path]) -> str:
-    """``resuming run X at stage N (status) from <checkpoint>, iteration=..., consumed_samples=...``."""
+def resume_line(
+    state: RunState, run_name: str, resume_folders: Sequence[Sequence[Path]], *, owner: str = ""
+) -> str:
+    """``resuming run X at stage N (status) from <checkpoint>, iteration=..., consumed_samples=...``
+    (``owner``: the run's :func:`cona.engine.checkpoint.tmp_owner`)."""
     current = state.current
     if current is None:
         last = state.stages[-1]
@@ -246,7 +250,7 @@ def resume_line(state: RunState, run_name: str, layout_dirs: Sequence[Path]) -> 
             f"run {run_name} already finished at iteration {last.last_iteration}, consumed_samples="
             f"{last.consumed_samples}; nothing to do (--fresh starts it over)"
         )
-    checkpoint = resume_checkpoint(state, current, layout_dirs[current.step_num - 1])
+    checkpoint = resume_checkpoint(state, current, resume_folders[current.step_num - 1], owner=owner)
     if checkpoint is None:
         return f"resuming run {run_name} at stage {current.step_num} from scratch, consumed_samples=0"
     try:
@@ -265,13 +269,16 @@ def resume_line(state: RunState, run_name: str, layout_dirs: Sequence[Path]) -> 
     )
 
 
-def resume_checkpoint(state: RunState, current: StageState, layout_dir: Path) -> Path | None:
-    """The complete checkpoint the run continues from (None: from scratch)."""
+def resume_checkpoint(
+    state: RunState, current: StageState, folders: Sequence[Path], *, owner: str = ""
+) -> Path | None:
+    """The complete checkpoint the run continues from (None: from scratch); ``folders``: the current
+    stage's resume folders."""
     if current.status == "pending":
         previous = state.stage(current.step_num - 1) if current.step_num > 1 else None
         found = previous and (previous.universal or previous.checkpoint)
     elif current.status == "running":
-        found = own_checkpoint(current, layout_dir) or current.load_path
+        found = own_checkpoint(current, folders, owner) or current.load_path
     else:
         found = current.checkpoint
     return Path(found) if found else None
@@ -317,19 +324,34 @@ def switch_cost(previous: StageState, stage: StageState) -> dict[str, float]:
     return {key: value for key, value in parts.items() if value is not None}
 
 
-def own_checkpoint(stage: StageState, layout_dir: Path) -> Path | None:
+def own_checkpoint(stage: StageState, layout_dirs: Sequence[Path], owner: str = "") -> Path | None:
     """The newest complete checkpoint a relaunched stage saved itself before it was interrupted, if any: the
-    layout's ``latest``, when its trainer_state names this stage, it was written after the stage was planned
-    and its iteration lies in the stage's span (a checkpoint of an earlier run or stage is none of these)."""
-    if stage.attempts == 0 or stage.planned_at is None or not (layout_dir / LATEST).is_file():
+    ``latest`` of the first of ``layout_dirs`` (its resume folders) that has one of the stage's own: its
+    trainer_state names this stage (and, where it names a run, run ``owner``), it was written after the
+    stage was planned and its iteration lies in the stage's span (a checkpoint of an earlier run or stage
+    is none of these)."""
+    if stage.attempts == 0 or stage.planned_at is None:
+        return None
+    for layout_dir in layout_dirs:
+        found = _own_latest(stage, Path(layout_dir), owner)
+        if found is not None:
+            return found
+    return None
+
+
+def _own_latest(stage: StageState, layout_dir: Path, owner: str) -> Path | None:
+    if not (layout_dir / LATEST).is_file():
         return None
     try:
         info = read_checkpoint_info(layout_dir)
     except CheckpointError:
         return None
-    iteration, owner = info.trainer_state.get("iteration"), info.trainer_state.get("stage")
+    trainer_state = info.trainer_state
+    iteration, saver = trainer_state.get("iteration"), trainer_state.get(RUN_KEY)
     written = (info.path / TRAINER_STATE_FILE).stat().st_mtime
-    if owner != stage.step_num or written <= stage.planned_at or not isinstance(iteration, int):
+    if trainer_state.get("stage") != stage.step_num or written <= (stage.planned_at or 0.0):
+        return None
+    if not isinstance(iteration, int) or (owner and isinstance(saver, str) and saver != owner):
         return None
     return info.path if stage.start_iteration < iteration <= stage.target_iteration else None
 

@@ -134,10 +134,11 @@ class MdsBackend:
         self, spec: StageSpec, strategy: Strategy, load: CheckpointLoad | None, *, probe: bool = False
     ) -> StageArgs:
         dtype = checkpoint_dtype(spec.config.training, self.device_type)
+        save_dir = layout_dir(spec.workdir, spec.config, strategy, dtype, run_name=spec.run_name)
         return StageArgs(
             ds_config_path=spec.stage_dir / ("verify_ds_config.json" if probe else "ds_config.json"),
             stop_tokens=None if probe else self.shape.stage_stop_tokens(spec.stage, spec.max_tokens),
-            save_dir=None if probe else layout_dir(spec.workdir, spec.config, strategy, dtype),
+            save_dir=None if probe else save_dir,
             load=load,
             schedule=lr_schedule(
                 spec.config.training,
@@ -147,7 +148,7 @@ class MdsBackend:
             ),
             override_scheduler=load is not None,
             device_type=self.device_type,
-            run_name=spec.run_dir.name,
+            run_name=spec.run_name,
             skip_train=probe,
             eval_iters=spec.resolved_eval_iters(),
         )
@@ -282,9 +283,8 @@ class MdsBackend:
         self, launch: StageLaunch, strategy: Strategy, output: LaunchOutput, verdict: Verdict | None
     ) -> None:
         spec = launch.spec
-        save_dir = layout_dir(
-            spec.workdir, spec.config, strategy, checkpoint_dtype(spec.config.training, self.device_type)
-        )
+        dtype = checkpoint_dtype(spec.config.training, self.device_type)
+        save_dir = layout_dir(spec.workdir, spec.config, strategy, dtype, run_name=spec.run_name)
         stop = output.view.stop
         reason = stop.reason if stop is not None else "completed"
         iteration = _saved_iteration(save_dir, spec, early=reason == "switch_requested")

@@ -10,6 +10,11 @@ A chain file is JSON with ``steps`` (one object per stage) and optional ``prunin
 
 Every error is a :class:`ChainError` whose one line names the file, the step and the key.
 
+A pruning entry's ``ckpt_dir`` names the layout of stage ``stage`` as the seed's chain files do,
+``checkpoints/<model.name>/z<zero>/<dtype>/tp<tp>_pp<pp>_dp<dp>_sp1`` relative to the workdir (a chain file
+does not know the name of the run it will be run as); what is pruned is that run's own folder of the layout,
+``<workdir>/checkpoints/<run_name>/<model.name>/...`` (:mod:`cona.engine.checkpoint_paths`).
+
 Which pruning entries are safe (the rule :func:`_check_pruning` enforces): pruning after stage ``k`` runs
 once stage ``k`` is trained and (if ``convert``) published, before stage ``k+1`` starts, and it only ever
 removes ``*_universal`` directories of stage ``k``'s own layout directory. The only checkpoint that exists
@@ -32,7 +37,7 @@ from typing import Any, Literal
 
 from cona.config import ConaConfig
 from cona.config_fields import reject_unknown
-from cona.engine.checkpoint import layout_dir
+from cona.engine.checkpoint_paths import CHECKPOINTS, layout_name
 from cona.engine.parallel_dims import validate_layout as engine_validate_layout
 from cona.errors import ChainError, ConaError
 from cona.runner.chain_start import start_point
@@ -104,7 +109,8 @@ class PruneRule:
     stage: int
     """The step_num after which to prune."""
     ckpt_dir: str
-    """The layout directory, as written in the chain file (relative to the workdir, or absolute)."""
+    """The step's layout as the chain file names it: ``checkpoints/<model.name>/z<zero>/<dtype>/<layout>``
+    relative to the workdir (or that path absolute); the run prunes its own folder of that layout."""
     mode: Literal["keep-latest", "delete-all"]
     """keep-latest keeps only the directory latest_universal names; delete-all removes every one."""
 
@@ -132,8 +138,10 @@ class ChainConfig:
 
 
 def layout_relpath(config: ConaConfig, step: ChainStep, dtype: str) -> Path:
-    """``checkpoints/<model.name>/z<zero>/<dtype>/tp<tp>_pp<pp>_dp<dp>_sp1``, relative to the workdir."""
-    return layout_dir(Path(), config, step.strategy(config), dtype)
+    """``checkpoints/<model.name>/z<zero>/<dtype>/tp<tp>_pp<pp>_dp<dp>_sp1``: how a pruning entry's
+    ``ckpt_dir`` names the step's layout (relative to the workdir, as the seed's chain files do; the run's
+    own folder of that layout, under ``checkpoints/<run_name>/``, is what it prunes)."""
+    return Path(CHECKPOINTS) / layout_name(config, step.strategy(config), dtype)
 
 
 def content_digest(raw: Any) -> str:

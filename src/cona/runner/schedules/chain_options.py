@@ -18,7 +18,7 @@ class ChainRun:
     chain_path: Path
     config: ConaConfig
     workdir: Path
-    """Checkpoints go to ``<workdir>/checkpoints/...``."""
+    """Checkpoints go to ``<workdir>/checkpoints/<run_dir.name>/...``."""
     run_dir: Path
     world_size: int
     device_type: str

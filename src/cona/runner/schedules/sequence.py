@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cona.engine.checkpoint import resolve_checkpoint
+from cona.engine.checkpoint_paths import layout_dir, resume_folders
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError, UsageError
 from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
@@ -33,7 +34,6 @@ from cona.runner.schedules.chain import (
     ChainConfig,
     ChainStep,
     content_digest,
-    layout_relpath,
     load_chain,
     planned_tokens,
 )
@@ -105,7 +105,11 @@ class ChainSchedule:
         return self.step(step_num).strategy(self.run.config)
 
     def layout_dir(self, step: ChainStep) -> Path:
-        return self.run.workdir / layout_relpath(self.run.config, step, self.dtype)
+        """The run's own checkpoint folder of the step's layout."""
+        run = self.run
+        return layout_dir(
+            run.workdir, run.config, step.strategy(run.config), self.dtype, run_name=run.run_dir.name
+        )
 
     def open(self) -> RunState:
         """Load or start the run's state and say which on the first line."""
@@ -120,7 +124,12 @@ class ChainSchedule:
             config_digest=content_digest(run.config.to_dict()),
             world_size=run.world_size,
             fresh=run.fresh,
-            layout_dirs=[self.layout_dir(step) for step in self.chain.steps],
+            resume_folders=[
+                resume_folders(
+                    run.workdir, run.config, step.strategy(run.config), self.dtype, run_name=run.run_dir.name
+                )
+                for step in self.chain.steps
+            ],
             workdir=run.workdir,
         )
         self.out(first_line if edit is None else f"{first_line}; {edit}")
@@ -168,12 +177,13 @@ class ChainSchedule:
         previous_step = self.step(step.step_num - 1)
         if not previous_step.convert:
             return Path(previous.checkpoint)
-        marker = self.layout_dir(previous_step) / LATEST_UNIVERSAL
+        published = Path(previous.universal)
+        marker = published.parent / LATEST_UNIVERSAL  # where this run published it (an older cona: shared)
         universal = resolve_checkpoint(marker)
-        if universal.resolve() != Path(previous.universal).resolve():
+        if universal.resolve() != published.resolve():
             raise ChainError(
-                f"{marker} names {universal.name}, not {Path(previous.universal).name} that step "
-                f"{previous.step_num} published; does another run share --workdir {self.run.workdir}?"
+                f"{marker} names {universal.name}, not {published.name} that step {previous.step_num} "
+                f"published; does another run of this name share --workdir {self.run.workdir}?"
             )
         return universal
 
@@ -208,7 +218,7 @@ class ChainSchedule:
     def prune(self, stage: StageState) -> tuple[str, ...]:
         removed: list[str] = []
         for rule in self.chain.rules_after(stage.step_num):
-            result = prune(rule, self.run.workdir)
+            result = prune(rule, self.layout_dir(self.step(rule.stage)))
             self.out(
                 f"stage {stage.step_num}: pruned {result.layout_dir} ({rule.mode}): removed "
                 f"{', '.join(result.removed) or 'nothing'}"
