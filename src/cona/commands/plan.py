@@ -27,7 +27,7 @@ from cona.planner.plan import (
     target_progress,
 )
 from cona.planner.policy import DEFAULT_HYSTERESIS, PolicySettings
-from cona.planner.profiles import BACKENDS
+from cona.planner.profiles import BACKENDS, BackendProfile, run_profile
 from cona.planner.systems import System, load_system
 from cona.planner.throughput import ThroughputEstimator, estimator_from_step_times
 from cona.planner.trace import Trace, read_trace
@@ -98,7 +98,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_gbs < initial_gbs:
         raise UsageError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
     dtype = args.dtype or config.training.dtype
-    backend = args.backend or trace.backend
+    # The trace's run mode (compiled, CUDA graphs) picks the profile's host dispatch, as online mode's does.
+    backend = run_profile(args.backend or trace.backend, config.training)
     estimator, calibration_note = _estimator(config, trace, system, gpus, dtype, backend)
     search = SearchSettings(
         backend=backend,
@@ -168,7 +169,7 @@ def _switch_cost(args: argparse.Namespace, trace: Trace) -> float:
 
 
 def _estimator(
-    config: ConaConfig, trace: Trace, system: System, gpus: int, dtype: str, backend: str
+    config: ConaConfig, trace: Trace, system: System, gpus: int, dtype: str, backend: BackendProfile
 ) -> tuple[ThroughputEstimator, str]:
     """Online mode's throughput estimator on the trace's step times, when they were measured on the GPU
     count planned for: the strategies the trace trained are taken at their measured rates, the others

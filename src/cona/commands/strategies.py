@@ -14,7 +14,7 @@ from cona.commands.config_flags import add_config_flags
 from cona.commands.search_flags import add_search_flags, botorch_choice
 from cona.config_file import load_config
 from cona.errors import UsageError
-from cona.planner.profiles import BACKENDS
+from cona.planner.profiles import BACKENDS, run_profile
 from cona.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
         options=options,
         dtype=config.training.dtype,
         top_k=max(args.top, EXPLAIN_POOL),
-        backend=args.backend,
+        backend=run_profile(args.backend, config.training),
         botorch=botorch_choice(args),
         seed=args.seed,
     )

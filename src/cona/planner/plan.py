@@ -37,6 +37,7 @@ from cona.planner.policy import (
     next_frontier,
     next_gbs,
 )
+from cona.planner.profiles import BackendProfile
 from cona.planner.search_choice import search_strategies
 from cona.planner.space import SpaceOptions
 from cona.planner.systems import System
@@ -132,7 +133,7 @@ class SearchSettings:
     botorch: bool | None = None
     """True: Bayesian optimisation, False: exhaustive, None: chosen by the size of the space
     (:func:`cona.planner.search_choice.uses_botorch`)."""
-    backend: str = "native"
+    backend: str | BackendProfile = "native"
     """The backend whose profile predicts the strategies (:data:`cona.planner.profiles.BACKENDS`)."""
     estimator: ThroughputEstimator | None = None
     """The trace's measured throughputs and the shape fitted on them (as online mode uses them): the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cona.config import TrainingConfig
 from cona.errors import PlanError
 
 BACKENDS = ("native", "megatron-deepspeed")
@@ -126,6 +127,16 @@ def megatron_profile() -> BackendProfile:
         step_param_bytes=MEGATRON_STEP_PARAM_BYTES,
         host=MEGATRON_HOST,
     )
+
+
+def run_profile(backend: str, training: TrainingConfig) -> BackendProfile:
+    """The profile of ``backend`` as a run of ``training`` uses it: CUDA graphs only where that run can
+    capture them (compiled on the GPU with ``training.cuda_graphs``; the strategy's own conditions are the
+    step model's). An eager run, or one with graphs off, dispatches every kernel from the host: on the H200
+    the graph profile put GPT-125M mbs 8 eager at 247k tokens/s, against 109k measured (docs/benchmarks.md,
+    third session), and a fit on that one point then under-predicted the larger batches by a third."""
+    graphs = training.cuda_graphs and training.compiles_on("cuda")
+    return backend_profile(backend).with_cuda_graphs(graphs)
 
 
 def backend_profile(name: str, *, cuda_graphs: bool = True) -> BackendProfile:

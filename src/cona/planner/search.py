@@ -26,6 +26,7 @@ from cona.config import ModelConfig
 from cona.errors import PlanError
 from cona.planner.local_search import refine_locally
 from cona.planner.perf_model import Prediction, predict
+from cona.planner.profiles import BackendProfile
 from cona.planner.search_gp import Observations, gp_updates
 from cona.planner.space import SpaceOptions, enumerate_strategies
 from cona.planner.systems import System
@@ -86,7 +87,7 @@ def exhaustive_search(
     dtype: str = "bf16",
     calibration: Calibration | None = None,
     top_k: int = 10,
-    backend: str = "native",
+    backend: str | BackendProfile = "native",
 ) -> SearchResult:
     """Evaluate every strategy of the space in one vectorised model call and rank those that fit, as
     ``backend`` (:data:`cona.planner.profiles.BACKENDS`) would run them."""
@@ -120,7 +121,7 @@ def bayesian_search(
     ei_stop_fraction: float = EI_STOP_FRACTION,
     max_gp_updates: int = MAX_GP_UPDATES,
     max_local_rounds: int = MAX_LOCAL_ROUNDS,
-    backend: str = "native",
+    backend: str | BackendProfile = "native",
 ) -> SearchResult:
     """BoTorch search over the same space, then a local refinement; deterministic for a given ``seed``.
 

@@ -21,6 +21,7 @@ import numpy as np
 from cona.config import ModelConfig
 from cona.errors import PlanError
 from cona.planner.flops import ModelShape
+from cona.planner.profiles import BackendProfile
 from cona.planner.step_parts import StepParts, host_micro_batches, model_step_parts
 from cona.planner.step_shape import StepShape, fit_shape
 from cona.planner.systems import System
@@ -142,7 +143,7 @@ def model_step_seconds(
     system: System,
     dtype: str = "bf16",
     *,
-    backend: str = "native",
+    backend: str | BackendProfile = "native",
 ) -> np.ndarray:
     """The raw (uncalibrated) model's device seconds per step of each strategy (host dispatch left out)."""
     return model_step_parts(model, strategies, system, dtype, backend=backend).device_s
@@ -156,7 +157,7 @@ def estimator_from_step_times(
     seq: int,
     dtype: str = "bf16",
     source: str = "trace",
-    backend: str = "native",
+    backend: str | BackendProfile = "native",
 ) -> ThroughputEstimator:
     """An estimator from ``(strategy, measured step seconds)`` pairs (a trace's timed rows, say)."""
     estimator = ThroughputEstimator(seq=seq)

@@ -8,6 +8,7 @@ from cona.config import ConaConfig
 from cona.errors import PlanError
 from cona.planner.plan import space_options
 from cona.planner.policy import Candidate
+from cona.planner.profiles import run_profile
 from cona.planner.search_choice import search_strategies
 from cona.planner.systems import System
 from cona.planner.throughput import Point, StepParts, ThroughputEstimator, model_step_parts
@@ -34,6 +35,7 @@ class FrontierSearch:
         """``backend``: whose performance profile predicts the strategies (``cona.planner.profiles``)."""
         self.config, self.system, self.n_gpus, self.dtype = config, system, n_gpus, dtype
         self.botorch, self.top_k, self.backend = botorch, top_k, backend
+        self.profile = run_profile(backend, config.training)
         self.options = space_options(config.training)
         self.estimator = ThroughputEstimator(seq=config.model.seq)
         self._cache: dict[int, tuple[list[Strategy], StepParts | None]] = {}
@@ -54,7 +56,7 @@ class FrontierSearch:
 
     def model_steps(self, strategies: list[Strategy]) -> StepParts:
         """The raw model's steps of ``strategies`` in the parts the estimator corrects."""
-        return model_step_parts(self.config.model, strategies, self.system, self.dtype, backend=self.backend)
+        return model_step_parts(self.config.model, strategies, self.system, self.dtype, backend=self.profile)
 
     def model_step(self, strategy: Strategy) -> StepParts:
         return self.model_steps([strategy])
@@ -90,7 +92,7 @@ class FrontierSearch:
                 dtype=self.dtype,
                 top_k=self.top_k,
                 botorch=self.botorch,
-                backend=self.backend,
+                backend=self.profile,
             )
         except PlanError:
             return [], None  # nothing valid or fitting at this gbs: the frontier skips it
