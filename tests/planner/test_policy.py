@@ -1,5 +1,6 @@
 """The switching policy on synthetic metrics: noise-scale measurements built to give a chosen noise scale."""
 
+import dataclasses
 import json
 
 import pytest
@@ -85,6 +86,24 @@ def test_a_candidate_that_wins_by_less_than_the_switch_cost_does_not_switch():
     assert short.record["time_saved_s"] < SETTINGS.predicted_switch_cost_s
     long = decide(fresh_state(), measure(50.0, remaining=50_000.0), CANDIDATE, SETTINGS)  # 50 s left
     assert long.action == "switch"
+
+
+def test_no_switch_or_fallback_when_training_ends_within_two_evaluations():
+    interval = 4_000.0  # tokens between evaluations
+    near_end = dataclasses.replace(measure(50.0, remaining=2 * interval), interval_tokens=interval)
+    assert decide(fresh_state(), near_end, CANDIDATE, SETTINGS).action == "stay"
+    assert "training ends within 2 evaluations" in decide(fresh_state(), near_end, CANDIDATE, SETTINGS).reason
+    further = dataclasses.replace(near_end, remaining_tokens=1e7)
+    assert decide(fresh_state(), further, CANDIDATE, SETTINGS).action == "switch"
+    # A fall-back the patience count has reached waits too.
+    state, settings = switched_state(fallback=True)
+    for noise_scale in (500.0, 1.0, 1.0, 1.0, 1.0, 1.0):
+        state = decide(state, measure(noise_scale, tokens_per_s=1200.0), None, settings).state
+    ending = dataclasses.replace(
+        measure(1.0, tokens_per_s=1200.0, remaining=interval), interval_tokens=interval
+    )
+    assert decide(state, ending, None, settings).action == "stay"
+    assert decide(state, measure(1.0, tokens_per_s=1200.0), None, settings).action == "fallback"
 
 
 def test_hysteresis_refuses_a_saving_just_above_the_cost():

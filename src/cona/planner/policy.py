@@ -54,6 +54,12 @@ __all__ = [
 ]  # fmt: skip
 
 
+ENDING_INTERVALS = 2
+"""No switch or fall-back with this many evaluations' worth of tokens or fewer left: the workers, which
+train on while the runner decides, may reach the end first (the demo once recorded a fall-back that never
+happened), and a stage shorter than an evaluation interval is never measured."""
+
+
 def next_gbs(current_gbs: int, settings: PolicySettings) -> int | None:
     """The frontier: the next larger gbs to search, or None when ``max_gbs`` is reached."""
     if settings.gbs_list is not None:
@@ -167,6 +173,12 @@ def decide(
     record["remaining_s"] = remaining_s
     state = _with_ema(state, noise, settings)
     record["noise_scale_ema"] = state.noise_ema
+    if measurement.remaining_tokens <= ENDING_INTERVALS * measurement.interval_tokens:
+        # The workers would reach the end before (or just after) the handover: a switch decided now would
+        # not happen, or not run long enough to be measured.
+        left = measurement.remaining_tokens
+        why = f"training ends within {ENDING_INTERVALS} evaluations ({left:,.0f} tokens left): no switch"
+        return _decision("stay", None, why, record, state)
     state, fallback = _fallback_check(state, measured, settings, record)
     if fallback is not None:
         return fallback

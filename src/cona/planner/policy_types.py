@@ -131,6 +131,9 @@ class Measurement:
     """The current strategy's measured throughput (None before a step was timed)."""
     remaining_tokens: float
     """Tokens still to train under the current strategy (the run's budget minus what is done)."""
+    interval_tokens: float = 0.0
+    """Tokens between two evaluations (a metrics interval): a switch needs some left after it to happen at
+    all, and to be measured (0: no such limit, as in a simulation that switches between evaluations)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

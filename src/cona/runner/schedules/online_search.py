@@ -219,6 +219,7 @@ class StageSearch:
             noise=self._noise_estimate(),
             measured_tokens_per_s=measured,
             remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
+            interval_tokens=float(last.steps_in_interval or 1) * current.gbs * self.budget.seq,
         )
         self._measure(current, measured)
         candidate = None
