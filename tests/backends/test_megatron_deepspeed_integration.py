@@ -264,6 +264,51 @@ def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(e
     assert replay_losses == pytest.approx(online_losses, rel=1e-5)
 
 
+GBS_CHAIN = [
+    {"step_num": 1, "dp": 1, "tp": 1, "pp": 2, "gbs": 4, "mbs": 1, "train_iters": 4, "is_initial": True},
+    {"step_num": 2, "dp": 1, "tp": 1, "pp": 2, "gbs": 8, "mbs": 1, "extra_iters": 3},
+    {"step_num": 3, "dp": 1, "tp": 1, "pp": 2, "gbs": 4, "mbs": 2, "extra_iters": 2},
+]
+
+
+def test_a_gbs_only_step_switches_in_place_with_the_losses_of_the_checkpointed_switch(
+    env, data_prefix, tmp_path
+):
+    """``--switch-in-place``: step 2 (gbs 4 -> 8 on the same layout) continues step 1's processes, step 3
+    (an mbs change) goes through the checkpoint; the same chain without in-place switches gives the same
+    books and, iteration by iteration, the same samples (consumed counts) and losses (the pipeline engine
+    of pp 2 takes the new number of micro-batches in process)."""
+    args = _setup(tmp_path, data_prefix, GBS_CHAIN, lr_decay_tokens=4000)
+    args.switch_in_place, args.run_name = True, "in-place"
+    in_place = run_mds_chain(chain_run_from_args(args), env)
+    args.switch_in_place, args.run_name = False, "checkpointed"
+    checkpointed = run_mds_chain(chain_run_from_args(args), env)
+
+    runs = {"in-place": in_place, "checkpointed": checkpointed}
+    books = {name: [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in state.stages]
+             for name, state in runs.items()}  # fmt: skip
+    assert books["in-place"] == books["checkpointed"] == [(4, 16, 1024), (7, 40, 2560), (9, 48, 3072)]
+    assert [s.checkpoint is None for s in in_place.stages] == [True, False, False]  # handed over, then saved
+    assert all(s.checkpoint is not None for s in checkpointed.stages)
+    stage_two = tmp_path / "logs" / "in-place" / "stages" / "2"
+    assert json.loads((stage_two / "continue.json").read_text())["gbs"] == 8
+    assert not (stage_two / "ds_config.json").exists()  # no launch of its own
+    records = {name: _records(tmp_path / "logs" / name) for name in runs}
+    for name in runs:
+        assert [r["iteration"] for r in records[name]] == list(range(1, 10))
+        assert [r["gbs"] for r in records[name]] == [4] * 4 + [8] * 3 + [4] * 2
+    counts = {name: [(r["consumed_samples"], r["consumed_tokens"]) for r in records[name]] for name in runs}
+    assert counts["in-place"] == counts["checkpointed"]
+    for key in ("loss", "lr"):
+        values = {name: [r[key] for r in records[name]] for name in runs}
+        assert values["in-place"] == pytest.approx(values["checkpointed"], rel=1e-5), key
+    assert len({r["lr"] for r in records["in-place"][4:7]}) == 3  # the LR rule at gbs 8, not a constant
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 NODES_TIMEOUT_S = 900  # two stages, a conversion and a verification launch on a shared 2-core machine
 NODES_CHAIN = [CHAIN[0], {**CHAIN[2], "step_num": 2}]  # tp1/pp2 -> tp1/pp1/dp2: no tp change (any checkout)
 

@@ -105,3 +105,36 @@ def switch_batch(command: dict, *, args, engine, scheduler, global_vars, calcula
     scheduler.lr_warmup_tokens, scheduler.lr_decay_tokens = args.lr_warmup_tokens, args.lr_decay_tokens
     # The LR of the next step at the tokens the scheduler last saw (no step counted).
     scheduler.step(0, token_num=scheduler.num_tokens)
+
+
+class EvaluationDraws:
+    """The validation and test iterators Megatron evaluates on: its own until an in-place switch, then
+    those a relaunch at the new gbs builds. Megatron sizes these two datasets by the gbs at its start
+    (``build_train_valid_test_datasets``: ``eval_iters * global_batch_size`` samples per draw), so after a
+    larger gbs its own would run out, and a relaunch's index over the new sizes may order them otherwise.
+    The training iterator stays: its sampler already continues as a relaunch's would."""
+
+    def __init__(self, build) -> None:
+        self.build = build
+        """``megatron.training.build_train_valid_test_data_iterators`` (Megatron's own)."""
+        self.provider = None
+        self.originals: tuple = ()
+        self.replacements: tuple = ()
+
+    def built(self, provider, iterators: tuple) -> tuple:
+        """Megatron's first build (``pretrain`` keeps these iterators in its locals)."""
+        self.provider, self.originals = provider, tuple(iterators)
+        return iterators
+
+    def rebuild(self) -> None:
+        """After an in-place switch, with ``args`` as a relaunch's: every rank builds (collectives inside)."""
+        _, valid, test = self.build(self.provider)
+        self.replacements = (valid, test)
+
+    def current(self, data_iterator):
+        """The iterator to evaluate on instead of ``data_iterator`` (one of Megatron's originals)."""
+        if self.replacements and data_iterator is not None:
+            for original, replacement in zip(self.originals[1:], self.replacements, strict=True):
+                if data_iterator is original:
+                    return replacement
+        return data_iterator

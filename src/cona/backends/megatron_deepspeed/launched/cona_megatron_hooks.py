@@ -1,7 +1,7 @@
 """What CONA adds to an unmodified Megatron-DeepSpeed training process (runs in the checkout's interpreter).
 
-:func:`install` wraps two functions of ``megatron.training`` that ``pretrain`` looks up by name at call time,
-so the checkout's files stay untouched:
+:func:`install` wraps functions of ``megatron.training`` that ``pretrain`` looks up by name at call time, so
+the checkout's files stay untouched:
 
 - ``setup_model_and_optimizer``: once the model is built, the gradient-noise hooks go on its parameters
   (:class:`cona_gns_inject.MicroBatchGns`).
@@ -21,7 +21,9 @@ In place (env ``CONA_MDS_HANDOVER_DIR``, one node): a request with ``"in_place":
 ``switch_in_place`` (``completed`` at the stop iteration), Megatron's loop is kept running, and at the top of
 the next step the last rank prints ``cona handover | iteration N``, every rank waits for the runner's
 continue command and applies it (:mod:`cona_in_place`: the new gbs and LR), and training goes on in the
-same processes. A request that comes when the loop ends anyway goes through the checkpoint.
+same processes. A request that comes when the loop ends anyway goes through the checkpoint. Evaluations
+then draw from the datasets a relaunch would build (``build_train_valid_test_data_iterators`` and
+``evaluate_and_print_results`` are wrapped for that).
 
 Megatron's own ``--kill-switch-file`` is not used: each rank checks it on its own, so two ranks can see the
 file at different iterations, and it exits without the final evaluation.
@@ -57,6 +59,8 @@ class StepHooks:
         """The iteration a stage handed over at, until the next stage's continue command is applied."""
         self.meter: MicroBatchGns | None = None
         self.model = self.scheduler = None
+        self.draws: cona_in_place.EvaluationDraws | None = None
+        """With a hand-over directory: the evaluation iterators (rebuilt at each in-place switch)."""
         self.line_sums = [0.0, 0.0]
         self.line_batches: tuple[int, int] | None = None
         self.measured = 0
@@ -158,23 +162,32 @@ class StepHooks:
         if command is None:
             print(f"cona: the runner is gone while waiting for {path}; exiting", flush=True)
             os._exit(1)
-        import megatron.global_vars
-        import megatron.microbatches
-
+        global_vars, calculator_class = self.batch_modules()
         cona_in_place.switch_batch(
             command,
             args=megatron_args,
             engine=self.model[0],
             scheduler=self.scheduler,
-            global_vars=megatron.global_vars,
-            calculator_class=megatron.microbatches.ConstantNumMicroBatches,
+            global_vars=global_vars,
+            calculator_class=calculator_class,
         )
+        if self.draws is not None:
+            self.draws.rebuild()
         self.stop_iteration = command["stop_iteration"]
         self.hand_over_at_stop = bool(command["hand_over_at_stop"])
         # The new stage measures from scratch, as a relaunched process would.
         self.line_sums, self.line_batches, self.measured = [0.0, 0.0], None, 0
         if self.meter is not None:
             self.meter.start_step(1.0, active=False)
+
+    @staticmethod
+    def batch_modules():
+        """``megatron.global_vars`` and ``megatron.microbatches.ConstantNumMicroBatches`` (what an in-place
+        switch changes; the CPU tests give their own)."""
+        import megatron.global_vars
+        import megatron.microbatches
+
+        return megatron.global_vars, megatron.microbatches.ConstantNumMicroBatches
 
     def _device(self) -> torch.device:
         return self.meter.device if self.meter is not None else torch.device("cpu")
@@ -208,4 +221,23 @@ def install(training, env=os.environ) -> StepHooks:
 
     training.setup_model_and_optimizer = setup_model_and_optimizer
     training.train_step = train_step
+    if hooks.handover_dir is not None:
+        _install_evaluation_draws(training, hooks)
     return hooks
+
+
+def _install_evaluation_draws(training, hooks: StepHooks) -> None:
+    """Wrap ``build_train_valid_test_data_iterators`` (called once by ``pretrain``) and
+    ``evaluate_and_print_results`` so that evaluations after an in-place switch draw from the datasets a
+    relaunch builds (:class:`cona_in_place.EvaluationDraws`)."""
+    draws = hooks.draws = cona_in_place.EvaluationDraws(training.build_train_valid_test_data_iterators)
+    evaluate = training.evaluate_and_print_results
+
+    def build_train_valid_test_data_iterators(provider):
+        return draws.built(provider, draws.build(provider))
+
+    def evaluate_and_print_results(prefix, forward_step_func, data_iterator, *args, **kwargs):
+        return evaluate(prefix, forward_step_func, draws.current(data_iterator), *args, **kwargs)
+
+    training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
+    training.evaluate_and_print_results = evaluate_and_print_results
