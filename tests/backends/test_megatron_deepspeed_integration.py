@@ -264,10 +264,11 @@ def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(e
     assert replay_losses == pytest.approx(online_losses, rel=1e-5)
 
 
+PP2 = {"dp": 1, "tp": 1, "pp": 2}
 GBS_CHAIN = [
-    {"step_num": 1, "dp": 1, "tp": 1, "pp": 2, "gbs": 4, "mbs": 1, "train_iters": 4, "is_initial": True},
-    {"step_num": 2, "dp": 1, "tp": 1, "pp": 2, "gbs": 8, "mbs": 1, "extra_iters": 3},
-    {"step_num": 3, "dp": 1, "tp": 1, "pp": 2, "gbs": 4, "mbs": 2, "extra_iters": 2},
+    {"step_num": 1, **PP2, "gbs": 4, "mbs": 1, "train_iters": 4, "is_initial": True},
+    {"step_num": 2, **PP2, "gbs": 8, "mbs": 1, "extra_iters": 3},
+    {"step_num": 3, **PP2, "gbs": 4, "mbs": 2, "extra_iters": 2},
 ]
 
 
@@ -276,8 +277,10 @@ def test_a_gbs_only_step_switches_in_place_with_the_losses_of_the_checkpointed_s
 ):
     """``--switch-in-place``: step 2 (gbs 4 -> 8 on the same layout) continues step 1's processes, step 3
     (an mbs change) goes through the checkpoint; the same chain without in-place switches gives the same
-    books and, iteration by iteration, the same samples (consumed counts) and losses (the pipeline engine
-    of pp 2 takes the new number of micro-batches in process)."""
+    books and, iteration by iteration, the same samples (consumed counts), LR and losses (the pipeline
+    engine of pp 2 takes the new number of micro-batches in process). The first gbs-8 step trains at the LR
+    the gbs-4 rule set after step 4 in both (the relaunch restores it with the optimizer state), the later
+    ones at the gbs-8 rule's."""
     args = _setup(tmp_path, data_prefix, GBS_CHAIN, lr_decay_tokens=4000)
     args.switch_in_place, args.run_name = True, "in-place"
     in_place = run_mds_chain(chain_run_from_args(args), env)
@@ -302,7 +305,8 @@ def test_a_gbs_only_step_switches_in_place_with_the_losses_of_the_checkpointed_s
     for key in ("loss", "lr"):
         values = {name: [r[key] for r in records[name]] for name in runs}
         assert values["in-place"] == pytest.approx(values["checkpointed"], rel=1e-5), key
-    assert len({r["lr"] for r in records["in-place"][4:7]}) == 3  # the LR rule at gbs 8, not a constant
+    lrs = [r["lr"] for r in records["in-place"]]
+    assert lrs[4] > lrs[3] and len(set(lrs[4:7])) == 3  # the gbs-8 rule's (scaled up), not a constant
 
 
 def _records(run_dir: Path) -> list[dict]:

@@ -18,20 +18,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cona import run_files
 from cona.atomic_files import write_json_atomic
+from cona.backends.megatron_deepspeed.launched.cona_in_place import command_path
 from cona.engine.optim import LRSchedule
 from cona.errors import LaunchError
 from cona.strategy import Strategy
 
-HANDOVER_DIR = "mds_handover"
-"""Under the run directory: the continue commands of the current launch (emptied at every launch)."""
 IN_PLACE_MBS = False
 """Whether an in-place switch of this backend may change mbs (the native engine's may)."""
 _STOP_GRACE_S = 30.0
 
 
 def handover_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / HANDOVER_DIR
+    """Where the continue commands of the run's current launch go (emptied at every launch)."""
+    return Path(run_dir) / run_files.MDS_HANDOVER
 
 
 def fresh_handover_dir(run_dir: Path) -> Path:
@@ -118,4 +119,4 @@ class HeldLaunch:
 def send_command(held: Held, command: dict, record: Path) -> None:
     """Write the continue command the held processes wait for (and a copy in the stage directory)."""
     write_json_atomic(record, command)
-    write_json_atomic(held.directory / f"continue-{held.iteration}.json", command)
+    write_json_atomic(Path(command_path(str(held.directory), held.iteration)), command)

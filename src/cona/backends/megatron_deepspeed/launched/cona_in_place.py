@@ -10,9 +10,12 @@ turns into its ``micro_batches``). A switch that keeps dp, tp, pp and mbs theref
 - the data stays as it is: Megatron's ``MegatronPretrainingSampler`` hands out micro-batches of ``mbs * dp``
   consecutive samples from ``consumed_train_samples`` on, whatever the gbs, so the samples and their order
   are those of a relaunch that builds the sampler at the same ``consumed_train_samples``;
-- the LR scheduler (token based, as CONA runs it) takes the new peak and minimum LR and recomputes the
-  current LR at the tokens it last saw, as ``load_state_dict`` with ``--override-opt_param-scheduler`` does
-  in a relaunched stage;
+- the LR scheduler (token based, as CONA runs it) takes the new peak and minimum LR, as
+  ``--override-opt_param-scheduler`` gives them to a relaunched stage. Megatron steps its scheduler after
+  each optimizer step (the LR of step k is set at the end of step k - 1), and a relaunch's first step runs
+  at the LR the checkpoint's optimizer state carries in its param groups (DeepSpeed restores them, from
+  ``global_step<N>`` and universal copies alike): the one the old stage's rule set after its last step. So
+  the step after the switch keeps that LR here too, and the new rule sets every later one;
 - ``args`` get what a relaunch's command line and ``update_train_iters`` would give them (gbs, LR,
   ``train_iters = train_samples // gbs``, the stage's ``--train-tokens``), so a later save records them.
 
@@ -101,10 +104,10 @@ def switch_batch(command: dict, *, args, engine, scheduler, global_vars, calcula
     args.train_tokens = command["train_tokens"]
     args.lr, args.min_lr = float(command["lr"]), float(command["min_lr"])
     args.lr_warmup_tokens, args.lr_decay_tokens = command["warmup_tokens"], command["decay_tokens"]
+    # The next step still trains at the LR the scheduler set after the last one (a relaunch does too: the
+    # optimizer state it loads restores its param groups' LR); the scheduler steps with the new rule after it.
     scheduler.max_lr, scheduler.min_lr = args.lr, args.min_lr
     scheduler.lr_warmup_tokens, scheduler.lr_decay_tokens = args.lr_warmup_tokens, args.lr_decay_tokens
-    # The LR of the next step at the tokens the scheduler last saw (no step counted).
-    scheduler.step(0, token_num=scheduler.num_tokens)
 
 
 class EvaluationDraws:
