@@ -36,6 +36,7 @@ from cona.backends.megatron_deepspeed.environment import (
     qkv_layout,
     resolve_environment,
 )
+from cona.backends.megatron_deepspeed.log_parse import Evaluation, parse_evaluation_line
 from cona.backends.megatron_deepspeed.run import run_mds_chain, run_mds_online
 from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.config_file import load_config
@@ -307,6 +308,16 @@ def test_a_gbs_only_step_switches_in_place_with_the_losses_of_the_checkpointed_s
         assert values["in-place"] == pytest.approx(values["checkpointed"], rel=1e-5), key
     lrs = [r["lr"] for r in records["in-place"]]
     assert lrs[4] > lrs[3] and len(set(lrs[4:7])) == 3  # the gbs-8 rule's (scaled up), not a constant
+    # Step 2's final evaluations (after its save) draw 2 x gbs 8 samples: from the datasets built again at the
+    # in-place switch, as the relaunch at gbs 8 builds them (Megatron's own, sized at gbs 4, run out).
+    draws = {name: _final_draws(tmp_path / "logs" / name / "stages" / "2" / "megatron.log") for name in runs}
+    assert [(e.split, e.samples) for e in draws["in-place"]] == [("validation", 16), ("test", 16)]
+    assert [e.loss for e in draws["in-place"]] == pytest.approx([e.loss for e in draws["checkpointed"]])
+
+
+def _final_draws(log: Path) -> list[Evaluation]:
+    evaluations = map(parse_evaluation_line, log.read_text(errors="replace").splitlines())
+    return [e for e in evaluations if e is not None and e.samples is not None]
 
 
 def _records(run_dir: Path) -> list[dict]:
