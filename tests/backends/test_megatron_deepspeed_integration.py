@@ -14,6 +14,7 @@ What they expect depends on the checkout's fused-QKV layout (:func:`qkv_layout`)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,10 +44,11 @@ from cona.config_file import load_config
 from cona.data.preprocess import PreprocessOptions, preprocess
 from cona.engine.optim import lr_schedule
 from cona.errors import ChainError, CheckpointError, LaunchError
+from cona.planner.plan import space_options
 from cona.runner.launch import check_port_free
 from cona.runner.run_dir import resolve_log_root
 from cona.runner.schedules.online_options import OnlineRun
-from cona.runner.state import load_state
+from cona.runner.state import RunState, load_state
 from cona.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,33 +214,13 @@ ONLINE_ITERS = 30
 
 def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(env, data_prefix, tmp_path):
     """Online mode through the checkout: the hooks' gradient-noise lines and Megatron's step times reach
-    the decisions, a switch goes through the checkpoint, ds_to_universal and verification, and
-    ``realized_chain.json`` replays through the same backend to the same books and losses."""
+    the decisions, a switch goes through the checkpoint, ds_to_universal and verification (the frontier's
+    gbs-8 strategy changes mbs, which this backend does not switch in place), and ``realized_chain.json``
+    replays through the same backend to the same books and losses."""
     if qkv_layout(env.repo) == "blocked":
         pytest.skip("online mode is refused on a blocked-QKV checkout (covered by the CLI tests)")
-    # One LR horizon for the online run and its replay (else online mode ends the cosine at --total-iters x
-    # the initial gbs, the replayed chain at its own tokens): their losses must differ by nothing else.
     args = _setup(tmp_path, data_prefix, CHAIN, lr_decay_tokens=20_000)
-    config = resolve_log_root(load_config(args.config))
-    run = OnlineRun(
-        config=config,
-        workdir=tmp_path / "work",
-        run_dir=tmp_path / "logs" / "online",
-        world_size=2,
-        device_type="cpu",
-        system="cpu_gloo",
-        initial_gbs=4,
-        max_gbs=8,
-        total_iters=ONLINE_ITERS,
-        botorch=False,
-        base_port=None,
-        quiet=True,
-        # A 30-iteration run of this model measures a noise scale of a few samples, where no larger batch
-        # pays, and a Megatron restart costs more than the rest of the run: decide as a long run would.
-        noise_scale_floor=1000.0,
-        policy_overrides={"predicted_switch_cost_s": 0.0},
-        backend="megatron-deepspeed",
-    )
+    run = _online_run(args, tmp_path)
     lines: list[str] = []
     state = run_mds_online(run, env, out=lines.append)
 
@@ -255,14 +237,76 @@ def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(e
     firsts = {stage.start_iteration + 1 for stage in state.stages}
     assert all(r["gns_big_sqr"] is not None for r in records if r["iteration"] not in firsts)
 
+    replay_losses = _replay(args, run, state, env)
+    online_losses = {record["iteration"]: record["loss"] for record in records}
+    assert replay_losses == pytest.approx(online_losses, rel=1e-5)
+
+
+def test_an_online_gbs_switch_in_place_replays_through_checkpoints_to_the_same_losses(
+    env, data_prefix, tmp_path, monkeypatch
+):
+    """The same online run with the frontier held to mbs 1, so that its gbs-8 strategy keeps dp, tp, pp and
+    mbs: the switch is done in place (no checkpoint, no conversion, no verification), and
+    ``realized_chain.json`` replays through checkpoints and ds_to_universal to the same books and losses."""
+    if qkv_layout(env.repo) == "blocked":
+        pytest.skip("online mode is refused on a blocked-QKV checkout (covered by the CLI tests)")
+    monkeypatch.setattr(
+        "cona.runner.schedules.frontier.space_options",
+        lambda training: dataclasses.replace(space_options(training), max_mbs=1),
+    )
+    args = _setup(tmp_path, data_prefix, CHAIN, lr_decay_tokens=20_000)
+    # The in-place switch's cost assumed until one is measured (1 s) is a third of this short run's rest.
+    run = _online_run(args, tmp_path, predicted_in_place_cost_s=0.0)
+    state = run_mds_online(run, env, out=lambda line: None)
+
+    entries = json.loads((run.run_dir / "online_stages.json").read_text())
+    assert len(state.stages) >= 2 and state.stages[-1].last_iteration == ONLINE_ITERS
+    assert entries[1]["in_place"] and state.stages[0].checkpoint is None and not _checks(run.run_dir)
+    assert Strategy(**entries[1]["strategy"]).same_layout(Strategy(**entries[0]["strategy"]), keep_mbs=True)
+    records = _records(run.run_dir)
+    assert [r["iteration"] for r in records] == list(range(1, ONLINE_ITERS + 1))
+    replay_losses = _replay(args, run, state, env)
+    # The replay's switch loads a universal copy, 1e-5 relative from the in-place switch here (1.2e-5 at most
+    # in a run); through Megatron's own checkpoint (the chain test below) the two agree to the log's digits.
+    assert replay_losses == pytest.approx({r["iteration"]: r["loss"] for r in records}, rel=3e-5)
+
+
+def _replay(
+    args: argparse.Namespace, run: OnlineRun, state: RunState, env: MdsEnvironment
+) -> dict[int, float]:
+    """Replay the online run's ``realized_chain.json`` through the backend (checkpoints at every switch);
+    checks it reaches the same books, returns its losses by iteration."""
     args.chain, args.run_name = str(run.run_dir / "realized_chain.json"), "replay"
     replayed = run_mds_chain(chain_run_from_args(args), env)
     books = [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in replayed.stages]
     assert books == [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in state.stages]
-    replay_records = (tmp_path / "logs" / "replay" / "metrics.jsonl").read_text().splitlines()
-    replay_losses = {r["iteration"]: r["loss"] for r in map(json.loads, replay_records)}
-    online_losses = {record["iteration"]: record["loss"] for record in records}
-    assert replay_losses == pytest.approx(online_losses, rel=1e-5)
+    return {r["iteration"]: r["loss"] for r in _records(run.run_dir.parent / "replay")}
+
+
+def _online_run(args: argparse.Namespace, tmp_path: Path, **policy_overrides: float) -> OnlineRun:
+    """The online run of the tests (``args`` from :func:`_setup` with one LR horizon, ``lr_decay_tokens``,
+    for the online run and its replay: else online mode ends the cosine at --total-iters x the initial
+    gbs, the replayed chain at its own tokens, and their losses would differ by more than float noise)."""
+    config = resolve_log_root(load_config(args.config))
+    return OnlineRun(
+        config=config,
+        workdir=tmp_path / "work",
+        run_dir=tmp_path / "logs" / "online",
+        world_size=2,
+        device_type="cpu",
+        system="cpu_gloo",
+        initial_gbs=4,
+        max_gbs=8,
+        total_iters=ONLINE_ITERS,
+        botorch=False,
+        base_port=None,
+        quiet=True,
+        # A 30-iteration run of this model measures a noise scale of a few samples, where no larger batch
+        # pays, and a Megatron restart costs more than the rest of the run: decide as a long run would.
+        noise_scale_floor=1000.0,
+        policy_overrides={"predicted_switch_cost_s": 0.0, **policy_overrides},
+        backend="megatron-deepspeed",
+    )
 
 
 PP2 = {"dp": 1, "tp": 1, "pp": 2}
