@@ -15,16 +15,23 @@ import subprocess
 import sys
 import textwrap
 from contextlib import redirect_stdout
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from cona.backends.megatron_deepspeed.environment import LAUNCHED_DIR
+from cona.backends.megatron_deepspeed.commands import online_shape
+from cona.backends.megatron_deepspeed.environment import LAUNCHED_DIR, MdsEnvironment
 from cona.backends.megatron_deepspeed.handover import Held, HeldLaunch, continue_command
 from cona.backends.megatron_deepspeed.log_parse import MetricsRecorder, parse_handover_line
 from cona.backends.megatron_deepspeed.output import follow
+from cona.backends.megatron_deepspeed.stage import MdsBackend
+from cona.config import parse_config
 from cona.engine.optim import LRSchedule
+from cona.engine.spec import StageSpec
 from cona.errors import LaunchError
+from cona.runner.launch import Topology
+from cona.runner.stage_run import StageLaunch
 from cona.strategy import Strategy
 
 sys.path.insert(0, str(LAUNCHED_DIR))  # as in the launched processes: the entry script's folder
@@ -303,3 +310,43 @@ def test_the_continue_command_carries_the_stage_s_lr_rule_and_stop_rules():
     assert (command["warmup_tokens"], command["decay_tokens"], command["train_tokens"]) == (256, 4096, 2048)
     assert command["stop_iteration"] == 7 and command["hand_over_at_stop"] is True
     assert math.isfinite(command["written_at"])
+
+
+def _launch(tmp_path, *, nnodes: int = 1, **spec_values) -> StageLaunch:
+    model = {"name": "g", "layers": 2, "hidden": 64, "heads": 4, "seq": 64, "normalization": "rmsnorm"}
+    config = parse_config({"model": model, "training": {"zero_stage": 1}}, source=None)
+    spec = StageSpec(
+        run_dir=tmp_path / "run", config=config, strategy=Strategy(dp=2, tp=1, pp=1, mbs=1, gbs=4), stage=1,
+        workdir=tmp_path, planned_tokens=4096, target_iteration=6, **spec_values,
+    )  # fmt: skip
+    topology = Topology(nproc_per_node=2 // nnodes, master_port=29500, nnodes=nnodes)
+    return StageLaunch(spec=spec, spec_path=tmp_path / "spec.json", topology=topology, device_type="cpu")
+
+
+def test_the_hooks_hear_of_hand_overs_only_where_a_stage_may_hand_over_on_one_node(tmp_path):
+    """The launch environment: the hand-over directory (emptied), the runner's pid and, for a stage that
+    hands over at its stop (a chain step, a replay up to an in-place switch), the flag; none for a
+    chain stage that cannot hand over, across nodes, or with in-place switches off."""
+    mds = MdsEnvironment(repo=tmp_path / "repo", python=Path(sys.executable))
+    config = _launch(tmp_path).spec.config
+    shape = online_shape(config, world_size=2, max_samples=100)
+
+    def hook_env(launch: StageLaunch, **backend) -> dict[str, str]:
+        backend = MdsBackend(env=mds, shape=shape, device_type="cpu", base_env={}, **backend)
+        return backend._hook_env(launch, training=True)
+
+    stale = tmp_path / "run" / "mds_handover" / "continue-6.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    online = hook_env(_launch(tmp_path), switch_requests=True, in_place=True)
+    assert online[cona_in_place.HANDOVER_DIR_ENV] == str(stale.parent) and not stale.exists()
+    assert int(online[cona_in_place.RUNNER_PID_ENV]) > 0
+    assert cona_in_place.HAND_OVER_AT_STOP_ENV not in online and online["CONA_MDS_STOP_ITERATION"] == "6"
+    chain_step = hook_env(_launch(tmp_path, hand_over_in_place=True), in_place=True)
+    assert chain_step[cona_in_place.HAND_OVER_AT_STOP_ENV] == "1"
+    for launch, backend in (
+        (_launch(tmp_path), {"in_place": True}),  # a chain stage that does not hand over
+        (_launch(tmp_path, nnodes=2, hand_over_in_place=True), {"in_place": True}),
+        (_launch(tmp_path, hand_over_in_place=True), {"in_place": False, "switch_requests": True}),
+    ):
+        assert cona_in_place.HANDOVER_DIR_ENV not in hook_env(launch, **backend)
