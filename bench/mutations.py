@@ -149,6 +149,22 @@ MUTATIONS = (
         "        lr_factor=1.0,",
         tests=IN_PLACE_TESTS,
     ),
+    Mutation(
+        name="mds_in_place_keeps_old_lr",
+        why="a Megatron-DeepSpeed in-place switch leaves the scheduler the old stage's peak and min LR",
+        path="src/cona/backends/megatron_deepspeed/launched/cona_in_place.py",
+        old="    scheduler.max_lr, scheduler.min_lr = args.lr, args.min_lr\n",
+        new="",
+        tests=("tests/backends/test_megatron_deepspeed_in_place.py",),
+    ),
+    Mutation(
+        name="mds_in_place_old_micro_batches",
+        why="a Megatron-DeepSpeed in-place switch tells DeepSpeed the new gbs, not Megatron's calculator",
+        path="src/cona/backends/megatron_deepspeed/launched/cona_in_place.py",
+        old="    global_vars._GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator_class(gbs, mbs, dp)\n",
+        new="",
+        tests=("tests/backends/test_megatron_deepspeed_in_place.py",),
+    ),
 )
 
 

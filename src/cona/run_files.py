@@ -12,6 +12,7 @@ report, ``cona plan --trace``) agree on them. It imports nothing of CONA's, so e
                           online_stages.json       an online run's chosen stages
                           realized_chain.json      an online run as a chain file that replays it
                           fixed_chain.json         a fixed strategy as a one-stage chain
+                          mds_handover/            Megatron-DeepSpeed in-place switches: continue commands
                           stages/<N>/spec.json     what stage N runs (replay_spec.json: its replay)
                                      stage_result.json, plan.json, switch_check.json, pids.json,
                                      torchrun.log, rank<r>.log, steps/rank<r>.jsonl
@@ -48,6 +49,9 @@ PIDS_GLOB = "pids*.json"
 SESSION_PREFIX = "session-"
 """``<run_dir>/session-<n>/``: the markers through which the runner hands a worker session its next stage."""
 STEP_TRACE_DIR = "steps"
+MDS_HANDOVER = "mds_handover"
+"""``<run_dir>/mds_handover/continue-<N>.json``: the runner's command to Megatron-DeepSpeed processes that
+handed a stage over in place at iteration N (``cona.backends.megatron_deepspeed.handover``)."""
 
 FRESH_FILES = (RUNNER_STATE, METRICS, SWITCH_REQUEST, DECISIONS, ONLINE_STAGES, REALIZED_CHAIN)
 """What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""

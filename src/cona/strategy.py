@@ -54,10 +54,11 @@ class Strategy:
     def short(self) -> str:
         return f"dp{self.dp}/tp{self.tp}/pp{self.pp} mbs{self.mbs} gbs{self.gbs}"
 
-    def same_layout(self, other: Strategy) -> bool:
-        """Whether ``other`` differs from this one in gbs and mbs at most: a switch between them can keep
-        the model's sharding and optimizer state in memory (an in-place switch)."""
-        return replace(other, gbs=self.gbs, mbs=self.mbs) == self
+    def same_layout(self, other: Strategy, *, keep_mbs: bool = False) -> bool:
+        """Whether ``other`` differs from this one in gbs and mbs at most (``keep_mbs``: in gbs at most): a
+        switch between them can keep the model's sharding and optimizer state in memory (an in-place
+        switch; the Megatron-DeepSpeed backend's keeps the mbs too)."""
+        return replace(other, gbs=self.gbs, mbs=other.mbs if keep_mbs else self.mbs) == self
 
 
 def configured_strategy(training: Any, *, dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Strategy:

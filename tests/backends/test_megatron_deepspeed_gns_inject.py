@@ -144,7 +144,7 @@ def _fake_training(model: TinyPipeGpt, micro_batches: int) -> SimpleNamespace:
     """The names of ``megatron.training`` the hooks use; train_step runs one DeepSpeed-like step."""
     args = SimpleNamespace(
         curr_iteration=0, log_interval=2, global_batch_size=2 * micro_batches, seq_length=5,
-        consumed_train_samples=0, consumed_train_tokens=0, train_iters=100,
+        consumed_train_samples=0, consumed_train_tokens=0, train_iters=100, train_tokens=None,
     )  # fmt: skip
     batches = iter(_micro_batches(20 * micro_batches))
 

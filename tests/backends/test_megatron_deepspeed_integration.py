@@ -45,7 +45,7 @@ from cona.errors import ChainError, CheckpointError, LaunchError
 from cona.runner.launch import check_port_free
 from cona.runner.run_dir import resolve_log_root
 from cona.runner.schedules.online_options import OnlineRun
-from cona.runner.state import load_state
+from cona.runner.state import RunState, load_state
 from cona.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,12 +76,15 @@ def env() -> MdsEnvironment:
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> Path:
+    return demo_data(tmp_path_factory.mktemp("mds-data"))
+
+
+def demo_data(directory: Path) -> Path:
     """The first 300 articles of the demo corpus, through ``cona preprocess`` (Megatron's mmap format; the
     checkout's own tools/preprocess_data.py leaves each document's EOD out of its size with --append-eod,
     which CONA's reader refuses). Real text matters: on random words a model this small and this briefly
     trained barely uses its attention, and a scrambled QKV then moved the loss of the draw by only 1.2e-4
     (tolerance 2.2e-4) in a run here."""
-    directory = tmp_path_factory.mktemp("mds-data")
     with open(CORPUS) as source, open(directory / "docs.jsonl", "w") as target:
         target.writelines(line for _, line in zip(range(300), source, strict=False))
     options = PreprocessOptions(
@@ -213,33 +216,13 @@ ONLINE_ITERS = 30
 
 def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(env, data_prefix, tmp_path):
     """Online mode through the checkout: the hooks' gradient-noise lines and Megatron's step times reach
-    the decisions, a switch goes through the checkpoint, ds_to_universal and verification, and
-    ``realized_chain.json`` replays through the same backend to the same books and losses."""
+    the decisions, a switch goes through the checkpoint, ds_to_universal and verification (the frontier's
+    gbs-8 strategy changes mbs, which this backend does not switch in place), and ``realized_chain.json``
+    replays through the same backend to the same books and losses."""
     if qkv_layout(env.repo) == "blocked":
         pytest.skip("online mode is refused on a blocked-QKV checkout (covered by the CLI tests)")
-    # One LR horizon for the online run and its replay (else online mode ends the cosine at --total-iters x
-    # the initial gbs, the replayed chain at its own tokens): their losses must differ by nothing else.
     args = _setup(tmp_path, data_prefix, CHAIN, lr_decay_tokens=20_000)
-    config = resolve_log_root(load_config(args.config))
-    run = OnlineRun(
-        config=config,
-        workdir=tmp_path / "work",
-        run_dir=tmp_path / "logs" / "online",
-        world_size=2,
-        device_type="cpu",
-        system="cpu_gloo",
-        initial_gbs=4,
-        max_gbs=8,
-        total_iters=ONLINE_ITERS,
-        botorch=False,
-        base_port=None,
-        quiet=True,
-        # A 30-iteration run of this model measures a noise scale of a few samples, where no larger batch
-        # pays, and a Megatron restart costs more than the rest of the run: decide as a long run would.
-        noise_scale_floor=1000.0,
-        policy_overrides={"predicted_switch_cost_s": 0.0},
-        backend="megatron-deepspeed",
-    )
+    run = _online_run(args, tmp_path)
     lines: list[str] = []
     state = run_mds_online(run, env, out=lines.append)
 
@@ -256,14 +239,51 @@ def test_online_run_switches_on_measured_values_and_its_realized_chain_replays(e
     firsts = {stage.start_iteration + 1 for stage in state.stages}
     assert all(r["gns_big_sqr"] is not None for r in records if r["iteration"] not in firsts)
 
+    replay_losses = _replay(args, run, state, env)
+    online_losses = {record["iteration"]: record["loss"] for record in records}
+    assert replay_losses == pytest.approx(online_losses, rel=1e-5)
+
+
+def _replay(
+    args: argparse.Namespace, run: OnlineRun, state: RunState, env: MdsEnvironment
+) -> dict[int, float]:
+    """Replay the online run's ``realized_chain.json`` through the backend (checkpoints at every switch);
+    checks it reaches the same books, returns its losses by iteration."""
     args.chain, args.run_name = str(run.run_dir / "realized_chain.json"), "replay"
     replayed = run_mds_chain(chain_run_from_args(args), env)
     books = [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in replayed.stages]
     assert books == [(s.last_iteration, s.consumed_samples, s.consumed_tokens) for s in state.stages]
-    replay_records = (tmp_path / "logs" / "replay" / "metrics.jsonl").read_text().splitlines()
-    replay_losses = {r["iteration"]: r["loss"] for r in map(json.loads, replay_records)}
-    online_losses = {record["iteration"]: record["loss"] for record in records}
-    assert replay_losses == pytest.approx(online_losses, rel=1e-5)
+    return {r["iteration"]: r["loss"] for r in _records(run.run_dir.parent / "replay")}
+
+
+def _online_run(args: argparse.Namespace, tmp_path: Path, **policy_overrides: float) -> OnlineRun:
+    """The online run of the tests (``args`` from :func:`_setup` with one LR horizon, ``lr_decay_tokens``,
+    for the online run and its replay: else online mode ends the cosine at --total-iters x the initial
+    gbs, the replayed chain at its own tokens, and their losses would differ by more than float noise)."""
+    config = resolve_log_root(load_config(args.config))
+    return OnlineRun(
+        config=config,
+        workdir=tmp_path / "work",
+        run_dir=tmp_path / "logs" / "online",
+        world_size=2,
+        device_type="cpu",
+        system="cpu_gloo",
+        initial_gbs=4,
+        max_gbs=8,
+        total_iters=ONLINE_ITERS,
+        botorch=False,
+        base_port=None,
+        quiet=True,
+        # A 30-iteration run of this model measures a noise scale of a few samples, where no larger batch
+        # pays, and a Megatron restart costs more than the rest of the run: decide as a long run would.
+        noise_scale_floor=1000.0,
+        policy_overrides={"predicted_switch_cost_s": 0.0, **policy_overrides},
+        backend="megatron-deepspeed",
+    )
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 NODES_TIMEOUT_S = 900  # two stages, a conversion and a verification launch on a shared 2-core machine

@@ -18,6 +18,7 @@ from cona.planner.policy import (
     initial_state,
     next_frontier,
     next_gbs,
+    switches_in_place,
 )
 from cona.strategy import Strategy
 
@@ -287,3 +288,20 @@ def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():
         actions.append(decision.action)
     assert actions == ["stay"] * (IN_PLACE.fallback_patience - 1) + ["fallback"]
     assert decision.target.strategy == ONE_GPU_8 and decision.record["in_place"]
+
+
+def test_a_backend_that_keeps_mbs_in_place_switches_an_mbs_change_through_a_checkpoint():
+    """ONE_GPU_8 -> ONE_GPU_16 changes mbs too: in place for the native engine, through a checkpoint (its
+    own cost, no trial) where in-place switches change the gbs only (Megatron-DeepSpeed)."""
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    candidate = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0)
+    measurement = measure(20.0, tokens_per_s=1000.0, remaining=1e5)
+    gbs_only = dataclasses.replace(IN_PLACE, in_place_mbs=False, predicted_switch_cost_s=10.0)
+    assert switches_in_place(ONE_GPU_8, ONE_GPU_16, IN_PLACE)
+    assert not switches_in_place(ONE_GPU_8, ONE_GPU_16, gbs_only)
+    decision = decide(state, measurement, candidate, gbs_only)
+    assert decision.action == "stay" and not decision.record["in_place"]
+    assert decision.record["switch_cost_s"] == 10.0
+    same_mbs = dataclasses.replace(ONE_GPU_16, mbs=8)
+    assert switches_in_place(ONE_GPU_8, same_mbs, gbs_only)
+    assert not switches_in_place(ONE_GPU_8, dataclasses.replace(same_mbs, dp=2), gbs_only)

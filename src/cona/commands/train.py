@@ -210,7 +210,7 @@ def _train_chain(args: argparse.Namespace, mds: bool) -> None:
         from cona.backends.megatron_deepspeed.run import run_mds_chain
 
         environment = _mds_environment(args)
-        run_mds_chain(chain_run(args), environment)
+        run_mds_chain(chain_run(args), environment, keep_workers=not getattr(args, "restart_workers", False))
         return
     from cona.runner.schedules.sequence import run_chain  # imports torch: not at `cona --help`
 
@@ -230,7 +230,7 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
         from cona.backends.megatron_deepspeed.run import BACKEND_NAME, run_mds_online
 
         run = dataclasses.replace(online_run(args), backend=BACKEND_NAME)
-        run_mds_online(run, _mds_environment(args))
+        run_mds_online(run, _mds_environment(args), in_place=not getattr(args, "restart_workers", False))
         return
     from cona.runner.schedules.online import run_online  # imports torch: not at `cona --help` time
 

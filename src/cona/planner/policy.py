@@ -132,7 +132,7 @@ def _mean_with(mean: float | None, count: int, value: float) -> tuple[float, int
 
 def switches_in_place(current: Strategy, target: Strategy, settings: PolicySettings) -> bool:
     """Whether a switch from ``current`` to ``target`` is carried out in place."""
-    return settings.in_place and current.same_layout(target)
+    return settings.in_place and current.same_layout(target, keep_mbs=not settings.in_place_mbs)
 
 
 def progress_per_second(tokens_per_s: float, gbs: int, noise_scale: float, base_gbs: int) -> float:

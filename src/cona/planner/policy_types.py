@@ -39,6 +39,9 @@ class PolicySettings:
     in_place: bool = False
     """Whether the runner can switch in place (same processes, state kept in memory) to a strategy that
     keeps the layout; such a switch is charged its own cost."""
+    in_place_mbs: bool = True
+    """With ``in_place``: whether such a switch may also change mbs (the native engine's may; the
+    Megatron-DeepSpeed backend's changes the gbs only, so an mbs change goes through a checkpoint)."""
     predicted_in_place_cost_s: float = 1.0
     trial_in_place: bool = True
     """With ``in_place``: try a candidate that keeps the layout when its predicted throughput does not pay but

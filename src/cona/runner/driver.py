@@ -141,6 +141,12 @@ def keeps_workers(launcher: Launcher) -> bool:
     return bool(getattr(launcher, "keeps_workers", False))
 
 
+def in_place_mbs(launcher: Launcher) -> bool:
+    """Whether the launcher's in-place switches may also change mbs (the native engine's may; a backend
+    that changes only the gbs in place says ``in_place_mbs = False``)."""
+    return bool(getattr(launcher, "in_place_mbs", True))
+
+
 def drive(
     run: Run,
     schedule_of: Callable[[Launcher], Schedule],

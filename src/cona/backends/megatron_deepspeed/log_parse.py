@@ -43,6 +43,7 @@ _GNS = re.compile(r"cona gns \| iteration (\d+) \|")
 _STOP = re.compile(
     r"cona stop \| iteration (\d+) \| consumed samples: (\d+) \| consumed tokens: (\d+) \| reason: ([a-z_]+)"
 )
+_HANDOVER = re.compile(r"cona handover \| iteration (\d+)")
 GNS_KEYS = {
     "small sqr": "gns_small_sqr",
     "big sqr": "gns_big_sqr",
@@ -106,7 +107,8 @@ class Stop:
     consumed_samples: int
     consumed_tokens: int
     reason: str
-    """``completed`` (its stop iteration) or ``switch_requested``."""
+    """``completed`` (its stop iteration), ``switch_requested`` or ``switch_in_place`` (the processes go on
+    for the next stage: their ``cona handover`` line follows)."""
 
 
 def parse_stop_line(line: str) -> Stop | None:
@@ -115,6 +117,13 @@ def parse_stop_line(line: str) -> Stop | None:
         return None
     iteration, samples, tokens = (int(match.group(index)) for index in (1, 2, 3))
     return Stop(iteration=iteration, consumed_samples=samples, consumed_tokens=tokens, reason=match.group(4))
+
+
+def parse_handover_line(line: str) -> int | None:
+    """The iteration of the hooks' ``cona handover | iteration N`` line: the stage's output ended there, its
+    processes wait for the next stage (None for any other line)."""
+    match = _HANDOVER.search(line)
+    return int(match.group(1)) if match else None
 
 
 def parse_evaluation_line(line: str) -> Evaluation | None:

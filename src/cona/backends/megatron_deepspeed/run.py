@@ -38,9 +38,12 @@ from cona.strategy import Strategy
 BACKEND_NAME = "megatron-deepspeed"
 
 
-def run_mds_online(run: OnlineRun, env: MdsEnvironment, *, out: Callable[[str], None] = print) -> RunState:
+def run_mds_online(
+    run: OnlineRun, env: MdsEnvironment, *, out: Callable[[str], None] = print, in_place: bool = True
+) -> RunState:
     """``cona train --gpus N --repo-path PATH ...``: the online policy decides the stages, this backend runs
-    them (every switch through a checkpoint: the launcher keeps no workers between stages)."""
+    them. A switch that changes only the gbs is done in place on one node (``in_place``; off with
+    ``--restart-workers``), every other one through a checkpoint."""
     check_nodes(run.nodes)
     config = run.config
     check_supported(config, Strategy(dp=run.world_size, tp=1, pp=1, mbs=1, gbs=run.initial_gbs,
@@ -56,9 +59,13 @@ def run_mds_online(run: OnlineRun, env: MdsEnvironment, *, out: Callable[[str], 
         device_type=run.device_type,
         base_env=dict(os.environ),
         switch_requests=True,
+        in_place=in_place and run.nodes.num_nodes == 1,
         out=out,
     )
-    return run_online(run, launcher=backend.launch, publisher=backend.publish, out=out)
+    try:
+        return run_online(run, launcher=backend, publisher=backend.publish, out=out)
+    finally:
+        backend.close()
 
 
 def online_max_samples(run: OnlineRun) -> int:
@@ -93,9 +100,11 @@ def run_mds_chain(
     repair: bool = True,
     verify: bool = True,
     check_qkv: bool = True,
+    keep_workers: bool = True,
 ) -> RunState:
     """Validate the chain for this checkout, then run it. ``repair``/``check_qkv`` off only in the tests that
-    show what verification catches without them."""
+    show what verification catches without them. With ``--switch-in-place`` a step that changes only the
+    gbs continues the previous step's processes (one node; ``keep_workers`` off: ``--restart-workers``)."""
     check_nodes(run.nodes)
     dtype = checkpoint_dtype(run.config.training, run.device_type)
     chain = load_chain(
@@ -119,9 +128,13 @@ def run_mds_chain(
         base_env=dict(os.environ),
         repair=repair,
         verify=verify,
+        in_place=keep_workers and run.nodes.num_nodes == 1,
         out=out,
     )
-    return run_chain(run, launcher=backend.launch, publisher=backend.publish, out=out)
+    try:
+        return run_chain(run, launcher=backend, publisher=backend.publish, out=out)
+    finally:
+        backend.close()
 
 
 def check_nodes(nodes: NodePlacement) -> None:

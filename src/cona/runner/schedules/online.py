@@ -32,7 +32,7 @@ from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
 from cona.planner.policy import Candidate
 from cona.planner.systems import load_system
-from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
+from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
 from cona.runner.nodes.multinode import cona_command
 from cona.runner.publish import publish
 from cona.runner.run_dir import point_latest
@@ -88,7 +88,12 @@ def run_online(
     )
     return drive(
         run,
-        lambda stage_launcher: OnlineSchedule(run, out=out, in_place=keeps_workers(stage_launcher)),
+        lambda stage_launcher: OnlineSchedule(
+            run,
+            out=out,
+            in_place=keeps_workers(stage_launcher),
+            in_place_mbs=in_place_mbs(stage_launcher),
+        ),
         launcher=launcher,
         out=out,
         publisher=publisher,
@@ -102,7 +107,9 @@ class OnlineSchedule:
     reports_switch_cost = False  # the summary table at the end shows the switches' costs
     first_iteration = 0
 
-    def __init__(self, run: OnlineRun, *, out: Callable[[str], None], in_place: bool) -> None:
+    def __init__(
+        self, run: OnlineRun, *, out: Callable[[str], None], in_place: bool, in_place_mbs: bool = True
+    ) -> None:
         self.run, self.out = run, out
         training = run.config.training
         system = load_system(run.system)
@@ -125,6 +132,8 @@ class OnlineSchedule:
         self.records = StageRecords(run.run_dir)
         self.in_place = in_place
         """Whether a switch that keeps the layout can keep the state in the workers (a session)."""
+        self.in_place_mbs = in_place_mbs
+        """Whether such a switch may also change mbs (the backend's launcher says)."""
         self.run_tracker = RunTracker.off()
         self.memory: Memory | None = None
         """What the policy carries into the current stage."""
@@ -162,8 +171,13 @@ class OnlineSchedule:
                 f"one is logged beside it); policy settings overridden: {run.policy_overrides or 'none'}"
             )
         if state.current is not None:
-            self.memory = resumed_memory(run, state, self.records, in_place=self.in_place)
+            self.memory = self._resumed_memory(state)
         return state
+
+    def _resumed_memory(self, state: RunState) -> Memory:
+        return resumed_memory(
+            self.run, state, self.records, in_place=self.in_place, in_place_mbs=self.in_place_mbs
+        )
 
     def _start(self) -> RunState:
         run = self.run
@@ -297,7 +311,7 @@ class OnlineSchedule:
         has_next = len(state.stages) > step_num
         if outcome is None:
             if has_next:
-                self.memory = resumed_memory(self.run, state, self.records, in_place=self.in_place)
+                self.memory = self._resumed_memory(state)
             return
         memory = Memory(settings=outcome.settings, policy_state=outcome.policy_state, tracker=outcome.tracker)
         if has_next and outcome.decision is not None:

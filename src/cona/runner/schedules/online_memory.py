@@ -34,7 +34,9 @@ class Memory:
     pending: PendingSwitch | None = None
 
 
-def resumed_memory(run: OnlineRun, state: RunState, records: StageRecords, *, in_place: bool) -> Memory:
+def resumed_memory(
+    run: OnlineRun, state: RunState, records: StageRecords, *, in_place: bool, in_place_mbs: bool = True
+) -> Memory:
     """The memory at the start of the current stage of ``state``, from the run directory's files."""
     training = run.config.training
     current = state.current
@@ -51,7 +53,7 @@ def resumed_memory(run: OnlineRun, state: RunState, records: StageRecords, *, in
             for row in rates[:earlier]
         )
         policy_state = dataclasses.replace(policy_state, earlier=finished)
-    overrides = {"in_place": in_place, **run.policy_overrides}
+    overrides = {"in_place": in_place, "in_place_mbs": in_place_mbs, **run.policy_overrides}
     settings = PolicySettings.from_training(training, max_gbs=run.max_gbs, **overrides)
     return Memory(settings=settings, policy_state=policy_state, tracker=tracker)
 

@@ -26,7 +26,7 @@ from cona.engine.checkpoint import resolve_checkpoint
 from cona.engine.checkpoint_paths import layout_dir, resume_folders
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError, UsageError
-from cona.runner.driver import Plan, Publisher, drive, keeps_workers, start_text
+from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.run_dir import point_latest
 from cona.runner.run_lock import lock_directory
@@ -62,7 +62,13 @@ def run_chain(
     )
     return drive(
         run,
-        lambda stage_launcher: ChainSchedule(run, chain, out=out, in_place=_in_place(run, stage_launcher)),
+        lambda stage_launcher: ChainSchedule(
+            run,
+            chain,
+            out=out,
+            in_place=_in_place(run, stage_launcher),
+            in_place_mbs=in_place_mbs(stage_launcher),
+        ),
         launcher=launcher,
         out=out,
         publisher=publisher,
@@ -74,8 +80,8 @@ def _in_place(run: ChainRun, launcher: Launcher) -> bool:
     """``--switch-in-place``, refused where the stages do not share their worker processes."""
     if run.switch_in_place and not keeps_workers(launcher):
         raise UsageError(
-            "--switch-in-place needs the worker processes kept from one stage to the next: one node, the "
-            "native backend and no --restart-workers"
+            "--switch-in-place needs the worker processes kept from one stage to the next: one node and no "
+            "--restart-workers"
         )
     return run.switch_in_place
 
@@ -87,11 +93,19 @@ class ChainSchedule:
     max_tokens = None
 
     def __init__(
-        self, run: ChainRun, chain: ChainConfig, *, out: Callable[[str], None], in_place: bool
+        self,
+        run: ChainRun,
+        chain: ChainConfig,
+        *,
+        out: Callable[[str], None],
+        in_place: bool,
+        in_place_mbs: bool = True,
     ) -> None:
         self.run, self.chain, self.out = run, chain, out
         self.in_place = in_place
         """Steps that keep the previous step's layout continue its state in memory."""
+        self.in_place_mbs = in_place_mbs
+        """... also when they change mbs (else only a gbs change is in place: the backend's launcher says)."""
         self.dtype = checkpoint_dtype(run.config.training, run.device_type)
         self.planned_tokens = planned_tokens(chain, run.config.model.seq)
         self.first_iteration = chain.start_iteration
@@ -191,7 +205,8 @@ class ChainSchedule:
         """A step hands its state over when the next step keeps its layout (with ``--switch-in-place``)."""
         if not self.in_place or step_num == len(self.chain.steps):
             return False
-        return self.strategy(step_num).same_layout(self.strategy(step_num + 1))
+        following = self.strategy(step_num + 1)
+        return self.strategy(step_num).same_layout(following, keep_mbs=not self.in_place_mbs)
 
     def recorded_result(self, stage: StageState, result_path: Path) -> StageResult | None:
         return finished_result(stage, result_path)
