@@ -56,7 +56,7 @@ __all__ = [
 
 ENDING_INTERVALS = 2
 """No switch or fall-back with this many evaluations' worth of tokens or fewer left: the workers, which
-train on while the runner decides, may reach the end first (the demo once recorded a fall-back that never
+train on while the runner decides, may reach the end first (the demo once recorded a switch that never
 happened), and a stage shorter than an evaluation interval is never measured."""
 
 
