@@ -183,9 +183,9 @@ def test_an_in_place_request_hands_over_and_the_next_stage_trains_on_in_the_same
     assert megatron.trained == [[0, 1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # every sample once, in order
     assert megatron.args.consumed_train_samples == 12 and megatron.engine.train_batch_size == 4
     assert megatron.args.global_batch_size == 4 and megatron.args.train_iters == 4
-    # Step 3 trains at the LR the old rule set after step 2 (as a relaunch's restored param groups do), step
-    # 4 at the new rule's (peak 2e-3) at the tokens before step 3.
-    assert megatron.lrs[2] == pytest.approx(1e-3 * 10 / 200) and megatron.scheduler.num_steps == 12
+    # Step 3, the first after the switch, trains at the new rule (peak 2e-3) at the tokens before it, not at
+    # the LR the old rule set after step 2; step 4 at the new rule at the tokens before step 3.
+    assert megatron.lrs[2] == pytest.approx(2e-3 * 10 / 200) and megatron.scheduler.num_steps == 12
     assert megatron.lrs[3] == pytest.approx(2e-3 * 20 / 200) and megatron.args.lr == 2e-3
     # The final evaluations draw from the datasets built again for gbs 4 (Megatron sized its own for 2).
     assert megatron.builds == 2 and megatron.evaluated == ["valid2", "test2"]

@@ -59,9 +59,8 @@ def test_a_gbs_only_step_switches_in_place_with_the_losses_of_the_checkpointed_s
     """``--switch-in-place``: step 2 (gbs 4 -> 8 on the same layout) continues step 1's processes, step 3
     (an mbs change) goes through the checkpoint; the same chain without in-place switches gives the same
     books and, iteration by iteration, the same samples (consumed counts), LR and losses (the pipeline
-    engine of pp 2 takes the new number of micro-batches in process). The first gbs-8 step trains at the LR
-    the gbs-4 rule set after step 4 in both (the relaunch restores it with the optimizer state), the later
-    ones at the gbs-8 rule's."""
+    engine of pp 2 takes the new number of micro-batches in process). Every gbs-8 step trains at the gbs-8
+    rule's LR in both (the relaunch's optimizer state, which restores the gbs-4 one, is overridden)."""
     args = _setup(tmp_path, data_prefix, GBS_CHAIN, lr_decay_tokens=4000)
     args.switch_in_place, args.run_name = True, "in-place"
     in_place = run_mds_chain(chain_run_from_args(args), env)

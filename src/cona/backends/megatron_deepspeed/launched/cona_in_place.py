@@ -11,11 +11,12 @@ turns into its ``micro_batches``). A switch that keeps dp, tp, pp and mbs theref
   consecutive samples from ``consumed_train_samples`` on, whatever the gbs, so the samples and their order
   are those of a relaunch that builds the sampler at the same ``consumed_train_samples``;
 - the LR scheduler (token based, as CONA runs it) takes the new peak and minimum LR, as
-  ``--override-opt_param-scheduler`` gives them to a relaunched stage. Megatron steps its scheduler after
-  each optimizer step (the LR of step k is set at the end of step k - 1), and a relaunch's first step runs
-  at the LR the checkpoint's optimizer state carries in its param groups (DeepSpeed restores them, from
-  ``global_step<N>`` and universal copies alike): the one the old stage's rule set after its last step. So
-  the step after the switch keeps that LR here too, and the new rule sets every later one;
+  ``--override-opt_param-scheduler`` gives them to a relaunched stage, and sets the param groups' LR at
+  once (``step(0)`` at the tokens it last stepped at): Megatron steps its scheduler after each optimizer
+  step (the LR of step k is set at the end of step k - 1), so without it the first step after the switch
+  would train at the old rule's LR. A relaunch does the same after its checkpoint load (the hooks'
+  ``after_setup``), where DeepSpeed restores the old stage's LR with the optimizer state; both then train
+  the new stage's first step at the new rule;
 - ``args`` get what a relaunch's command line and ``update_train_iters`` would give them (gbs, LR,
   ``train_iters = train_samples // gbs``, the stage's ``--train-tokens``), so a later save records them.
 
@@ -104,10 +105,17 @@ def switch_batch(command: dict, *, args, engine, scheduler, global_vars, calcula
     args.train_tokens = command["train_tokens"]
     args.lr, args.min_lr = float(command["lr"]), float(command["min_lr"])
     args.lr_warmup_tokens, args.lr_decay_tokens = command["warmup_tokens"], command["decay_tokens"]
-    # The next step still trains at the LR the scheduler set after the last one (a relaunch does too: the
-    # optimizer state it loads restores its param groups' LR); the scheduler steps with the new rule after it.
     scheduler.max_lr, scheduler.min_lr = args.lr, args.min_lr
     scheduler.lr_warmup_tokens, scheduler.lr_decay_tokens = args.lr_warmup_tokens, args.lr_decay_tokens
+    apply_schedule_now(scheduler)
+
+
+def apply_schedule_now(scheduler) -> None:
+    """Set the param groups' LR to the scheduler's rule at the tokens it last stepped at (no step counted,
+    as its own ``load_state_dict`` does): the next step trains at the LR the current stage's rule gives it
+    under Megatron's convention, not at the one the previous stage's last step (or the optimizer state a
+    relaunch loaded after the scheduler's) left in them."""
+    scheduler.step(0, token_num=scheduler.num_tokens)
 
 
 class EvaluationDraws:

@@ -68,6 +68,8 @@ class StepHooks:
     def after_setup(self, model, scheduler) -> None:
         mpu = self.training.mpu
         self.model, self.scheduler = model, scheduler
+        if scheduler is not None:  # a loaded checkpoint restored the previous stage's LR with its optimizer
+            cona_in_place.apply_schedule_now(scheduler)
         self.meter = MicroBatchGns(model[0].named_parameters(), tp=mpu.get_tensor_model_parallel_world_size())
 
     def train_step(self, original, *args, **kwargs):
