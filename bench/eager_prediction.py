@@ -1,0 +1,56 @@
+"""What online mode's estimator predicts for an eager run's larger batches from the ones it measured first.
+
+The points are GPT-125M, seq 512, bf16, eager on one H200 (docs/benchmarks.md, "Online vs fixed on the H200,
+eager and compiled", call 4: medians of an online run's metrics lines, one stage per gbs, mbs = gbs). For the
+profile the run gets (``planner.profiles.run_profile``: no CUDA graphs, the run is eager) and for the graph
+profile every prediction used before, the estimator is fitted on the first k measured points and predicts the
+others; printed as predicted / measured. Runs on a CPU in a second::
+
+    PYTHONPATH=src .venv/bin/python bench/eager_prediction.py
+"""
+
+from __future__ import annotations
+
+from cona.config import ModelConfig, TrainingConfig
+from cona.planner.profiles import run_profile
+from cona.planner.step_parts import model_step_parts
+from cona.planner.systems import load_system
+from cona.planner.throughput import Point, ThroughputEstimator
+from cona.strategy import Strategy
+
+GPT_125M = ModelConfig(name="gpt-125m", layers=12, hidden=768, heads=12, seq=512, vocab_size=50304)
+MEASURED_TOKENS_PER_S = {8: 109_338, 16: 209_946, 32: 324_866, 64: 357_357}
+
+
+def main() -> None:
+    h200 = load_system("h200_141g")
+    order = sorted(MEASURED_TOKENS_PER_S)
+    strategies = {g: Strategy(dp=1, tp=1, pp=1, mbs=g, gbs=g) for g in order}
+    for label, training in (
+        ("the run's (eager)", TrainingConfig(compile=False)),
+        ("graphs", TrainingConfig()),
+    ):
+        profile = run_profile("native", training)
+        parts = {g: model_step_parts(GPT_125M, [strategies[g]], h200, "bf16", backend=profile) for g in order}
+        print(f"profile: {label}")
+        for known in range(1, len(order)):
+            points = [
+                Point(
+                    strategy=strategies[g],
+                    tokens_per_s=MEASURED_TOKENS_PER_S[g],
+                    model=parts[g],
+                    source=str(g),
+                )
+                for g in order[:known]
+            ]
+            estimator = ThroughputEstimator(seq=GPT_125M.seq).with_points(points)
+            ratios = []
+            for g in order[known:]:
+                predicted = estimator.estimate(strategies[g], parts[g]).tokens_per_s
+                ratios.append(f"gbs {g} {predicted / MEASURED_TOKENS_PER_S[g]:.2f}")
+            fitted = ", ".join(map(str, order[:known]))
+            print(f"  fitted on gbs {fitted}: predicted / measured {', '.join(ratios)}")
+
+
+if __name__ == "__main__":
+    main()
