@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from tests.engine.tiny import tiny_engine
+from tests.engine.tiny import recorded_stances, tiny_config, tiny_engine
 from torch import nn
 
 from cona.config import ConaConfig
 from cona.engine.gns import MicroBatchNormMeter, PreviousGradient, difference_estimate, is_tied
 from cona.engine.model import GPT, init_weights
-from cona.engine.step_noise import NoiseInputs, split_rows
+from cona.engine.step_noise import HeldPieceGradients, NoiseInputs, split_rows
 from cona.engine.train_model import LossScaler, token_cross_entropy
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.strategy import Strategy
@@ -126,6 +127,54 @@ def test_held_copies_survive_the_gradients_being_overwritten() -> None:
     previous.hold(b, 2.25)
     assert all(held is buffer for held, buffer in zip(previous.grads, buffers, strict=True))
     assert torch.equal(previous.grads[0], b[0]) and previous.grads[0] is not b[0]
+
+
+def test_held_pieces_add_up_to_the_step_gradient() -> None:
+    """Under CUDA graphs each piece's replay overwrites the last one's gradients: what is held must be the sum
+    of the earlier pieces even after their memory is reused, and it is added once to the last piece's."""
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1, 1))]
+    pieces = [
+        [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])],
+        [torch.tensor([0.5, -1.0]), torch.tensor([[1.0]])],
+    ]
+    held = HeldPieceGradients()
+    for step in range(2):  # the second step must start a fresh sum in the same buffers
+        for grads in pieces:
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad.clone()
+            live = [param.grad for param in params]
+            held.hold(params)
+            assert all(param.grad is None for param in params)
+            torch._foreach_copy_(live, [torch.full_like(t, 99.0) for t in live])  # the next replay
+        for param, grad in zip(params, [torch.tensor([0.0, 1.0]), torch.tensor([[-2.0]])], strict=True):
+            param.grad = grad.clone()
+        held.add_to(params)
+        assert params[0].grad.tolist() == [1.5, 2.0] and params[1].grad.tolist() == [[2.0]], step
+    with pytest.raises(RuntimeError):
+        held.add_to(params)
+
+
+def test_compiled_measured_steps_run_their_halves_in_the_graph(one_process_group, monkeypatch) -> None:
+    """The whole-model compile takes a measured step's halves in its dynamic-batch graph (no second graph, no
+    eager fallback) and gives the eager engine's losses, norms and noise inputs."""
+    config = tiny_config()
+    rows, stances = {}, recorded_stances(monkeypatch)
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        training = dataclasses.replace(config.training, compile=compiled)
+        engine = tiny_engine(gbs=4, mbs=4, config=dataclasses.replace(config, training=training))
+        rows[compiled] = []
+        for step, (batch,) in enumerate(token_batches(config, 4, 4, seed=s) for s in range(4)):
+            out = engine.train_step_pending([batch], measure_gns=step % 2 == 1).result()
+            rows[compiled].append((out.loss, out.gns_small_sqr, out.gns_big_sqr))
+            engine._drop_grads()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert graphs == (1 if compiled else 0)
+    assert stances == []  # no step ran eager
+    for got, want in zip(rows[True], rows[False], strict=True):
+        assert got == pytest.approx(want, rel=1e-4, nan_ok=True)
+    assert all(math.isfinite(row[1]) for row in rows[True][1::2])
 
 
 def token_batches(

@@ -29,3 +29,16 @@ def tiny_engine(gbs: int, mbs: int, config: ConaConfig | None = None) -> Trainin
     strategy = Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=gbs)
     config = config if config is not None else tiny_config()
     return build_training_model(config, strategy, build_mesh(strategy, "cpu"), torch.device("cpu"))
+
+
+def recorded_stances(monkeypatch) -> list[str]:
+    """The stances ``torch.compiler.set_stance`` is given from now on in the test (e.g. "force_eager", which
+    the engine sets where a step cannot run in the compiled graph)."""
+    stances, set_stance = [], torch.compiler.set_stance
+
+    def recording(stance, **kwargs):
+        stances.append(stance)
+        return set_stance(stance, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", recording)
+    return stances

@@ -13,14 +13,16 @@ gradient is that of its share of the global masked-token mean, see :mod:`cona.en
 
 Where a rank has one micro-batch per step (``micro_batches = 1``, pp = 1), a measured step runs that
 micro-batch as equal pieces with gradient accumulation (two halves for an even mbs; see
-:meth:`cona.engine.step_noise.NoiseInputs.pieces_for`): the step's samples, loss and gradient are those of
-the unsplit step, and the meter gets ``dp * pieces`` small-batch gradients at the same parameters. Only
-unmeasured steps keep the single micro-batch (and a CUDA graph); a measured one runs eager where the model
-is compiled. With one sample on one rank (mbs = 1, dp = 1) or under pp > 1 (a schedule fixed to one
-micro-batch shape) there is still one gradient per step; then AdaptDL's difference estimator is used: the
-previous step's gradient is kept (by reference, no copy; copied under CUDA graphs) and the two consecutive
-gradients play the two small batches. It is biased: the parameters moved in between, by a lot during LR
-warm-up (issue 16 saw a first pair 100x the later ones), which the tracker's robust averages must absorb.
+:meth:`cona.engine.step_noise.NoiseInputs.pieces_for`): the step's samples, loss and gradient are those of the
+unsplit step, and the meter gets ``dp * pieces`` small-batch gradients at the same parameters. The pieces run
+in the whole-model compile's graph (its batch is dynamic; under CUDA graphs each piece replays one and the
+earlier pieces' gradients are held apart, see ``HeldPieceGradients``), eager where that would compile again
+(pieces of one row, block-wise compiles). With one sample on one rank (mbs = 1, dp = 1) or under pp > 1 (a
+schedule fixed to one micro-batch shape) there is still one gradient per step; then AdaptDL's difference
+estimator is used: the previous step's gradient is kept (by reference, no copy; copied under CUDA graphs) and
+the two consecutive gradients play the two small batches. It is biased: the parameters moved in between, by a
+lot during LR warm-up (issue 16 saw a first pair 100x the later ones), which the tracker's robust averages
+must absorb.
 
 Measuring is optional per step (the trainer measures only the few steps before each metrics line): on an
 unmeasured step the hooks return at once (where a step has pieces only when measured, they are not even

@@ -21,7 +21,7 @@ def compiles_whole_model(strategy: Strategy) -> bool:
 def uses_cuda_graphs(training: TrainingConfig, strategy: Strategy, device: torch.device) -> bool:
     """``training.cuda_graphs`` applies where the whole model is compiled on a GPU and a step runs one
     micro-batch: with several, autograd accumulates into gradients that the next replay of the same backward
-    graph would overwrite first. A measured step, run as pieces, therefore runs outside the graphs."""
+    graph would overwrite first. A measured step's pieces hold their gradients apart for that reason."""
     return (
         training.cuda_graphs
         and training.compiles_on(device.type)

@@ -64,11 +64,10 @@ class NoiseInputs:
         self.weights = _shard_weights(self.params, strategy, device)
         self.tied_weights = _shard_weights(self.tied_params, strategy, device)
         # A single micro-batch per rank is cut into pieces on measured steps (not under pp > 1, whose
-        # schedule is built for one micro-batch count and shape).
-        # Under CUDA graphs (copy_previous) a split step would run outside the graphs, several times slower
-        # than a replay (measured on the H200, GPT-125M mbs 8: 91 against 19 ms, +26% on the trainer's
-        # steps), so there the difference estimator pairs consecutive replays instead, at no cost.
-        splits = strategy.micro_batches == 1 and strategy.pp == 1 and not copy_previous
+        # schedule is built for one micro-batch count and shape). Under CUDA graphs too: the pieces replay
+        # the graph (HeldPieceGradients), since pairing consecutive replays measured two parameter points
+        # (H200, GPT-125M: noise scales of 482-5,222 where the split steps gave 6-50).
+        splits = strategy.micro_batches == 1 and strategy.pp == 1
         self.pieces = smallest_factor(strategy.mbs) if splits else 1
         several = strategy.dp * strategy.micro_batches > 1
         # Hooks stay on where every step has several small batches. Where only the pieces of measured
@@ -190,6 +189,40 @@ class NoiseInputs:
     def _device_scalar(self, value: float) -> torch.Tensor:
         # torch.full fills on the device; torch.tensor(value, device=...) would copy from the host and wait.
         return torch.full((), value, dtype=torch.float32, device=self.device)
+
+
+class HeldPieceGradients:
+    """The gradients of a measured step's earlier pieces under CUDA graphs, summed in buffers the run keeps.
+
+    Each piece replays the graph in a generation of its own (graph trees begin one at a forward with no
+    backward pending), and a replay overwrites the outputs of the one before, the gradients among them. So
+    before the next piece its gradients move here (:meth:`hold`), and after the last piece they are added to
+    its gradients, which then sit in the graph's memory as an unsplit step's do (:meth:`add_to`).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] | None = None
+        self._pieces = 0
+
+    def hold(self, params: list[nn.Parameter]) -> None:
+        """Add the parameters' gradients to the held sum and drop them from the parameters."""
+        grads = [param.grad for param in params]
+        if self._buffers is None or len(self._buffers) != len(grads):
+            self._buffers = [torch.empty_like(grad) for grad in grads]
+        if self._pieces:
+            torch._foreach_add_(self._buffers, grads)
+        else:
+            torch._foreach_copy_(self._buffers, grads)
+        self._pieces += 1
+        for param in params:
+            param.grad = None
+
+    def add_to(self, params: list[nn.Parameter]) -> None:
+        """Add the held sum to the last piece's gradients: the step's gradient; the sum starts afresh."""
+        if not self._pieces:
+            raise RuntimeError("add_to without a held piece")
+        torch._foreach_add_([param.grad for param in params], self._buffers)
+        self._pieces = 0
 
 
 def smallest_factor(rows: int) -> int:

@@ -33,18 +33,14 @@ from cona.engine.pipeline import (
     stage_ids_of_rank,
 )
 from cona.engine.step_modes import compile_options, compiles_whole_model, resolved_dtype, uses_cuda_graphs
-from cona.engine.step_noise import NoiseInputs, local_grads, split_rows
+from cona.engine.step_noise import HeldPieceGradients, NoiseInputs, local_grads, split_rows
 from cona.engine.step_output import LossScaler, PendingStepOutput, StepOutput
 from cona.strategy import Strategy
 
 __all__ = [
-    "LossScaler",
-    "PendingStepOutput",
-    "StepOutput",
-    "TrainingModel",
-    "build_training_model",
-    "token_cross_entropy",
-]
+    "LossScaler", "PendingStepOutput", "StepOutput", "TrainingModel",
+    "build_training_model", "token_cross_entropy",
+]  # fmt: skip
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -81,8 +77,8 @@ class TrainingModel:
             else None
         )
         self._tied_sync = TiedEmbeddingSync(mesh, model_parts) if strategy.pp > 1 else None
-        self._compiled: dict[bool, Callable] = {}
-        """The compiled forward with and without CUDA graphs, kept across in-place switches (see rebatch)."""
+        self._held_pieces = HeldPieceGradients()
+        self._compiled: dict[bool, Callable] = {}  # with and without CUDA graphs, kept across rebatch
         self._set_batch_parts(strategy)
         self._last_norm_sqr: torch.Tensor | None = None  # of the gradients held now; None: none held
 
@@ -166,8 +162,11 @@ class TrainingModel:
             n_micro = pieces
         if self._pipeline is None:
             measure = self._noise.start_step(n_micro / scale, measure=measure_gns)
-            with self._eager_if(pieces > 1):
-                losses = self._plain_forward_backward(micro_batches, scale)
+            # Pieces of more than one row run in the whole-model graph (its batch is dynamic); others eager.
+            eager = pieces > 1 and not (self._compiled and micro_batches[0][0].shape[0] > 1)
+            with self._eager_if(eager):
+                graphs = self.cuda_graphs and not eager
+                losses = self._plain_forward_backward(micro_batches, scale, graphs=graphs)
         else:  # the schedule scales the gradient by 1 / n_micro after the per-micro-batch hooks ran
             measure = self._noise.start_step(1 / scale, measure=measure_gns)
             inputs, targets = self._to_device(
@@ -197,23 +196,31 @@ class TrainingModel:
         dp_group = self.mesh["dp"].get_group() if self.strategy.dp > 1 else None
         return micro_batch_share(loss_token_count(targets, dp_group), self.strategy.dp * n_micro)
 
-    def _plain_forward_backward(self, micro_batches: list[Batch], scale: float) -> list[torch.Tensor]:
+    def _plain_forward_backward(
+        self, micro_batches: list[Batch], scale: float, *, graphs: bool
+    ) -> list[torch.Tensor]:
+        """``graphs``: the pieces replay CUDA graphs, each overwriting the last one's outputs (step_noise)."""
         model, losses = self.model_parts[0], []
         batches = [self._to_device(inputs, targets) for inputs, targets in micro_batches]
         share = self._share([targets for _, targets in batches], len(batches))
         for index, (inputs, targets) in enumerate(batches):
             if self._fsdp:
                 model.set_requires_gradient_sync(index == len(batches) - 1)
+            if graphs and index:
+                self._held_pieces.hold(self._unique_params())
+                torch.compiler.cudagraph_mark_step_begin()
             with self._compute_context():
                 loss = self._forward_loss(inputs, targets, share)
                 (loss * (scale / len(batches))).backward()
-            losses.append(loss.detach())
+            losses.append(loss.detach().clone() if graphs else loss.detach())
+        if graphs and len(batches) > 1:
+            self._held_pieces.add_to(self._unique_params())
         return losses
 
     def _eager_if(self, eager: bool) -> contextlib.AbstractContextManager:
-        """Run eager where the model is compiled, e.g. a split step: its piece shape would otherwise compile
-        the model again (tens of seconds, for the few measured steps), and a CUDA graph cannot accumulate two
-        backward passes (see :func:`uses_cuda_graphs`)."""
+        """Run eager where the model is compiled, for the pieces of a measured step that the compiled code
+        cannot take without compiling again (tens of seconds, for the few measured steps): pieces of one row
+        (dynamo specialises a batch of 1) and any piece under a block-wise compile (static batch)."""
         if eager and self.config.training.compiles_on(self.device.type):
             return torch.compiler.set_stance("force_eager")
         return contextlib.nullcontext()
@@ -351,15 +358,9 @@ class TrainingModel:
         share = self._share([targets for _, targets in batches], len(batches))
         with self._compute_context():
             if self._pipeline is None:
-                return [self._eval_forward(inputs, targets, share) for inputs, targets in batches]
+                # (eager: eval_loss runs no graph, whose next replay would overwrite the losses)
+                return [self._forward_loss(inputs, targets, share).detach() for inputs, targets in batches]
             return self._pipeline.eval_losses(batches, self._unique_params(), share=share)
-
-    def _eval_forward(self, inputs: torch.Tensor, targets: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
-        if not self.cuda_graphs:
-            return self._forward_loss(inputs, targets, share).detach()
-        # The next replay overwrites a graph's output: each micro-batch's loss is copied out first.
-        torch.compiler.cudagraph_mark_step_begin()
-        return self._forward_loss(inputs, targets, share).detach().clone()
 
     def probe_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss of one fixed batch given whole to every rank (switch verification).
