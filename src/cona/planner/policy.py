@@ -311,12 +311,8 @@ def _fallback_check(
     # None stands for "never breaks even" (JSON has no infinity).
     record.update(fallback_break_even_noise_scale=break_even if math.isfinite(break_even) else None)
     record["below_break_even"] = below
-    # A trial is judged on its first measurement: it was entered against the prediction, and every further
-    # evaluation on a losing trial trains at a batch the noise scale says wastes samples. Kept, it is one.
-    patience = 1 if state.current.trial else settings.fallback_patience
-    if below < patience:
-        current = dataclasses.replace(state.current, trial=False)
-        return dataclasses.replace(state, current=current, below_break_even=below), None
+    if below < settings.fallback_patience:
+        return dataclasses.replace(state, below_break_even=below), None
     why = (
         f"smoothed noise scale {state.noise_ema:.4g} below the break-even {break_even:.4g} of gbs "
         f"{previous.strategy.gbs} vs {state.current.strategy.gbs} for {below} evaluations"
