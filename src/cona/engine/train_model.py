@@ -165,8 +165,8 @@ class TrainingModel:
             # Pieces of more than one row run in the whole-model graph (its batch is dynamic); others eager.
             eager = pieces > 1 and not (self._compiled and micro_batches[0][0].shape[0] > 1)
             with self._eager_if(eager):
-                graphs = self.cuda_graphs and not eager
-                losses = self._plain_forward_backward(micro_batches, scale, graphs=graphs)
+                graphs = self.cuda_graphs and pieces > 1 and not eager
+                losses = self._plain_forward_backward(micro_batches, scale, graph_pieces=graphs)
         else:  # the schedule scales the gradient by 1 / n_micro after the per-micro-batch hooks ran
             measure = self._noise.start_step(1 / scale, measure=measure_gns)
             inputs, targets = self._to_device(
@@ -197,23 +197,23 @@ class TrainingModel:
         return micro_batch_share(loss_token_count(targets, dp_group), self.strategy.dp * n_micro)
 
     def _plain_forward_backward(
-        self, micro_batches: list[Batch], scale: float, *, graphs: bool
+        self, micro_batches: list[Batch], scale: float, *, graph_pieces: bool
     ) -> list[torch.Tensor]:
-        """``graphs``: the pieces replay CUDA graphs, each overwriting the last one's outputs (step_noise)."""
+        """``graph_pieces``: the pieces replay CUDA graphs, each overwriting the last one's outputs."""
         model, losses = self.model_parts[0], []
         batches = [self._to_device(inputs, targets) for inputs, targets in micro_batches]
         share = self._share([targets for _, targets in batches], len(batches))
         for index, (inputs, targets) in enumerate(batches):
             if self._fsdp:
                 model.set_requires_gradient_sync(index == len(batches) - 1)
-            if graphs and index:
+            if graph_pieces and index:
                 self._held_pieces.hold(self._unique_params())
                 torch.compiler.cudagraph_mark_step_begin()
             with self._compute_context():
                 loss = self._forward_loss(inputs, targets, share)
                 (loss * (scale / len(batches))).backward()
-            losses.append(loss.detach().clone() if graphs else loss.detach())
-        if graphs and len(batches) > 1:
+            losses.append(loss.detach().clone() if graph_pieces else loss.detach())
+        if graph_pieces:
             self._held_pieces.add_to(self._unique_params())
         return losses
 
@@ -358,7 +358,7 @@ class TrainingModel:
         share = self._share([targets for _, targets in batches], len(batches))
         with self._compute_context():
             if self._pipeline is None:
-                # (eager: eval_loss runs no graph, whose next replay would overwrite the losses)
+                # eval_loss runs eager: no CUDA graph replay can overwrite these losses
                 return [self._forward_loss(inputs, targets, share).detach() for inputs, targets in batches]
             return self._pipeline.eval_losses(batches, self._unique_params(), share=share)
 
