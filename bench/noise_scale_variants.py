@@ -20,6 +20,7 @@ from cona.config import ModelConfig
 from cona.data.indexed import IndexedDataset
 from cona.engine.gns import is_tied
 from cona.engine.model import GPT, init_weights, token_cross_entropy
+from cona.planner.efficiency import two_batch_estimate
 
 MODEL = ModelConfig(
     layers=4, hidden=256, heads=4, seq=128, vocab_size=50304, attention_dropout=0.0, hidden_dropout=0.0
@@ -48,16 +49,15 @@ class Windows:
 
 
 def b_simple(grads: list[list[torch.Tensor]], scale: list[torch.Tensor | float], m: int) -> float:
-    """Unbiased ``tr(Sigma) / |G|^2`` from ``k`` gradients of ``m`` samples each, elements times ``scale``."""
+    """``tr(Sigma) / |G|^2`` from ``k`` gradients of ``m`` samples each, elements times ``scale``."""
     k = len(grads)
     small = np.mean(
         [sum(((g * s) ** 2).sum().item() for g, s in zip(gs, scale, strict=True)) for gs in grads]
     )
     mean = [sum(gs[i] for gs in grads) / k for i in range(len(scale))]
     big = sum(((g * s) ** 2).sum().item() for g, s in zip(mean, scale, strict=True))
-    g_sqr = (k * m * big - m * small) / (k * m - m)
-    trace = (small - big) / (1 / m - 1 / (k * m))
-    return trace / g_sqr
+    grad_sqr, trace_sigma = two_batch_estimate(small, big, m, k * m)
+    return float(trace_sigma / grad_sqr)
 
 
 def report(
