@@ -64,7 +64,23 @@ def test_reading_is_lenient_about_missing_and_unknown_keys() -> None:
     assert list(record.to_dict())[-1] == "zero_stage"  # an unknown key is written back, after the known ones
 
 
-@pytest.mark.parametrize(("key", "value"), [("iteration", "3"), ("loss", True), ("backend", 1)])
+def test_a_line_with_several_measured_steps_lists_them_after_the_fixed_keys() -> None:
+    record = MetricsRecord(iteration=8, gns_small_sqr=2.0, gns_big_sqr=1.0, gns_steps=[[1.0, 0.5], [3, 1.5]])
+    line = record.to_dict()
+    assert list(line)[len(ALWAYS_WRITTEN)] == "gns_steps" and MetricsRecord.from_dict(line) == record
+    assert "gns_steps" not in MetricsRecord(iteration=8).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("iteration", "3"),
+        ("loss", True),
+        ("backend", 1),
+        ("gns_steps", [[1.0]]),
+        ("gns_steps", [[1.0, None]]),
+    ],
+)
 def test_a_known_key_of_the_wrong_type_is_refused_by_name(key, value) -> None:
     with pytest.raises(ValueError, match=f"metrics record: {key} is"):
         MetricsRecord.from_dict({"iteration": 1, key: value})

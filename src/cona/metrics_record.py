@@ -55,6 +55,10 @@ class MetricsRecord:
     gns_big_sqr: float | None = None
     gns_small_batch: int | None = None
     gns_big_batch: int | None = None
+    gns_steps: list[list[float]] | None = None
+    """``[gns_small_sqr, gns_big_sqr]`` of each measured step of the interval, in order, written only where
+    it had more than one (``gns_small_sqr`` and ``gns_big_sqr`` are their means): each is one measurement
+    for the noise-scale tracker."""
     steps_in_interval: int | None = None
     skipped_steps: float | None = None
     """Steps the optimizer skipped (fp16 overflow); Megatron reports it as a float."""
@@ -124,11 +128,12 @@ ALWAYS_WRITTEN = (
     "time",
 )
 """The keys of every line the trainer and the log parser write (null where unknown)."""
-WRITTEN_WHEN_SET = ("eval_loss", "eval_ppl", "eval_ppl_tokens")
+WRITTEN_WHEN_SET = ("gns_steps", "eval_loss", "eval_ppl", "eval_ppl_tokens")
 
-_NUMBER, _TEXT = "number", "text"
+_NUMBER, _TEXT, _PAIRS = "number", "text", "pairs"
 _FIELD_KINDS = {name: _NUMBER for name in ALWAYS_WRITTEN} | {
     "backend": _TEXT,
+    "gns_steps": _PAIRS,
     "eval_loss": _NUMBER,
     "eval_ppl": _NUMBER,
     "eval_ppl_tokens": _TEXT,
@@ -140,8 +145,17 @@ def _check_kind(name: str, value: Any) -> None:
         return
     if _FIELD_KINDS[name] == _TEXT and not isinstance(value, str):
         raise ValueError(f"metrics record: {name} is {value!r}, not a string")
-    if _FIELD_KINDS[name] == _NUMBER and (isinstance(value, bool) or not isinstance(value, int | float)):
+    if _FIELD_KINDS[name] == _NUMBER and not _is_number(value):
         raise ValueError(f"metrics record: {name} is {value!r}, not a number")
+    if _FIELD_KINDS[name] == _PAIRS and not (
+        isinstance(value, list)
+        and all(isinstance(pair, list) and len(pair) == 2 and all(map(_is_number, pair)) for pair in value)
+    ):
+        raise ValueError(f"metrics record: {name} is {value!r}, not a list of number pairs")
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
 
 
 def eval_perplexity(loss: float) -> float:

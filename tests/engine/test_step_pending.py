@@ -17,7 +17,8 @@ from tests.engine.tiny import TINY_MODEL, tiny_engine
 from cona.config import parse_config
 from cona.engine.spec import StageSpec
 from cona.engine.train_model import PendingStepOutput
-from cona.engine.trainer import IntervalSums, Progress, gns_due
+from cona.engine.trainer import GNS_FIRST_STEPS, IntervalSums, Progress, gns_due
+from cona.planner.efficiency import MIN_SAMPLES
 from cona.runner.run_dir import resolve_log_root
 from cona.strategy import Strategy
 
@@ -90,6 +91,7 @@ def test_interval_means_skip_non_finite_gns_inputs() -> None:
         "grad_norm": 2.0,
         "gns_small_sqr": 5.0,
         "gns_big_sqr": 1.5,
+        "gns_steps": [[3.0, 1.0], [7.0, 2.0]],
         "skipped_steps": 1,
     }
     empty = IntervalSums()
@@ -124,13 +126,15 @@ def measured_iterations(spec: StageSpec, steps: int) -> list[int]:
     ]
 
 
-def test_gns_is_measured_on_the_steps_before_each_line(tmp_path: Path) -> None:
-    spec = stage_spec(tmp_path, log_interval=10, target_iteration=25)
-    assert measured_iterations(spec, 25) == [9, 10, 19, 20, 24, 25]
-    by_tokens = stage_spec(tmp_path, log_interval=10, max_tokens=32 * 15)
-    assert measured_iterations(by_tokens, 15) == [9, 10, 14, 15]
+def test_gns_is_measured_on_the_first_steps_and_the_steps_before_each_line(tmp_path: Path) -> None:
+    first = list(range(1, GNS_FIRST_STEPS + 1))
+    assert GNS_FIRST_STEPS == MIN_SAMPLES  # the tracker's first estimate comes from the first steps
+    spec = stage_spec(tmp_path, log_interval=20, target_iteration=45)
+    assert measured_iterations(spec, 45) == [*first, 19, 20, 39, 40, 44, 45]
+    by_tokens = stage_spec(tmp_path, log_interval=20, max_tokens=32 * 25)
+    assert measured_iterations(by_tokens, 25) == [*first, 19, 20, 24, 25]
     long_interval = stage_spec(tmp_path, log_interval=50, target_iteration=1000)
-    assert measured_iterations(long_interval, 100) == [46, 47, 48, 49, 50, 96, 97, 98, 99, 100]
+    assert measured_iterations(long_interval, 100) == [*first, 46, 47, 48, 49, 50, 96, 97, 98, 99, 100]
 
 
 def run_bench(*extra: str) -> list[str]:

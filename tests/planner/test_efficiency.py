@@ -94,6 +94,36 @@ def test_a_first_measurement_100x_the_others_is_outvoted_within_50_steps():
     assert tracker.noise_scale() == pytest.approx(21.0, rel=0.25)
 
 
+def test_a_line_listing_its_measured_steps_gives_one_measurement_per_step():
+    """The run's first steps are all measured (``gns_steps``): at a log interval of 8 the tracker has its
+    ten measurements at the second line, not the tenth, and the line's means alone would be one."""
+    small_sqr, big_sqr = planted_measurements(np.random.default_rng(5), 11)
+    pairs = [[float(s), float(b)] for s, b in zip(small_sqr, big_sqr, strict=True)]
+    base = {"gns_small_batch": 4, "gns_big_batch": 64, "lr": 1e-3}
+    first = {
+        **base,
+        "consumed_samples": 512,
+        "gns_small_sqr": 0.0,
+        "gns_big_sqr": 0.0,
+        "gns_steps": pairs[:8],
+    }
+    second = {**first, "consumed_samples": 1024, "lr": 2e-3, "gns_steps": pairs[8:]}  # still warming up
+    tracker = NoiseScaleTracker(base_batch=64).update_from_metrics(first)
+    assert tracker.samples == 8 and tracker.noise_scale() is None
+    tracker = tracker.update_from_metrics(second)
+    assert tracker.samples == 11
+    steps = NoiseScaleTracker(base_batch=64)
+    for s, b in pairs:
+        steps = steps.update(small_sqr=s, big_sqr=b, small_batch=4, big_batch=64)
+    assert tracker.noise_scale() == pytest.approx(steps.noise_scale())
+    # One LR per line: steps of one line (equal LRs) do not end the warm-up, the next line's lower LR does.
+    assert tracker.warmup_end is None
+    cooled = tracker.update_from_metrics({**second, "consumed_samples": 1536, "lr": 1e-3})
+    assert cooled.warmup_end == 1536
+    means_only = {key: value for key, value in first.items() if key != "gns_steps"}
+    assert NoiseScaleTracker(base_batch=64).update_from_metrics(means_only).samples == 1
+
+
 def test_measurements_leave_the_window_but_at_least_min_samples_stay():
     tracker = NoiseScaleTracker(base_batch=8, min_samples=3, window=100.0)
     for position in (0, 10, 20, 30):  # |G|^2 = 100: a regime the run has left

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
 from cona.engine.divergence import DivergenceWatch
+from cona.engine.interval_sums import IntervalSums
 from cona.engine.metrics import MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
 from cona.engine.periodic_save import PeriodicSaves
@@ -36,6 +36,7 @@ from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.engine.step_trace import StepTrace
 from cona.engine.train_model import PendingStepOutput, TrainingModel
 from cona.metrics_record import MetricsRecord
+from cona.planner.efficiency import MIN_SAMPLES
 
 Batch = list[tuple[Tensor, Tensor]]
 RUNNER_GONE = "runner_gone"
@@ -45,6 +46,13 @@ GNS_MIN_STEPS_PER_LINE = 2
 (one where a step's pieces or micro-batches give the small batches at the same parameters)."""
 GNS_STEP_FRACTION = 10
 """Longer log intervals measure one step in this many (more estimates per line, under 1% of step time)."""
+GNS_FIRST_STEPS = MIN_SAMPLES
+"""The run's first steps are all measured: the noise-scale tracker needs this many measurements before
+online mode can decide anything, and one measured step per metrics line would take that many lines (80
+iterations at a log interval of 8, 1000 at 100; issue 16 asks for a known noise scale within 50 steps). Each
+measured step gives one measurement (the line lists them, ``gns_steps``), so the tracker has them by the
+first or second line; where a step runs as pieces only when measured, these steps cost about one more step
+each, once per run."""
 
 
 @dataclass(kw_only=True)
@@ -97,47 +105,6 @@ class StageContext:
     """Rank 0's check that the runner still runs (None: no runner started this worker)."""
     periodic: PeriodicSaves | None = None
     """The stage's checkpoints between its start and its end (None: only at the end and on a switch)."""
-
-
-@dataclass(kw_only=True)
-class IntervalSums:
-    """Sums over the steps since the last metrics line, kept on the device (the line reports their means)."""
-
-    steps: int = 0
-    sums: Tensor | None = None
-    """float64 [loss, grad_norm, gns_small_sqr, gns_big_sqr, gns_measured, skipped]: GNS sums and count
-    cover only steps with finite inputs (the first step of a difference estimate, unmeasured steps and
-    fp16 overflows have none)."""
-    last: PendingStepOutput | None = None
-    started: float = field(default_factory=time.perf_counter)
-
-    def add(self, out: PendingStepOutput, grad_norm: Tensor, stepped: Tensor) -> None:
-        measured = torch.isfinite(out.gns_small_sqr) & torch.isfinite(out.gns_big_sqr)
-        zero = torch.zeros_like(out.gns_small_sqr)
-        values = [
-            out.loss,
-            grad_norm,
-            torch.where(measured, out.gns_small_sqr, zero),
-            torch.where(measured, out.gns_big_sqr, zero),
-            measured,
-            ~stepped,
-        ]
-        step_sums = torch.stack([v.to(torch.float64) for v in values])
-        self.sums = step_sums if self.sums is None else self.sums + step_sums
-        self.steps += 1
-        self.last = out
-
-    def means(self) -> dict[str, float]:
-        """The interval's means (one host read, which waits for the device); GNS NaN if none measured."""
-        assert self.sums is not None  # a metrics line always follows at least one step
-        loss, grad_norm, small, big, measured, skipped = self.sums.tolist()
-        return {
-            "loss": loss / self.steps,
-            "grad_norm": grad_norm / self.steps,
-            "gns_small_sqr": small / measured if measured else math.nan,
-            "gns_big_sqr": big / measured if measured else math.nan,
-            "skipped_steps": int(skipped),
-        }
 
 
 def train_stage(ctx: StageContext, progress: Progress) -> str:
@@ -247,12 +214,15 @@ def _reads_in_place(request_path: Path) -> bool:
 
 
 def gns_due(spec: StageSpec, progress: Progress, *, single_step: bool = False) -> bool:
-    """Whether the coming step is one of the last steps before a planned metrics line (log, eval, end).
-    ``single_step``: one measured step gives an estimate (see :func:`gns_steps_per_line`).
+    """Whether the coming step is one of the run's first :data:`GNS_FIRST_STEPS` or one of the last steps
+    before a planned metrics line (log, eval, end). ``single_step``: one measured step gives an estimate
+    (see :func:`gns_steps_per_line`).
 
     A line forced early by a switch request may fall before them; its GNS inputs are then NaN.
     """
     upcoming = progress.iteration + 1  # the iteration number the step ends at
+    if upcoming <= GNS_FIRST_STEPS:
+        return True
     log_interval = spec.config.training.log_interval
     steps = gns_steps_per_line(log_interval, single_step=single_step)
     if any((-upcoming) % interval < steps for interval in (log_interval, spec.resolved_eval_interval())):
@@ -360,6 +330,7 @@ def _record(
         gns_big_sqr=means["gns_big_sqr"],
         gns_small_batch=last.gns_small_batch,
         gns_big_batch=last.gns_big_batch,
+        gns_steps=means["gns_steps"] if len(means["gns_steps"]) > 1 else None,
         steps_in_interval=interval.steps,
         skipped_steps=means["skipped_steps"],
         time=time.time(),

@@ -187,7 +187,9 @@ class NoiseScaleTracker:
     def update_from_metrics(self, record: MetricsRecord | Mapping[str, Any]) -> NoiseScaleTracker:
         """Fold in one ``metrics.jsonl`` record (its ``consumed_samples`` and ``lr`` where it has them; a
         decoded line is read as a :class:`MetricsRecord`); records without all four ``gns_*`` fields are
-        skipped."""
+        skipped. A record that lists its measured steps (``gns_steps``) gives one measurement per step,
+        all at the line's position; the line's LR goes with the first only, so that two steps of one line
+        never read as the end of the LR warm-up."""
         if not isinstance(record, MetricsRecord):
             record = MetricsRecord.from_dict(record)
         small_sqr, big_sqr = record.gns_small_sqr, record.gns_big_sqr
@@ -195,14 +197,18 @@ class NoiseScaleTracker:
         if small_sqr is None or big_sqr is None or small_batch is None or big_batch is None:
             return self
         position, lr = record.consumed_samples, record.lr
-        return self.update(
-            small_sqr=float(small_sqr),
-            big_sqr=float(big_sqr),
-            small_batch=int(small_batch),
-            big_batch=int(big_batch),
-            consumed_samples=None if position is None else float(position),
-            lr=None if lr is None else float(lr),
-        )
+        pairs = record.gns_steps or [[small_sqr, big_sqr]]
+        tracker = self
+        for index, (step_small_sqr, step_big_sqr) in enumerate(pairs):
+            tracker = tracker.update(
+                small_sqr=float(step_small_sqr),
+                big_sqr=float(step_big_sqr),
+                small_batch=int(small_batch),
+                big_batch=int(big_batch),
+                consumed_samples=None if position is None else float(position),
+                lr=None if lr is None or index else float(lr),
+            )
+        return tracker
 
     def estimate(self) -> NoiseScaleEstimate | None:
         """The robust averages over the window, or None with fewer than :attr:`min_samples` measurements."""
