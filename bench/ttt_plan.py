@@ -49,8 +49,9 @@ PRESET_OVERRIDES = ("system", "initial_gbs", "max_gbs", "target_ppl", "total_tok
 LOG_INTERVAL = 8
 """Iterations between metrics lines, in every run alike (fewer where evaluations come more often). A line
 reads the device (a sync), so the same step count between lines keeps that cost the same per step. Online
-mode's noise scale needs ten measurements (one a line) before its first decision: 80 iterations at G0,
-against 160 with the earlier log interval of a quarter of the evaluation interval (issue 16)."""
+mode's noise scale needs ten measurements before its first decision; the steps before the first line are
+all measured (``cona.engine.trainer.GNS_FIRST_STEPS``), so it has them at the third line (iteration 24),
+where one measurement a line took 80 iterations (issue 16)."""
 
 CORPORA = {"demo": ("data/demo", "wiki_text_document"), "bench": ("data/bench", "bench_text_document")}
 """``--corpus``: the default data folder (under the project root) and dataset name in it."""

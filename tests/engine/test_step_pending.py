@@ -17,7 +17,7 @@ from tests.engine.tiny import TINY_MODEL, tiny_engine
 from cona.config import parse_config
 from cona.engine.spec import StageSpec
 from cona.engine.train_model import PendingStepOutput
-from cona.engine.trainer import GNS_FIRST_STEPS, IntervalSums, Progress, gns_due
+from cona.engine.trainer import GNS_FIRST_STEPS, IntervalSums, Progress, gns_due, regrouped_eval_batches
 from cona.planner.efficiency import MIN_SAMPLES
 from cona.runner.run_dir import resolve_log_root
 from cona.strategy import Strategy
@@ -129,6 +129,8 @@ def measured_iterations(spec: StageSpec, steps: int) -> list[int]:
 def test_gns_is_measured_on_the_first_steps_and_the_steps_before_each_line(tmp_path: Path) -> None:
     first = list(range(1, GNS_FIRST_STEPS + 1))
     assert GNS_FIRST_STEPS == MIN_SAMPLES  # the tracker's first estimate comes from the first steps
+    short = stage_spec(tmp_path, log_interval=8, target_iteration=24)
+    assert measured_iterations(short, 24) == [1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 23, 24]  # the first line: all
     spec = stage_spec(tmp_path, log_interval=20, target_iteration=45)
     assert measured_iterations(spec, 45) == [*first, 19, 20, 39, 40, 44, 45]
     by_tokens = stage_spec(tmp_path, log_interval=20, max_tokens=32 * 25)
@@ -171,3 +173,13 @@ def test_bench_gns_overhead_mode_on_cpu() -> None:
     assert row["overhead_every_step"] == pytest.approx(
         row["gns_every_step_ms"] / row["gns_off_step_ms"] - 1, abs=1e-3
     )
+
+
+def test_an_in_place_switch_regroups_the_evaluation_samples_at_the_new_mbs() -> None:
+    rows = torch.arange(24).reshape(8, 3)
+    batches = list(zip(rows.split(2), (rows + 100).split(2), strict=True))
+    regrouped = regrouped_eval_batches(batches, 4)
+    assert [inputs.shape[0] for inputs, _ in regrouped] == [4, 4]
+    assert torch.equal(torch.cat([inputs for inputs, _ in regrouped]), rows)
+    assert torch.equal(torch.cat([targets for _, targets in regrouped]), rows + 100)
+    assert regrouped_eval_batches(batches, 3) is batches  # 8 rows do not divide into 3: kept as cut

@@ -45,7 +45,7 @@ from cona.engine.step_modes import resolved_dtype
 from cona.engine.step_trace import step_trace_from_env
 from cona.engine.switch_check import ProbeRecord, Verdict, compare_probe, write_verdict
 from cona.engine.train_model import TrainingModel, build_training_model
-from cona.engine.trainer import Progress, StageContext, fixed_eval_batches
+from cona.engine.trainer import Progress, StageContext, fixed_eval_batches, regrouped_eval_batches
 from cona.errors import CheckpointError, LaunchError
 from cona.planner.flops import training_flops_per_token
 
@@ -62,7 +62,7 @@ def continue_in_place(
     carried: InPlaceState | None, spec: StageSpec, *, console: IO[str] | None, timings: dict[str, float]
 ) -> tuple[StageContext, Progress]:
     """The previous stage's objects under ``spec``'s gbs, mbs and LR factors (same layout and config). The
-    evaluation batches stay as they were cut (the same samples; their shape, compiled once, stays too)."""
+    evaluation keeps its samples, regrouped at the new mbs (it runs eager: no shape is compiled for it)."""
     if carried is None:
         raise LaunchError(f"stage {spec.stage}: continue_in_place, but no earlier stage's state is in memory")
     old = carried.context
@@ -91,6 +91,7 @@ def continue_in_place(
         old,
         spec=spec,
         schedule=schedule,
+        eval_batches=regrouped_eval_batches(old.eval_batches, strategy.mbs),
         logger=_rank0_logger(spec, console),
         save=partial(_save, *saving),
         periodic=periodic_saves(spec, partial(_start_save, *saving), root),
