@@ -250,6 +250,7 @@ def test_a_larger_batch_that_is_not_even_faster_falls_back_whatever_the_noise():
 
 ONE_GPU_8 = Strategy(dp=1, tp=1, pp=1, mbs=8, gbs=16)
 ONE_GPU_16 = Strategy(dp=1, tp=1, pp=1, mbs=16, gbs=32)
+ONE_GPU_32 = Strategy(dp=1, tp=1, pp=1, mbs=32, gbs=64)
 IN_PLACE = PolicySettings(base_gbs=BASE, max_gbs=64, in_place=True, predicted_in_place_cost_s=1.0)
 
 
@@ -288,6 +289,31 @@ def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():
         actions.append(decision.action)
     assert actions == ["stay"] * (IN_PLACE.fallback_patience - 1) + ["fallback"]
     assert decision.target.strategy == ONE_GPU_8 and decision.record["in_place"]
+
+
+def test_a_trial_left_for_a_larger_trial_is_judged_again_after_the_fallback_to_it():
+    """gbs 16 -> 32 (trial) -> 64 (trial) -> fallback to 32: the trial of 32 was never judged, so the policy
+    keeps judging it and falls back to 16 when 32 does not pay either (on the H200, runs stayed for good on
+    the unjudged trial they fell back to)."""
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    for strategy, rate in ((ONE_GPU_16, 1000.0), (ONE_GPU_32, 1050.0)):
+        trial = Candidate(strategy=strategy, predicted_tokens_per_s=1150.0, trial=True)
+        state = after_switch(
+            state, new=trial, old_measured_tokens_per_s=rate, switch_cost_s=0.0, in_place=True
+        )
+    assert [stage.trial for stage in state.earlier] == [False, True]
+
+    def judge(state, tokens_per_s):
+        for _ in range(IN_PLACE.fallback_patience):
+            decision = decide(state, measure(20.0, tokens_per_s=tokens_per_s, remaining=1e6), None, IN_PLACE)
+            state = decision.state
+        return decision
+
+    back = judge(state, 1100.0)  # gbs 64 at 1.05x the rate of 32: back to 32, still a trial
+    assert back.action == "fallback" and back.target.strategy == ONE_GPU_16 and back.target.trial
+    state = after_switch(back.state, new=back.target, old_measured_tokens_per_s=1100.0, switch_cost_s=0.0)
+    again = judge(state, 1050.0)  # gbs 32 at 1.05x the rate of 16
+    assert again.action == "fallback" and again.target.strategy == ONE_GPU_8 and not again.target.trial
 
 
 def test_a_backend_that_keeps_mbs_in_place_switches_an_mbs_change_through_a_checkpoint():

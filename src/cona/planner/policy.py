@@ -113,7 +113,9 @@ def after_switch(
         earlier = state.earlier[:-1] if state.earlier else ()
     else:
         finished = FinishedStage(
-            strategy=state.current.strategy, measured_tokens_per_s=old_measured_tokens_per_s
+            strategy=state.current.strategy,
+            measured_tokens_per_s=old_measured_tokens_per_s,
+            trial=state.current.trial,
         )
         earlier = (*state.earlier, finished)
     state = dataclasses.replace(state, current=new, earlier=earlier, below_break_even=0)
@@ -321,10 +323,12 @@ def _fallback_check(
         "strategy": strategy_dict(previous.strategy),
         "measured_tokens_per_s": previous.measured_tokens_per_s,
     }
+    # A trial left for a larger trial before it was judged is judged again once the run is back on it.
     target = Candidate(
         strategy=previous.strategy,
         predicted_tokens_per_s=previous.measured_tokens_per_s,
         throughput_source="measured",
+        trial=previous.trial,
     )
     record["in_place"] = switches_in_place(state.current.strategy, previous.strategy, settings)
     decision = _decision("fallback", target, why, record, dataclasses.replace(state, below_break_even=0))

@@ -98,6 +98,8 @@ class FinishedStage:
 
     strategy: Strategy
     measured_tokens_per_s: float
+    trial: bool = False
+    """It was a trial when the run left it for a larger gbs: a fallback to it keeps judging it as one."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

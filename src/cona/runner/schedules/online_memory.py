@@ -48,7 +48,9 @@ def resumed_memory(
         rates = stage_rows(run.run_dir, state, records.entries)
         finished = tuple(
             FinishedStage(
-                strategy=records.strategy(row["stage"]), measured_tokens_per_s=row["tokens_per_s"] or 0.0
+                strategy=records.strategy(row["stage"]),
+                measured_tokens_per_s=row["tokens_per_s"] or 0.0,
+                trial=records.candidate(row["stage"]).trial,
             )
             for row in rates[:earlier]
         )
