@@ -170,12 +170,6 @@ def test_train_runs_one_stage_on_two_cpu_processes(tmp_path, capfd):
         assert line.keys() >= METRIC_FIELDS
         assert line["gbs"] == 8 and line["dp"] == 2 and line["mfu"] is None  # no MFU on a CPU
         assert np.isfinite(line["loss"]) and 0 < line["loss"] < 10 and line["eval_ppl"] > 1
-    # The steps before the first line are all measured and each is listed (their mean is the line's
-    # noise-scale input); later lines measure one step (two micro-batches a rank give an estimate).
-    steps = np.asarray(lines[0]["gns_steps"])
-    assert steps.shape == (2, 2) and np.all(steps > 0)
-    assert steps.mean(axis=0) == pytest.approx([lines[0]["gns_small_sqr"], lines[0]["gns_big_sqr"]])
-    assert "gns_steps" not in lines[1] and lines[1]["gns_small_sqr"] > 0
     assert lines[-1]["consumed_samples"] == 32 and lines[-1]["consumed_tokens"] == 32 * 16
 
     result = json.loads((run_dir / "stages" / "1" / "stage_result.json").read_text())
@@ -184,6 +178,25 @@ def test_train_runs_one_stage_on_two_cpu_processes(tmp_path, capfd):
     assert Path(result["checkpoint"]) == layout / "global_step4"
     assert (layout / "latest").read_text().strip() == "global_step4"
     assert (run_dir / "stages" / "1" / "rank1.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_steps_before_the_first_line_are_measured_and_listed(tmp_path):
+    """One process, one micro-batch a step: a measured step runs as two halves. Steps 2-4 (the first stays
+    whole) are measured and listed on the first line, whose noise-scale inputs are their means; the next
+    line measures its last step only."""
+    config = write_tiny_setup(tmp_path)
+    logging = ("--set", "training.log_interval=4", "--set", "training.eval_interval=8")
+    args = train_args(config, tmp_path / "work", "--run-name", "first", *logging, dp=1, gbs=4, mbs=4, iters=8)
+    assert main(args) == 0
+    run_dir = tmp_path / "logs" / "first"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [4, 8]
+    steps = np.asarray(lines[0]["gns_steps"])
+    assert steps.shape == (3, 2) and np.all(steps > 0)
+    assert steps.mean(axis=0) == pytest.approx([lines[0]["gns_small_sqr"], lines[0]["gns_big_sqr"]])
+    assert "gns_steps" not in lines[1] and lines[1]["gns_small_sqr"] > 0
 
 
 @pytest.mark.multiproc
