@@ -1,0 +1,124 @@
+"""How much faster than the best fixed run a chain could be, on a time-to-target comparison's own numbers.
+
+From the run directories of one comparison (``bench/time_to_target.py --work-dir``), for each run: its time
+to the target from its first step, the tokens it needed, the time of its first step (the compile or warm-up:
+the first metrics line's interval less its other steps at the stage's steady rate), and the steady rate of
+each strategy it trained under (the median of a stage's lines after its first). No chain can reach the
+target sooner than the quickest first step plus the fewest tokens any run needed at the fastest rate any
+strategy ran, so
+
+    headroom = best fixed time / (quickest first step + fewest tokens / fastest rate)
+
+It is optimistic, not a strict bound: a chain could need fewer tokens than every run here did. Where it is
+below the speed-up a claim asks for, the setting cannot show the claim, whatever the policy decides.
+
+    python3 bench/ttt_headroom.py --work-dir /tmp/ttt-c3 --target-ppl 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ttt_report import first_at_or_below, read_jsonl, step_start
+
+
+@dataclass(frozen=True)
+class RunNumbers:
+    name: str
+    time_to_target_s: float | None
+    """From the first step's start to the line whose evaluation reached the target (None: not reached)."""
+    tokens_to_target: int | None
+    first_step_s: float
+    rates: dict[str, float]
+    """Steady tokens/s per strategy (``gbs16/mbs16``)."""
+
+
+def stage_rates(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The median tokens/s of each stage's lines after its first, the best stage per strategy."""
+    stages: dict[Any, list[dict[str, Any]]] = {}
+    for record in records:
+        stages.setdefault(record.get("stage"), []).append(record)
+    rates: dict[str, float] = {}
+    for lines in stages.values():
+        if len(lines) < 2:
+            continue
+        label = f"gbs{lines[0]['gbs']}/mbs{lines[0]['mbs']}"
+        rate = statistics.median(float(line["tokens_per_s"]) for line in lines[1:])
+        rates[label] = max(rate, rates.get(label, 0.0))
+    return rates
+
+
+def run_numbers(name: str, records: list[dict[str, Any]], target_ppl: float) -> RunNumbers:
+    records = [r for r in records if "time" in r and "step_time_s" in r]
+    first = records[0]
+    start = step_start(first)
+    rates = stage_rates(records)
+    label = f"gbs{first['gbs']}/mbs{first['mbs']}"
+    steady_step_s = first["gbs"] * (first["consumed_tokens"] / first["consumed_samples"]) / rates[label]
+    first_step_s = float(first["time"]) - start - (int(first.get("steps_in_interval", 1)) - 1) * steady_step_s
+    hit = first_at_or_below(records, target_ppl)
+    return RunNumbers(
+        name=name,
+        time_to_target_s=None if hit is None else float(hit["time"]) - start,
+        tokens_to_target=None if hit is None else int(hit["consumed_tokens"]),
+        first_step_s=first_step_s,
+        rates=rates,
+    )
+
+
+def headroom(runs: list[RunNumbers]) -> dict[str, Any]:
+    """The best fixed run (names starting ``fixed``), the optimistic chain and their ratio."""
+    fixed = [r for r in runs if r.name.startswith("fixed") and r.time_to_target_s is not None]
+    reached = [r for r in runs if r.tokens_to_target is not None]
+    if not fixed or not reached:
+        raise SystemExit("no fixed run reached the target: nothing to compare with")
+    best = min(fixed, key=lambda r: r.time_to_target_s)
+    fewest = min(r.tokens_to_target for r in reached)
+    fastest_label, fastest = max(
+        ((label, rate) for r in runs for label, rate in r.rates.items()), key=lambda pair: pair[1]
+    )
+    quickest_start = min(r.first_step_s for r in runs)
+    chain_s = quickest_start + fewest / fastest
+    return {
+        "best_fixed": best.name,
+        "best_fixed_s": best.time_to_target_s,
+        "fewest_tokens": fewest,
+        "fastest": fastest_label,
+        "fastest_tokens_per_s": fastest,
+        "quickest_first_step_s": quickest_start,
+        "chain_s": chain_s,
+        "headroom": best.time_to_target_s / chain_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, required=True, help="a time_to_target.py --work-dir")
+    parser.add_argument("--target-ppl", type=float, required=True)
+    args = parser.parse_args(argv)
+    runs = []
+    for directory in sorted(p for p in args.work_dir.iterdir() if p.is_dir()):
+        records = read_jsonl(directory / "logs" / directory.name / "metrics.jsonl")
+        if records:
+            runs.append(run_numbers(directory.name, records, args.target_ppl))
+    for run in runs:
+        reached = "not reached" if run.time_to_target_s is None else f"{run.time_to_target_s:.1f} s"
+        tokens = "-" if run.tokens_to_target is None else f"{run.tokens_to_target / 1e6:.2f}M tokens"
+        rates = ", ".join(f"{label} {rate / 1e3:.0f}k" for label, rate in sorted(run.rates.items()))
+        print(f"{run.name:>12}: {reached}, {tokens}, first step {run.first_step_s:.1f} s; tokens/s {rates}")
+    result = headroom(runs)
+    rate, start = result["fastest_tokens_per_s"], result["quickest_first_step_s"]
+    print(
+        f"best fixed {result['best_fixed']} {result['best_fixed_s']:.1f} s; a chain needing "
+        f"{result['fewest_tokens'] / 1e6:.2f}M tokens at {result['fastest']}'s {rate / 1e3:.0f}k tokens/s "
+        f"after a {start:.1f} s first step: {result['chain_s']:.1f} s, "
+        f"at most {result['headroom']:.2f}x faster"
+    )
+
+
+if __name__ == "__main__":
+    main()

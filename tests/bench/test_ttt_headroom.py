@@ -1,0 +1,74 @@
+"""bench/ttt_headroom.py: the optimistic chain's time and the headroom on planted run directories."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SEQ = 8
+
+
+@pytest.fixture(scope="module")
+def headroom_module():
+    sys.path.insert(0, str(BENCH))  # the script imports ttt_report from bench/
+    try:
+        yield importlib.import_module("ttt_headroom")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def lines(
+    stages: list[tuple[int, int, float]], *, first_step_s: float, ppl_at: dict[int, float]
+) -> list[dict]:
+    """One metrics line per 4 steps. ``stages``: (gbs, lines, seconds a step); the run's first step takes
+    ``first_step_s``; ``ppl_at``: the eval perplexity of a line by its number (from 1)."""
+    rows, time, iteration, samples = [], 100.0, 0, 0
+    for stage, (gbs, count, step_s) in enumerate(stages, start=1):
+        for _ in range(count):
+            first = not rows
+            seconds = (first_step_s + 3 * step_s) if first else 4 * step_s
+            time, iteration, samples = time + seconds, iteration + 4, samples + 4 * gbs
+            row = {"stage": stage, "iteration": iteration, "consumed_samples": samples, "time": time,
+                   "consumed_tokens": samples * SEQ, "gbs": gbs, "mbs": gbs, "steps_in_interval": 4,
+                   "step_time_s": seconds / 4, "tokens_per_s": gbs * SEQ * 4 / seconds}  # fmt: skip
+            ppl = ppl_at.get(len(rows) + 1)
+            rows.append(row if ppl is None else {**row, "eval_ppl": ppl})
+    return rows
+
+
+def write_run(root: Path, name: str, rows: list[dict]) -> None:
+    path = root / name / "logs" / name / "metrics.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_headroom_is_the_best_fixed_time_over_the_quickest_start_plus_fewest_tokens_at_the_top_rate(
+    headroom_module, tmp_path: Path, capsys
+) -> None:
+    # Fixed gbs 4: 0.1 s a step (320 tokens/s), 2 s first step, reaches ppl 20 at line 10 (160 samples).
+    write_run(tmp_path, "fixed-gbs4", lines([(4, 12, 0.1)], first_step_s=2.0, ppl_at={10: 19.0}))
+    # Online: gbs 2 then gbs 8, 0.1 s a step (160 and 640 tokens/s), 3 s first step; it reaches the target
+    # at its 8th line: 4 lines of 8 samples and 4 of 32, 160 samples.
+    online = lines([(2, 4, 0.1), (8, 6, 0.1)], first_step_s=3.0, ppl_at={8: 18.0})
+    write_run(tmp_path, "online", online)
+    headroom_module.main(["--work-dir", str(tmp_path), "--target-ppl", "20"])
+    out = capsys.readouterr().out
+    runs = {
+        name: headroom_module.run_numbers(name, headroom_module.read_jsonl(tmp_path / name / "logs" / name /
+                                          "metrics.jsonl"), 20.0)
+        for name in ("fixed-gbs4", "online")
+    }  # fmt: skip
+    assert runs["fixed-gbs4"].first_step_s == pytest.approx(2.0)
+    assert runs["fixed-gbs4"].time_to_target_s == pytest.approx(2.0 + 39 * 0.1)
+    assert runs["online"].tokens_to_target == 160 * SEQ
+    assert runs["online"].rates == pytest.approx({"gbs2/mbs2": 160.0, "gbs8/mbs8": 640.0})
+    result = headroom_module.headroom(list(runs.values()))
+    chain_s = 2.0 + 160 * SEQ / 640.0  # the quickest first step, the fewest tokens at the fastest rate
+    assert result["chain_s"] == pytest.approx(chain_s)
+    assert result["headroom"] == pytest.approx((2.0 + 3.9) / chain_s)
+    assert f"at most {result['headroom']:.2f}x faster" in out
