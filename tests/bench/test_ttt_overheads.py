@@ -1,0 +1,35 @@
+"""bench/ttt_overheads.py: step time, evaluation cost and time outside the steps on planted lines."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def overheads_module():
+    sys.path.insert(0, str(BENCH))  # the script imports ttt_report from bench/
+    try:
+        yield importlib.import_module("ttt_overheads")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_an_evaluation_shows_as_the_next_intervals_time_beyond_its_steps(overheads_module) -> None:
+    lines, time = [], 0.0
+    for index in range(6):  # 4 steps of 0.05 s a line; the lines after an evaluation take 0.03 s more
+        extra = 0.03 if index and "eval_ppl" in lines[-1] else 0.0
+        time += 4 * 0.05 + extra
+        line = {"gbs": 32, "time": time, "step_time_s": 0.05, "steps_in_interval": 4}
+        lines.append({**line, "eval_ppl": 50.0} if index % 2 else line)
+    found = overheads_module.overheads(lines, gbs=32)
+    assert found["step_ms"] == pytest.approx(50.0)
+    assert found["eval_ms"] == pytest.approx(30.0)
+    assert found["outside_s"] == pytest.approx(2 * 0.03)  # the lines after evaluations 1 and 3 (5 is last)
+    assert found["first_lines_ms"] == [50.0] * 4
+    assert overheads_module.overheads(lines, gbs=16)["step_ms"] is None
