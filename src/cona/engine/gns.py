@@ -24,7 +24,8 @@ the two consecutive gradients play the two small batches. It is biased: the para
 lot during LR warm-up (issue 16 saw a first pair 100x the later ones), which the tracker's robust averages
 must absorb.
 
-Measuring is optional per step (the trainer measures only the few steps before each metrics line): on an
+Measuring is optional per step (the trainer measures the few steps before each metrics line, and those
+before the run's first line, :func:`cona.engine.trainer.gns_due`): on an
 unmeasured step the hooks return at once (where a step has pieces only when measured, they are not even
 installed) and the difference estimator forgets its previous gradient, so an estimate always pairs two
 consecutive steps. The norms stay device tensors; nothing here waits for the device.

@@ -2,10 +2,11 @@
 
 Everything it needs is built by the worker and passed in a :class:`StageContext`; the loop holds no global
 state. Nothing in a step waits for the device (bf16/fp32 with a fused optimizer): the step's scalars stay
-device tensors, summed on the device over the log interval and read once per metrics line, so the host
+device tensors, kept on the device over the log interval and read once per metrics line, so the host
 queues the next step while the device still runs this one. Step timing uses the host clock over each log
 interval, read after that one read, which waits for the device. The gradient-noise inputs are measured only
-on the last steps before each metrics line (:func:`gns_due`), which the line's means cover.
+on the last steps before each metrics line and on the steps before the run's first line (:func:`gns_due`);
+the line lists each measured step (``gns_steps``) where it has more than one.
 """
 
 from __future__ import annotations
