@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 SEQ = 8
 
 
 @pytest.fixture(scope="module")
-def headroom_module():
-    sys.path.insert(0, str(BENCH))  # the script imports ttt_report from bench/
-    try:
-        yield importlib.import_module("ttt_headroom")
-    finally:
-        sys.path.remove(str(BENCH))
+def headroom_module(import_bench):
+    return import_bench("ttt_headroom")
 
 
 def lines(

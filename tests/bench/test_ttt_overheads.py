@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def overheads_module():
-    sys.path.insert(0, str(BENCH))  # the script imports ttt_report from bench/
-    try:
-        yield importlib.import_module("ttt_overheads")
-    finally:
-        sys.path.remove(str(BENCH))
+def overheads_module(import_bench):
+    return import_bench("ttt_overheads")
 
 
 def test_an_evaluation_shows_as_the_next_intervals_time_beyond_its_steps(overheads_module) -> None:
