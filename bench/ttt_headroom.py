@@ -58,7 +58,9 @@ def run_numbers(name: str, records: list[dict[str, Any]], target_ppl: float) -> 
     start = step_start(first)
     rates = stage_rates(records)
     label = f"gbs{first['gbs']}/mbs{first['mbs']}"
-    steady_step_s = first["gbs"] * (first["consumed_tokens"] / first["consumed_samples"]) / rates[label]
+    # A first stage of one line has no steady rate: its own line's then (the first step counts as steady).
+    rate = rates.get(label, float(first["tokens_per_s"]))
+    steady_step_s = first["gbs"] * (first["consumed_tokens"] / first["consumed_samples"]) / rate
     first_step_s = float(first["time"]) - start - (int(first.get("steps_in_interval", 1)) - 1) * steady_step_s
     hit = first_at_or_below(records, target_ppl)
     return RunNumbers(
