@@ -280,15 +280,26 @@ def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():
     trial = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0, trial=True)
     state = after_switch(state, new=trial, old_measured_tokens_per_s=1000.0, switch_cost_s=0.5, in_place=True)
     assert state.measured_in_place_cost_s == 0.5 and state.measured_switch_cost_s is None
-    assert not IN_PLACE.fallback
+    assert not IN_PLACE.fallback and IN_PLACE.fallback_patience > 1
+    # Measured 1.05x the gbs-16 rate: at noise scale 20 the larger batch loses, at its first measured rate.
+    decision = decide(state, measure(20.0, tokens_per_s=1050.0, remaining=1e6), None, IN_PLACE)
+    assert decision.action == "fallback" and decision.record["below_break_even"] == 1
+    assert decision.target.strategy == ONE_GPU_8 and decision.record["in_place"]
+    # A trial that pays stays (1.9x the rate: break-even noise scale (1000*16 - 1900*8) / 900 = 0.9).
+    assert decide(state, measure(20.0, tokens_per_s=1900.0, remaining=1e6), None, IN_PLACE).action == "stay"
+
+
+def test_a_plain_switch_falls_back_only_after_the_patience():
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    plain = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0)
+    state = after_switch(state, new=plain, old_measured_tokens_per_s=1000.0, switch_cost_s=0.5, in_place=True)
+    settings = dataclasses.replace(IN_PLACE, fallback=True)
     actions = []
-    for _ in range(IN_PLACE.fallback_patience):
-        # Measured 1.05x the gbs-16 rate: at noise scale 20 the larger batch loses.
-        decision = decide(state, measure(20.0, tokens_per_s=1050.0, remaining=1e6), None, IN_PLACE)
+    for _ in range(settings.fallback_patience):
+        decision = decide(state, measure(20.0, tokens_per_s=1050.0, remaining=1e6), None, settings)
         state = decision.state
         actions.append(decision.action)
-    assert actions == ["stay"] * (IN_PLACE.fallback_patience - 1) + ["fallback"]
-    assert decision.target.strategy == ONE_GPU_8 and decision.record["in_place"]
+    assert actions == ["stay"] * (settings.fallback_patience - 1) + ["fallback"]
 
 
 def test_a_trial_left_for_a_larger_trial_is_judged_again_after_the_fallback_to_it():
@@ -303,11 +314,8 @@ def test_a_trial_left_for_a_larger_trial_is_judged_again_after_the_fallback_to_i
         )
     assert [stage.trial for stage in state.earlier] == [False, True]
 
-    def judge(state, tokens_per_s):
-        for _ in range(IN_PLACE.fallback_patience):
-            decision = decide(state, measure(20.0, tokens_per_s=tokens_per_s, remaining=1e6), None, IN_PLACE)
-            state = decision.state
-        return decision
+    def judge(state, tokens_per_s):  # a trial is judged at its first measured rate
+        return decide(state, measure(20.0, tokens_per_s=tokens_per_s, remaining=1e6), None, IN_PLACE)
 
     back = judge(state, 1100.0)  # gbs 64 at 1.05x the rate of 32: back to 32, still a trial
     assert back.action == "fallback" and back.target.strategy == ONE_GPU_16 and back.target.trial

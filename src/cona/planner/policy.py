@@ -20,8 +20,8 @@ estimate is worst.
 
 With ``fallback`` on, an exponential moving average of the noise scale is compared with the noise scale at
 which the previous (smaller) gbs and the current one make equal progress per second (both measured). When the
-average stays below that break-even point for ``fallback_patience`` consecutive evaluations, the policy falls
-back to the previous strategy.
+average stays below that break-even point for ``fallback_patience`` consecutive evaluations (one for a trial:
+see :func:`_patience`), the policy falls back to the previous strategy.
 
 Everything here is a pure function over frozen dataclasses: the runner's search thread and the offline
 simulator (:mod:`cona.planner.plan`) call the same code.
@@ -313,7 +313,7 @@ def _fallback_check(
     # None stands for "never breaks even" (JSON has no infinity).
     record.update(fallback_break_even_noise_scale=break_even if math.isfinite(break_even) else None)
     record["below_break_even"] = below
-    if below < settings.fallback_patience:
+    if below < _patience(state, settings):
         return dataclasses.replace(state, below_break_even=below), None
     why = (
         f"smoothed noise scale {state.noise_ema:.4g} below the break-even {break_even:.4g} of gbs "
@@ -333,6 +333,13 @@ def _fallback_check(
     record["in_place"] = switches_in_place(state.current.strategy, previous.strategy, settings)
     decision = _decision("fallback", target, why, record, dataclasses.replace(state, below_break_even=0))
     return state, decision
+
+
+def _patience(state: PolicyState, settings: PolicySettings) -> int:
+    """Evaluations below the break-even point before a fallback. A trial is judged at its first measured
+    rate: the model had already said it loses, and what it was tried for, its throughput, is then measured;
+    waiting longer trains on at the batch that does not pay (on the H200, 2 more lines of gbs 64, ~2 s)."""
+    return 1 if state.current.trial else settings.fallback_patience
 
 
 def _record_base(state: PolicyState, measurement: Measurement, settings: PolicySettings) -> dict[str, Any]:
