@@ -15,7 +15,9 @@ schedule, evaluation set and evaluation spacing (``ttt_plan``):
 Fixed and chain mode have no perplexity stop, so this script stops them (``ttt_supervise``). Time to target
 is given from the launch (everything counts) and from the run's first training step (start-up apart; for
 online and ramp runs, the start-up they take beyond the quickest fixed run's is added back), at the target
-and at each easier level of the ladder (``ttt_report``). Method: docs/benchmarks.md.
+and at each easier level of the ladder (``ttt_report``). On a GPU a short eager run at G0 comes first and is
+not reported (``--no-warmup`` leaves it out): the first run on a fresh machine pays for loading the CUDA
+libraries, which would be charged to whichever run came first. Method: docs/benchmarks.md.
 
 The runs of one model can be split over calls (``--runs``) and their JSON put together afterwards
 (``--merge A.json B.json --out C.json``). GPU (one H200), from the repository root, ``data/bench`` carried::
@@ -41,7 +43,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ttt_plan import CORPORA, PRESET_OVERRIDES, PRESETS, PROJECT_ROOT, Preset, plan_run, run_names
+from ttt_plan import (
+    CORPORA,
+    PRESET_OVERRIDES,
+    PRESETS,
+    PROJECT_ROOT,
+    Preset,
+    plan_run,
+    plan_warmup,
+    run_names,
+)
 from ttt_report import format_ladder, format_table, merge_reports, summarize_run, summary
 from ttt_supervise import RunPlan, supervise
 
@@ -92,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     parser.add_argument(
         "--botorch", action="store_true", help="online search by BoTorch (default exhaustive)"
     )
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                        help="a short eager run first, unreported (default on for GPU presets)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.merge is not None:
         return args, None
@@ -121,6 +134,7 @@ def _resolve(args: argparse.Namespace, preset: Preset) -> None:
             flag = "--tokenizer-dir" if path.name.startswith("gpt2") else "--data-dir/--data-prefix"
             raise SystemExit(f"time_to_target: {flag}: {path} does not exist (bench corpus: bench/corpus.py)")
     args.compile = preset.device == "cuda" if args.compile is None else args.compile
+    args.warmup = preset.device == "cuda" if args.warmup is None else args.warmup
     args.fixed_gbs = _int_list("--fixed-gbs", args.fixed_gbs) or [args.initial_gbs * 2**k for k in range(4)]
     args.ramp_tokens = _int_list("--ramp-tokens", args.ramp_tokens) or list(preset.ramp_tokens)
     if len(args.ramp_tokens) != 2:
@@ -149,7 +163,7 @@ def _int_list(flag: str, text: str | None) -> list[int]:
 
 
 def settings(args: argparse.Namespace, preset: Preset, plans: list[RunPlan]) -> dict[str, Any]:
-    keys = (*PRESET_OVERRIDES, "data_dir", "tokenizer_dir", "compile", "botorch", "min_training_s",
+    keys = (*PRESET_OVERRIDES, "data_dir", "tokenizer_dir", "compile", "warmup", "botorch", "min_training_s",
             "stop_behind", "known_best_s")  # fmt: skip
     return {
         **{key: getattr(args, key) for key in (*keys, *COMPARED_FIELDS)},
@@ -193,6 +207,13 @@ def run_cap(
     return cap
 
 
+def warm_up(plan: RunPlan) -> float:
+    """Run ``plan`` to its end (or its cap) and return its wall time; its files stay in its folder."""
+    print(f"time_to_target: warm-up (not reported): {' '.join(plan.command[1:])}", flush=True)
+    supervised = supervise(plan, target_ppl=0.0, patience=10**9, cap_s=plan.cap_s)
+    return round(supervised.ended_at - supervised.launched_at, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, preset = parse_args(argv)
     if preset is None:
@@ -211,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     plans = [plan_run(name, preset, args, work) for name in args.runs]
     report: dict[str, Any] = {"settings": settings(args, preset, plans), "runs": []}
+    if args.warmup:
+        report["settings"]["warmup_s"] = warm_up(plan_warmup(preset, args, work))
+        started = time.time()  # the budget is the measured runs'
     best_fixed_s = args.known_best_s
     for index, plan in enumerate(plans):
         left = args.budget_s - (time.time() - started)

@@ -228,3 +228,16 @@ def test_a_fixed_run_is_capped_behind_the_best_fixed_run_and_online_is_not(ttt, 
     assert ttt.run_cap(fixed, [fixed, online], left_s=400.0, best_fixed_s=None, stop_behind=1.3) == (
         pytest.approx(400.0 * 160 / 400 - ttt.END_MARGIN_S)
     )
+
+
+def test_a_gpu_comparison_warms_up_with_a_short_eager_run_that_is_not_reported(ttt, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules["ttt_plan"], "best_mbs", lambda config, system, gbs: gbs)  # no planner
+    args, preset = ttt.parse_args(["--model", "125m", *fake_corpus(tmp_path)])
+    assert args.warmup and args.compile
+    assert not ttt.parse_args(["--smoke", *fake_corpus(tmp_path)])[0].warmup
+    assert not ttt.parse_args(["--no-warmup", *fake_corpus(tmp_path)])[0].warmup
+    plan = ttt.plan_warmup(preset, args, tmp_path / "work")
+    config = json.loads((plan.root / ".conaconfig").read_text())
+    (step,) = json.loads((plan.root / "chain.json").read_text())["steps"]
+    assert plan.kind == "warmup" and not config["training"]["compile"]
+    assert (step["gbs"], step["train_iters"]) == (args.initial_gbs, ttt.WARMUP_ITERATIONS)
