@@ -33,7 +33,7 @@ def main() -> None:
         profile = run_profile("native", training)
         parts = {g: model_step_parts(GPT_125M, [strategies[g]], h200, "bf16", backend=profile) for g in order}
         print(f"profile: {label}")
-        for known in range(1, len(order)):
+        for known in range(len(order)):
             points = [
                 Point(
                     strategy=strategies[g],
@@ -48,8 +48,8 @@ def main() -> None:
             for g in order[known:]:
                 predicted = estimator.estimate(strategies[g], parts[g]).tokens_per_s
                 ratios.append(f"gbs {g} {predicted / MEASURED_TOKENS_PER_S[g]:.2f}")
-            fitted = ", ".join(map(str, order[:known]))
-            print(f"  fitted on gbs {fitted}: predicted / measured {', '.join(ratios)}")
+            fitted = f"fitted on gbs {', '.join(map(str, order[:known]))}" if known else "nothing measured"
+            print(f"  {fitted}: predicted / measured {', '.join(ratios)}")
 
 
 if __name__ == "__main__":

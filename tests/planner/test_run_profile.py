@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from cona.config import ConaConfig, ModelConfig, TrainingConfig
-from cona.planner.profiles import run_profile
+from cona.planner.profiles import EAGER_DEVICE_FACTOR, BackendProfile, run_profile
 from cona.planner.step_parts import model_step_parts
 from cona.planner.systems import load_system
 from cona.planner.throughput import Point, ThroughputEstimator
@@ -60,3 +60,28 @@ def test_one_eager_point_predicts_the_larger_batches_with_the_runs_profile() -> 
 
     assert np.all(np.abs(misses(TrainingConfig(compile=False))) < 0.2)
     assert np.any(misses(TrainingConfig()) < -0.3)
+
+
+def test_an_eager_gpu_run_is_predicted_at_eager_kernel_speed() -> None:
+    """Nothing measured: the eager profile's device time puts the device-bound gbs 32 and 64 within 10% of
+    the H200's eager rates; the compiled kernels' times alone put them 1.3-1.45x too fast."""
+    h200, cpu = load_system("h200_141g"), load_system("cpu_gloo")
+    eager = run_profile("native", TrainingConfig(compile=False))
+    assert eager.device_time_factor == EAGER_DEVICE_FACTOR
+
+    def raw_over_measured(profile: BackendProfile) -> np.ndarray:
+        parts = [model_step_parts(GPT_125M, [one_gpu(g)], h200, "bf16", backend=profile) for g in (32, 64)]
+        predicted = [g * GPT_125M.seq / float(p.raw_step_s[0]) for g, p in zip((32, 64), parts, strict=True)]
+        return np.array(predicted) / np.array([H200_EAGER_TOKENS_PER_S[32], H200_EAGER_TOKENS_PER_S[64]])
+
+    assert np.all(np.abs(raw_over_measured(eager) - 1) < 0.1)
+    assert np.all(raw_over_measured(dataclasses.replace(eager, device_time_factor=1.0)) > 1.25)
+    assert run_profile("native", TrainingConfig()).device_time_factor == 1.0  # compiled on the GPU
+    assert run_profile("megatron-deepspeed", TrainingConfig(compile=False)).device_time_factor == 1.0
+    # A CPU system's file is measured eager: the factor leaves its steps as they were.
+    tiny = ModelConfig(name="tiny", layers=2, hidden=64, heads=4, seq=32, vocab_size=256)
+    steps = [
+        model_step_parts(tiny, [one_gpu(4)], cpu, "fp32", backend=profile).raw_step_s[0]
+        for profile in (eager, dataclasses.replace(eager, device_time_factor=1.0))
+    ]
+    assert steps[0] == steps[1]

@@ -100,6 +100,7 @@ def test_no_point_gives_the_raw_model_and_one_point_a_single_factor():
     model_s = float(predict(MODEL, strategy, SYSTEM).iteration_time_s[0])
     raw = ThroughputEstimator(seq=SEQ)
     assert raw.predicted_tokens_per_s(strategy, parts) == pytest.approx(8 * SEQ / model_s)
+    assert raw.with_points([]) is raw
     single = raw.with_point(Point(strategy=strategy, tokens_per_s=1000.0, model=parts))
     other = one_gpu(16, 16)
     other_s = float(predict(MODEL, other, SYSTEM).iteration_time_s[0])

@@ -61,6 +61,10 @@ class BackendProfile:
     host: HostDispatch
     graph_host: HostDispatch | None = None
     """Host dispatch under CUDA graphs (None: the backend does not capture them)."""
+    device_time_factor: float = 1.0
+    """Accelerator seconds over the model's kernel times (which are compiled kernels' for the native
+    engine): :data:`EAGER_DEVICE_FACTOR` for a native run that does not compile. A CPU system ignores it:
+    its file is measured eager already."""
 
     def with_cuda_graphs(self, enabled: bool) -> BackendProfile:
         """This profile with CUDA graphs on or off (off: the plain dispatch)."""
@@ -79,6 +83,13 @@ checks of the host term (docs/perf-model.md)."""
 NATIVE_GRAPH_HOST = HostDispatch(block_s=0.59e-3, micro_batch_s=6.2e-3, step_block_s=0.275e-3)
 """Compiled with CUDA graphs, the same profile in call 11: 13.2 ms of forward and backward per micro-batch,
 3.3 ms per step (clip 0.62, optimizer 2.19, zeroing 0.06, interval sums 0.43), split in the same ratio."""
+EAGER_DEVICE_FACTOR = 1.38
+"""An eager step's device time over a compiled step's, same strategy and GPU: GPT-125M on the H200 took 50
+against 36 ms at mbs 32 and 93 against 68 ms at mbs 64 (1.39 and 1.37, docs/benchmarks.md, fourth session).
+Eager runs the memory-bound kernels (norms, GELU, dropout, residual adds, the loss) one by one where
+torch.compile fuses them. Taken on the whole device time, matrix and memory alike: the split is not
+measured. Without it the prior put an eager gbs 32 at compiled speed, and two host-bound points (gbs 8 and
+16) cannot correct a device term that neither shows (pred/meas 1.29-1.45 at gbs 32, issue 16)."""
 MEGATRON_HOST = NATIVE_HOST
 """Eager PyTorch with fused kernels: taken as the native engine's uncaptured dispatch (not measured; at the
 sizes Megatron runs, a block's device time is tens of milliseconds and the host never binds)."""
@@ -132,11 +143,15 @@ def megatron_profile() -> BackendProfile:
 def run_profile(backend: str, training: TrainingConfig) -> BackendProfile:
     """The profile of ``backend`` as a run of ``training`` uses it: CUDA graphs only where that run can
     capture them (compiled on the GPU with ``training.cuda_graphs``; the strategy's own conditions are the
-    step model's). An eager run, or one with graphs off, dispatches every kernel from the host: on the H200
-    the graph profile put GPT-125M mbs 8 eager at 247k tokens/s, against 109k measured (docs/benchmarks.md,
-    third session), and a fit on that one point then under-predicted the larger batches by a third."""
-    graphs = training.cuda_graphs and training.compiles_on("cuda")
-    return backend_profile(backend).with_cuda_graphs(graphs)
+    step model's), and an eager run's accelerator kernels at :data:`EAGER_DEVICE_FACTOR`. An eager run, or
+    one with graphs off, dispatches every kernel from the host: on the H200 the graph profile put GPT-125M
+    mbs 8 eager at 247k tokens/s, against 109k measured (docs/benchmarks.md, third session), and a fit on
+    that one point then under-predicted the larger batches by a third."""
+    compiled = training.compiles_on("cuda")
+    profile = backend_profile(backend).with_cuda_graphs(training.cuda_graphs and compiled)
+    if backend == "native" and not compiled:
+        profile = replace(profile, device_time_factor=EAGER_DEVICE_FACTOR)
+    return profile
 
 
 def backend_profile(name: str, *, cuda_graphs: bool = True) -> BackendProfile:

@@ -51,8 +51,9 @@ class StepTerms:
         self.matrix_peak = system.gpu.matrix_tflops[dtype] * 1e12
         self.vector_peak = system.gpu.vector_tflops[dtype] * 1e12
         corrected = calibration is not None
-        self.matrix_scale = 1.0 / calibration.matrix_efficiency if corrected else 1.0
-        self.memory_scale = 1.0 / calibration.memory_efficiency if corrected else 1.0
+        slower = profile.device_time_factor if system.asynchronous_dispatch else 1.0  # a CPU: measured eager
+        self.matrix_scale = slower / calibration.matrix_efficiency if corrected else slower
+        self.memory_scale = slower / calibration.memory_efficiency if corrected else slower
         self.comm_scale = 1.0 / calibration.comm_efficiency if corrected else 1.0
         self.host_scale = 1.0 / calibration.host_efficiency if corrected else 1.0
         self.overhead_per_microbatch = calibration.overhead_s if corrected else 0.0

@@ -86,6 +86,8 @@ class ThroughputEstimator:
                 raise PlanError(f"a measured point needs positive throughput and model time, got {point}")
             key = (point.strategy, point.source)
             points = (*(p for p in points if (p.strategy, p.source) != key), point)
+        if not points:
+            return self  # nothing measured: the raw model
         strategies = list(dict.fromkeys(p.strategy for p in points))
         parts = StepParts.concat([self._model(points, s) for s in strategies])
         measured_s = [self._measured_s(points, s) for s in strategies]
