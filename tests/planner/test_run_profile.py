@@ -40,6 +40,7 @@ def test_the_online_frontier_predicts_an_eager_run_with_the_plain_host_dispatch(
     gbs8 = one_gpu(8)
     assert plain.model_step(gbs8).host_s[0] > 1.5 * graphs.model_step(gbs8).host_s[0]
     assert plain.predicted_tokens_per_s(gbs8) < 0.7 * graphs.predicted_tokens_per_s(gbs8)
+    assert plain.estimator.forms == graphs.estimator.forms == ("overlap",)  # the engine never syncs in a step
 
 
 def test_one_eager_point_predicts_the_larger_batches_with_the_runs_profile() -> None:

@@ -29,7 +29,7 @@ from cona.planner.plan import (
 from cona.planner.policy import DEFAULT_HYSTERESIS, PolicySettings
 from cona.planner.profiles import BACKENDS, BackendProfile, run_profile
 from cona.planner.systems import System, load_system
-from cona.planner.throughput import ThroughputEstimator, estimator_from_step_times
+from cona.planner.throughput import ThroughputEstimator, estimator_from_step_times, fitted_forms
 from cona.planner.trace import Trace, read_trace
 
 
@@ -174,7 +174,7 @@ def _estimator(
     """Online mode's throughput estimator on the trace's step times, when they were measured on the GPU
     count planned for: the strategies the trace trained are taken at their measured rates, the others
     predicted by the model fitted in shape on them."""
-    empty = ThroughputEstimator(seq=config.model.seq)
+    empty = ThroughputEstimator(seq=config.model.seq, forms=fitted_forms(system, backend))
     if not trace.timed:
         return empty, "uncalibrated (the trace has no step_time_s)"
     if trace.world_size != gpus:

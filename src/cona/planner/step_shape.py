@@ -15,7 +15,8 @@ pipeline stage. Two forms:
   work and the device one after the other (a CPU doing both, or a step that synchronises),
 
 with ``device = matrix / matrix_efficiency + memory / memory_efficiency + comm / comm_efficiency``. The one
-whose fit misses least wins. Both are fitted on log step times with a weak pull of every parameter towards
+whose fit misses least wins, among the forms the run allows (:func:`cona.planner.throughput.fitted_forms`:
+the native engine on an accelerator never waits for the device inside a step, so overlap only). Both are fitted on log step times with a weak pull of every parameter towards
 "the model is right" (factors 1, no extra host time), so a term the points cannot identify (communication
 on one GPU, the host on device-bound steps) stays at its neutral value instead of anywhere. One measured
 point cannot tell a host floor from a slow device: it gives a single factor on the whole step (``scale``);
@@ -101,8 +102,14 @@ class StepShape:
         )
 
 
-def fit_shape(parts: StepParts, measured_s: np.ndarray | list[float]) -> StepShape:
-    """The form and parameters that best map the model's step parts onto the measured seconds."""
+FITTED_FORMS: tuple[Form, ...] = ("overlap", "serial")
+
+
+def fit_shape(
+    parts: StepParts, measured_s: np.ndarray | list[float], forms: tuple[Form, ...] = FITTED_FORMS
+) -> StepShape:
+    """The form (of ``forms``) and parameters that best map the model's step parts onto the measured
+    seconds."""
     times = np.asarray(measured_s, dtype=float)
     if len(parts) != times.size:
         raise PlanError("fit_shape: model parts and measured step times differ in length")
@@ -114,7 +121,7 @@ def fit_shape(parts: StepParts, measured_s: np.ndarray | list[float]) -> StepSha
         factor = float(times[0] / parts.raw_step_s[0])
         shape = StepShape(form="scale", **dict.fromkeys(_FACTORS, 1.0 / factor))
         return replace(shape, error=_error(shape, parts, times))
-    fits = [_fit_form(form, parts, times) for form in ("overlap", "serial")]
+    fits = [_fit_form(form, parts, times) for form in forms]
     best = min(fits, key=lambda fit: fit[1])[0]
     return replace(best, error=_error(best, parts, times))
 

@@ -11,7 +11,7 @@ from cona.planner.policy import Candidate
 from cona.planner.profiles import run_profile
 from cona.planner.search_choice import search_strategies
 from cona.planner.systems import System
-from cona.planner.throughput import Point, StepParts, ThroughputEstimator, model_step_parts
+from cona.planner.throughput import Point, StepParts, ThroughputEstimator, fitted_forms, model_step_parts
 from cona.strategy import Strategy
 
 
@@ -37,7 +37,7 @@ class FrontierSearch:
         self.botorch, self.top_k, self.backend = botorch, top_k, backend
         self.profile = run_profile(backend, config.training)
         self.options = space_options(config.training)
-        self.estimator = ThroughputEstimator(seq=config.model.seq)
+        self.estimator = ThroughputEstimator(seq=config.model.seq, forms=fitted_forms(system, self.profile))
         self._cache: dict[int, tuple[list[Strategy], StepParts | None]] = {}
 
     def add_measurement(
