@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ttt_report import first_at_or_below, read_jsonl, step_start
+from ttt_report import first_at_or_below, measured_runs, step_start
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", type=Path, required=True, help="a time_to_target.py --work-dir")
     parser.add_argument("--target-ppl", type=float, required=True)
     args = parser.parse_args(argv)
-    runs = []
-    for directory in sorted(p for p in args.work_dir.iterdir() if p.is_dir()):
-        records = read_jsonl(directory / "logs" / directory.name / "metrics.jsonl")
-        if records:
-            runs.append(run_numbers(directory.name, records, args.target_ppl))
+    runs = [run_numbers(name, records, args.target_ppl) for name, records in measured_runs(args.work_dir)]
     for run in runs:
         reached = "not reached" if run.time_to_target_s is None else f"{run.time_to_target_s:.1f} s"
         tokens = "-" if run.tokens_to_target is None else f"{run.tokens_to_target / 1e6:.2f}M tokens"

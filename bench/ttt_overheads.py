@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ttt_report import read_jsonl
+from ttt_report import measured_runs
 
 FIRST_LINES = 4
 
@@ -50,15 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", type=Path, required=True, help="a time_to_target.py --work-dir")
     parser.add_argument("--gbs", type=int, required=True, help="the gbs whose steps and evaluations to time")
     args = parser.parse_args(argv)
-    for directory in sorted(p for p in args.work_dir.iterdir() if p.is_dir()):
-        records = read_jsonl(directory / "logs" / directory.name / "metrics.jsonl")
-        if not records:
-            continue
+    for name, records in measured_runs(args.work_dir):
         found = overheads(records, args.gbs)
         step = "-" if found["step_ms"] is None else f"{found['step_ms']:.1f} ms"
         evaluation = "-" if found["eval_ms"] is None else f"{found['eval_ms']:.1f} ms"
         print(
-            f"{directory.name:>12}: at gbs {args.gbs} a step {step}, an evaluation adds {evaluation}; "
+            f"{name:>12}: at gbs {args.gbs} a step {step}, an evaluation adds {evaluation}; "
             f"{found['outside_s']:.2f} s outside the steps; first lines (ms a step) {found['first_lines_ms']}"
         )
 

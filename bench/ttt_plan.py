@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ttt_report import WARMUP_RUN
 from ttt_supervise import RunPlan
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -238,7 +239,7 @@ def plan_warmup(preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan
     fresh machine loads the CUDA libraries from a cold disk: on the H200 an eager online run that came first
     took 2.9 s for its first step against 0.8 s for a fixed gbs-8 run after it (issue 16), which is the
     order, not the mode. It compiles nothing, and every run keeps its own compile cache."""
-    root = work / "warmup"
+    root = work / WARMUP_RUN
     root.mkdir(parents=True)
     eager = argparse.Namespace(**{**vars(args), "compile": False})
     config = root / ".conaconfig"
@@ -248,7 +249,7 @@ def plan_warmup(preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan
         json.dumps(one_step_chain(gbs, best_mbs(config, args.system, gbs), WARMUP_ITERATIONS))
     )
     extra = ["--chain", str(root / "chain.json"), "--gpus", "1", "--quiet"]
-    return _plan("warmup", "warmup", root, config, extra, args.fixed_cap_s)
+    return _plan(WARMUP_RUN, "warmup", root, config, extra, args.fixed_cap_s)
 
 
 def _checked_mbs(config: Path, args: argparse.Namespace, preset: Preset, gbs: int) -> int:

@@ -11,6 +11,19 @@ from typing import Any
 
 from ttt_supervise import Supervised
 
+WARMUP_RUN = "warmup"
+"""The folder of time_to_target's unreported warm-up run in a --work-dir."""
+
+
+def measured_runs(work_dir: Path) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each reported run of a time_to_target --work-dir that logged anything: (name, metrics records)."""
+    runs = []
+    for directory in sorted(p for p in work_dir.iterdir() if p.is_dir() and p.name != WARMUP_RUN):
+        records = read_jsonl(directory / "logs" / directory.name / "metrics.jsonl")
+        if records:
+            runs.append((directory.name, records))
+    return runs
+
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():

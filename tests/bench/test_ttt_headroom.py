@@ -49,13 +49,15 @@ def test_headroom_is_the_best_fixed_time_over_the_quickest_start_plus_fewest_tok
     # at its 8th line: 4 lines of 8 samples and 4 of 32, 160 samples.
     online = lines([(2, 4, 0.1), (8, 6, 0.1)], first_step_s=3.0, ppl_at={8: 18.0})
     write_run(tmp_path, "online", online)
+    # The warm-up run is not one of the comparison's: its quicker first step must not count.
+    write_run(tmp_path, "warmup", lines([(2, 2, 0.1)], first_step_s=0.5, ppl_at={}))
     headroom_module.main(["--work-dir", str(tmp_path), "--target-ppl", "20"])
     out = capsys.readouterr().out
     runs = {
-        name: headroom_module.run_numbers(name, headroom_module.read_jsonl(tmp_path / name / "logs" / name /
-                                          "metrics.jsonl"), 20.0)
-        for name in ("fixed-gbs4", "online")
-    }  # fmt: skip
+        name: headroom_module.run_numbers(name, records, 20.0)
+        for name, records in headroom_module.measured_runs(tmp_path)
+    }
+    assert sorted(runs) == ["fixed-gbs4", "online"]
     assert runs["fixed-gbs4"].first_step_s == pytest.approx(2.0)
     assert runs["fixed-gbs4"].time_to_target_s == pytest.approx(2.0 + 39 * 0.1)
     assert runs["online"].tokens_to_target == 160 * SEQ

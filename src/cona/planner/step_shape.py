@@ -15,12 +15,12 @@ pipeline stage. Two forms:
   work and the device one after the other (a CPU doing both, or a step that synchronises),
 
 with ``device = matrix / matrix_efficiency + memory / memory_efficiency + comm / comm_efficiency``. The one
-whose fit misses least wins, among the forms the run allows (:func:`cona.planner.throughput.fitted_forms`:
-the native engine on an accelerator never waits for the device inside a step, so overlap only). Both are fitted on log step times with a weak pull of every parameter towards
-"the model is right" (factors 1, no extra host time), so a term the points cannot identify (communication
-on one GPU, the host on device-bound steps) stays at its neutral value instead of anywhere. One measured
-point cannot tell a host floor from a slow device: it gives a single factor on the whole step (``scale``);
-no point gives the raw model.
+whose fit misses least wins, among the forms the run allows (:func:`cona.planner.throughput.fitted_forms`: the
+native engine on an accelerator never waits for the device inside a step, so overlap only). Both are fitted on
+log step times with a weak pull of every parameter towards "the model is right" (factors 1, no extra host
+time), so a term the points cannot identify (communication on one GPU, the host on device-bound steps) stays
+at its neutral value instead of anywhere. One measured point cannot tell a host floor from a slow device: it
+gives a single factor on the whole step (``scale``); no point gives the raw model.
 """
 
 from __future__ import annotations
