@@ -167,7 +167,7 @@ class TrainingConfig:
     fallback_ema_alpha: float = 0.1
     """Weight of a new noise-scale measurement in the fallback EMA, in (0, 1]."""
     fallback_patience: int = 3
-    """Consecutive evaluations of a dropping noise scale before falling back."""
+    """Consecutive evaluations of a dropping noise scale before falling back (an in-place trial: one)."""
     lr_decay_tokens: int | None = None
     """Tokens of the cosine decay; the planned tokens of the run when omitted."""
     lr_warmup_frac: float = 0.01
