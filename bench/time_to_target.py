@@ -210,10 +210,11 @@ def run_cap(
 
 
 def settle(plan: RunPlan) -> None:
-    """Drop the run's checkpoints (nothing here reads them) and flush what is still being written. A fixed
-    run stopped at the target saves ~1.5 GB (GPT-125M with its optimizer) as it exits; the next run's
-    start-up then read its libraries under that write-back (on the H200 an online run started 10.6 s
-    slower after the warm-up's save than the fixed run after it)."""
+    """Drop the run's checkpoints (nothing here reads them) and flush what is still being written. A run
+    stopped at the target saves ~1.5 GB (GPT-125M with its optimizer) as it exits, and the next run started
+    up beside that write-back: on the H200 an online run launched right after the warm-up's save took 10.6 s
+    longer to start than the fixed run after it; with this step online started 1.8-1.9 s quicker than the
+    fixed runs in the next two calls (docs/benchmarks.md, sixth session)."""
     shutil.rmtree(plan.root / "checkpoints", ignore_errors=True)
     os.sync()
 
