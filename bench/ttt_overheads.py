@@ -5,7 +5,9 @@ For each run directory of a comparison (``bench/time_to_target.py --work-dir``),
 * the median step time at one gbs (``--gbs``) and the median time an evaluation adds there: a line's
   evaluation runs after its timestamp, so it shows as the next interval's wall time beyond its steps;
 * the total wall time between lines that is not step time (evaluations, logging, switches);
-* the step time of the first lines (the first holds the first step: compile or warm-up).
+* the step time of the first lines (the first holds the first step: compile or warm-up);
+* for each later stage at that gbs (an online run's switches), its first two lines' step times: the first
+  holds the new micro-batch shape's warm-up.
 
     python3 bench/ttt_overheads.py --work-dir /tmp/ttt-e --gbs 32
 """
@@ -42,7 +44,18 @@ def overheads(records: list[dict[str, Any]], gbs: int) -> dict[str, Any]:
         "eval_ms": 1e3 * statistics.median(after_eval) if after_eval else None,
         "outside_s": sum(gap for _, _, gap in intervals),
         "first_lines_ms": [round(1e3 * float(r["step_time_s"]), 1) for r in records[:FIRST_LINES]],
+        "stage_starts_ms": stage_starts(records, gbs),
     }
+
+
+def stage_starts(records: list[dict[str, Any]], gbs: int) -> dict[int, list[float]]:
+    """Step ms of the first two lines of each stage after the run's first that trains at ``gbs``."""
+    by_stage: dict[int, list[float]] = {}
+    for record in records:
+        stage = int(record.get("stage", 1))
+        if stage != int(records[0].get("stage", 1)) and record["gbs"] == gbs:
+            by_stage.setdefault(stage, []).append(round(1e3 * float(record["step_time_s"]), 1))
+    return {stage: times[:2] for stage, times in by_stage.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         evaluation = "-" if found["eval_ms"] is None else f"{found['eval_ms']:.1f} ms"
         print(
             f"{name:>12}: at gbs {args.gbs} a step {step}, an evaluation adds {evaluation}; "
-            f"{found['outside_s']:.2f} s outside the steps; first lines (ms a step) {found['first_lines_ms']}"
+            f"{found['outside_s']:.2f} s outside the steps; "
+            f"first lines (ms a step) {found['first_lines_ms']}; "
+            f"later stages' first two lines {found['stage_starts_ms']}"
         )
 
 
