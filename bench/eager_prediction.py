@@ -15,7 +15,7 @@ from cona.config import ModelConfig, TrainingConfig
 from cona.planner.profiles import run_profile
 from cona.planner.step_parts import model_step_parts
 from cona.planner.systems import load_system
-from cona.planner.throughput import Point, ThroughputEstimator
+from cona.planner.throughput import Point, ThroughputEstimator, fitted_forms
 from cona.strategy import Strategy
 
 GPT_125M = ModelConfig(name="gpt-125m", layers=12, hidden=768, heads=12, seq=512, vocab_size=50304)
@@ -43,7 +43,8 @@ def main() -> None:
                 )
                 for g in order[:known]
             ]
-            estimator = ThroughputEstimator(seq=GPT_125M.seq).with_points(points)
+            forms = fitted_forms(h200, profile)  # the forms the run fits (overlap: an accelerator)
+            estimator = ThroughputEstimator(seq=GPT_125M.seq, forms=forms).with_points(points)
             ratios = []
             for g in order[known:]:
                 predicted = estimator.estimate(strategies[g], parts[g]).tokens_per_s

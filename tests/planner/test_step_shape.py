@@ -106,3 +106,24 @@ def test_one_point_gives_one_factor_and_bad_input_is_refused():
         fit_shape(StepParts.of(matrix_s=[1.0, 1.0]), [0.0, 1.0])
     with pytest.raises(PlanError, match="differ in length"):
         fit_shape(StepParts.of(matrix_s=[1.0, 1.0]), [1.0])
+
+
+@pytest.mark.parametrize("form", ["overlap", "serial"])
+def test_the_fits_jacobian_is_the_residuals_derivative(form):
+    """The fit runs beside training on every new rate, so it takes the exact Jacobian (a numerical one made a
+    refit seconds of CPU); a wrong column would stop it short of the minimum."""
+    from scipy.optimize._numdiff import approx_derivative
+
+    from cona.planner.step_shape import _LogMisses
+
+    strategies = [
+        Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=gbs) for mbs, gbs in ((1, 8), (4, 8), (8, 32), (16, 64))
+    ]
+    parts = model_step_parts(GPT_125M, strategies, H200)
+    times = parts.raw_step_s * np.array([1.4, 2.5, 1.1, 0.9])
+    problem = _LogMisses(form, parts, times, float(np.median(times)))
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        params = np.concatenate([rng.normal(0.0, 1.0, 4), rng.uniform(0.0, 0.5, 2)])
+        numeric = approx_derivative(problem.residuals, params, method="3-point")
+        assert np.allclose(problem.jacobian(params), numeric, rtol=1e-5, atol=1e-7)
