@@ -110,7 +110,8 @@ def summarize_run(
         "training_s": round(steps_s, 2),
         "mean_tokens_per_s": round(tokens / steps_s) if steps_s > 0 else None,
         "stages": stage_strategies(upto),
-        "switches": sum(1 for d in decisions if d.get("decision") in ("switch", "fallback")),
+        "switches": sum(1 for d in decisions if d.get("decision") in ("switch", "fallback"))
+        - sum(1 for d in decisions if d.get("decision") == "not_carried_out"),
         "final_ppl": all_evals[-1] if all_evals else None,
         "best_ppl": min(all_evals) if all_evals else None,
         "realized_chain": json.loads(realized.read_text()) if realized.is_file() else None,

@@ -31,4 +31,8 @@ def test_cona_demo_switches_on_measured_values(tmp_path):
         assert decision["noise_scale"] is not None and "noise_scale_floor" not in decision
         assert decision["current"]["measured_tokens_per_s"] > 0
     stages = json.loads((run_dir / "online_stages.json").read_text())
-    assert len(stages) == len(switches) + 1
+    # A request the workers' last step boundary missed (the search was still deciding) is logged as not
+    # carried out; it can only be the last stage's.
+    late = [d for d in decisions if d["decision"] == "not_carried_out"]
+    assert all(d["stage"] == len(stages) for d in late), late
+    assert len(stages) == len(switches) - len(late) + 1

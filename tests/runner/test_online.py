@@ -173,8 +173,10 @@ class StreamingEngine:
     """A launcher that appends a metrics line per step (noise scale 1000, throughput growing with gbs) and
     honours switch_request.json at step boundaries as the worker does; checkpoints via FakeEngine."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, late_request: bool = False) -> None:
         self.launches: list[StageLaunch] = []
+        self.late_request = late_request
+        """Complete every stage, and only then find a switch request (the search decided too late)."""
 
     def __call__(self, launch: StageLaunch) -> None:
         self.launches.append(launch)
@@ -189,9 +191,13 @@ class StreamingEngine:
             append(spec.run_dir, [{**record, "stage": spec.stage, "consumed_samples": samples,
                                    "consumed_tokens": tokens}])  # fmt: skip
             time.sleep(0.02)
-            if spec.switch_request_path.exists():
+            if spec.switch_request_path.exists() and not self.late_request:
                 reason = "switch_requested"
                 break
+        if self.late_request:
+            request = {"action": "switch", "in_place": False, "strategy": dataclasses.asdict(LARGE),
+                       "predicted_tokens_per_s": 1.0, "reason": "late"}  # fmt: skip
+            spec.switch_request_path.write_text(json.dumps(request))
         target_dir = layout_dir(spec.workdir, spec.config, spec.strategy, "fp32", run_name=spec.run_name)
         checkpoint = FakeEngine._save(spec, target_dir, iteration, samples, tokens)
         now = time.time()
@@ -252,6 +258,18 @@ def test_an_online_run_switches_and_its_realized_chain_replays(tmp_path):
     assert [(s.last_iteration, s.consumed_samples) for s in replayed.stages] == [
         (s.last_iteration, s.consumed_samples) for s in state.stages
     ]
+
+
+def test_a_switch_requested_after_the_stages_last_step_is_logged_as_not_carried_out(tmp_path):
+    run = tiny_online_run(tmp_path)
+    lines: list[str] = []
+    state = run_online(run, launcher=StreamingEngine(late_request=True), out=lines.append)
+    assert len(state.stages) == 1 and state.stages[0].last_iteration == 150
+    (late,) = [d for d in decisions(run.run_dir) if d["decision"] == "not_carried_out"]
+    assert (late["stage"], late["iteration"], late["requested"]) == (1, 150, "switch")
+    assert late["strategy"]["gbs"] == LARGE.gbs
+    assert any("not carried out" in line for line in lines)
+    assert not (run.run_dir / "switch_request.json").exists()
 
 
 def online_args(config: Path, **changes) -> argparse.Namespace:

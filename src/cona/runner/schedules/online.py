@@ -45,6 +45,7 @@ from cona.runner.schedules.online_search import (
     PendingSwitch,
     StageOutcome,
     StageSearch,
+    log_not_carried_out,
 )
 from cona.runner.schedules.online_stages import StageRecords
 from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, torchrun_launcher
@@ -267,6 +268,8 @@ class OnlineSchedule:
         request_path = run_files.switch_request_path(self.run.run_dir)
         result = StageResult.read(run_files.stage_result_path(self.run.run_dir, stage.step_num))
         if result.reason not in ("switch_requested", "switch_in_place") or not request_path.is_file():
+            if request_path.is_file():  # decided after the workers' last boundary check: they completed
+                self._note_unrealized(stage, json.loads(request_path.read_text()))
             request_path.unlink(missing_ok=True)
             return state
         request = json.loads(request_path.read_text())
@@ -274,6 +277,12 @@ class OnlineSchedule:
             state = self._record_next(state, stage, request, result)
         request_path.unlink()
         return state
+
+    def _note_unrealized(self, stage: StageState, request: dict) -> None:
+        if request.get("action") not in ("switch", "fallback"):
+            return
+        record = log_not_carried_out(self.run.run_dir, stage.step_num, request, stage.last_iteration)
+        self.out(f"stage {stage.step_num}: {record['reason']}")
 
     def _record_next(
         self, state: RunState, stage: StageState, request: dict, result: StageResult

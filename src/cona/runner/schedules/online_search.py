@@ -212,6 +212,7 @@ class StageSearch:
     def _evaluate(self, last: MetricsRecord) -> Decision | None:
         if self.pending is not None:
             return None  # the switch into this stage is not accounted yet
+        started = time.perf_counter()
         measured = self.measured_tokens_per_s()
         current = self.policy_state.current.strategy
         iteration, tokens = int(last.iteration), int(last.consumed_tokens)
@@ -230,7 +231,7 @@ class StageSearch:
             candidate = next_frontier(current.gbs, measured, self.settings, self.frontier)
         decision = decide(self.policy_state, measurement, candidate, self.settings)
         self.policy_state = decision.state
-        self._log(decision)
+        self._log(decision, evaluation_s=time.perf_counter() - started)
         if decision.action != "stay":
             self.decision = decision
             request = {
@@ -263,10 +264,12 @@ class StageSearch:
         self.frontier.add_measurement(current, measured, intervals=intervals, source=f"stage {self.stage}")
         self._measured_rate = measured
 
-    def _log(self, decision: Decision) -> None:
+    def _log(self, decision: Decision, *, evaluation_s: float) -> None:
         record = {
             "stage": self.stage,
             **decision.record,
+            "decided_at": time.time(),
+            "evaluation_s": evaluation_s,
             "throughput_fit": self.frontier.estimator.record()
             if isinstance(self.frontier, FrontierSearch)
             else None,
@@ -319,6 +322,27 @@ class StageSearch:
             measured_tokens_per_s=self.measured_tokens_per_s(),
             target_reached=self.target_reached,
         )
+
+
+def log_not_carried_out(
+    run_dir: Path, stage: int, request: dict[str, Any], last_iteration: int | None
+) -> dict[str, Any]:
+    """Append to ``decisions.jsonl`` that the stage's switch request came after its workers' last step
+    boundary (they completed first), so it was not carried out; returns the record."""
+    target = Strategy(**request["strategy"]).short() if isinstance(request.get("strategy"), dict) else "?"
+    record = {
+        "stage": stage,
+        "iteration": last_iteration,
+        "decision": "not_carried_out",
+        "requested": request.get("action"),
+        "strategy": request.get("strategy"),
+        "reason": f"the {request.get('action')} to {target} was requested after the stage's last step "
+        f"(iteration {last_iteration}): not carried out",
+        "decided_at": time.time(),
+    }
+    with open(run_dir / DECISIONS_NAME, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    return record
 
 
 def _time_of(record: MetricsRecord) -> float:
