@@ -50,6 +50,10 @@ dispatch of each micro-batch, the optimizer's foreach kernels are few."""
 EFFICIENCY_BOUNDS = (0.01, 100.0)
 HOST_BOUND = 10.0
 """Most extra host time per step or micro-batch, in median measured steps."""
+LEAST_SQUARES = {"method": "dogbox"}
+"""The solver's settings (``scipy.optimize.least_squares``), with the exact Jacobian: the same minima as
+"trf" with a numerical one on these bounded six-variable fits, or lower, in 2-12x fewer seconds
+(``bench/refit_speed.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,10 +133,14 @@ def fit_shape(
 _FACTORS = ("matrix_efficiency", "memory_efficiency", "comm_efficiency", "host_efficiency")
 
 
-def _fit_form(form: Form, parts: StepParts, times: np.ndarray) -> tuple[StepShape, float]:
-    """Least squares from several starts: the max has a kink per point that a local fit does not cross."""
+def _fit_form(
+    form: Form, parts: StepParts, times: np.ndarray, solver: dict | None = None
+) -> tuple[StepShape, float]:
+    """Least squares from several starts: the max has a kink per point that a local fit does not cross.
+    ``solver``: settings for ``least_squares`` in place of :data:`LEAST_SQUARES` (a benchmark's reference)."""
     scale = float(np.median(times))
     problem = _LogMisses(form, parts, times, scale)
+    settings = {"jac": problem.jacobian, **(LEAST_SQUARES if solver is None else solver)}
     low, high = np.log(EFFICIENCY_BOUNDS)
     floor = float(np.min(times)) / scale / 2.0  # half per step, half per micro-batch
     per_micro_batch = floor / max(float(np.min(parts.micro_batches)), 1.0)
@@ -145,14 +153,18 @@ def _fit_form(form: Form, parts: StepParts, times: np.ndarray) -> tuple[StepShap
         fit = least_squares(
             problem.residuals,
             x0=np.array(start),
-            jac=problem.jacobian,
-            method="dogbox",  # same minima as "trf" on these fits, 7x fewer seconds (bounded, 6 variables)
             bounds=([low] * 4 + [0.0, 0.0], [high] * 4 + [HOST_BOUND, HOST_BOUND]),
+            **settings,
         )
         if best is None or fit.cost < best.cost:
             best = fit
     assert best is not None
     return problem.shape_of(best.x), float(best.cost)
+
+
+def fit_cost(form: Form, parts: StepParts, times: np.ndarray, solver: dict | None = None) -> float:
+    """The least-squares cost of the best fit of one form (``solver`` as in :func:`_fit_form`)."""
+    return _fit_form(form, parts, np.asarray(times, dtype=float), solver)[1]
 
 
 class _LogMisses:
