@@ -6,8 +6,9 @@ For each run directory of a comparison (``bench/time_to_target.py --work-dir``),
   evaluation runs after its timestamp, so it shows as the next interval's wall time beyond its steps;
 * the total wall time between lines that is not step time (evaluations, logging, switches);
 * the step time of the first lines (the first holds the first step: compile or warm-up);
-* for each later stage at that gbs (an online run's switches), its first two lines' step times: the first
-  holds the new micro-batch shape's warm-up.
+* for each later stage at that gbs (an online run's switches), its first three lines' step times: the first
+  holds the new micro-batch shape's warm-up, the second is the rate an in-place trial is judged on, the
+  third the steady rate it is measured against.
 
     python3 bench/ttt_overheads.py --work-dir /tmp/ttt-e --gbs 32
 """
@@ -49,13 +50,13 @@ def overheads(records: list[dict[str, Any]], gbs: int) -> dict[str, Any]:
 
 
 def stage_starts(records: list[dict[str, Any]], gbs: int) -> dict[int, list[float]]:
-    """Step ms of the first two lines of each stage after the run's first that trains at ``gbs``."""
+    """Step ms of the first three lines of each stage after the run's first that trains at ``gbs``."""
     by_stage: dict[int, list[float]] = {}
     for record in records:
         stage = int(record.get("stage", 1))
         if stage != int(records[0].get("stage", 1)) and record["gbs"] == gbs:
             by_stage.setdefault(stage, []).append(round(1e3 * float(record["step_time_s"]), 1))
-    return {stage: times[:2] for stage, times in by_stage.items()}
+    return {stage: times[:3] for stage, times in by_stage.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{name:>12}: at gbs {args.gbs} a step {step}, an evaluation adds {evaluation}; "
             f"{found['outside_s']:.2f} s outside the steps; "
             f"first lines (ms a step) {found['first_lines_ms']}; "
-            f"later stages' first two lines {found['stage_starts_ms']}"
+            f"later stages' first three lines {found['stage_starts_ms']}"
         )
 
 

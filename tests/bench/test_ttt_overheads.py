@@ -25,10 +25,10 @@ def test_an_evaluation_shows_as_the_next_intervals_time_beyond_its_steps(overhea
     assert overheads_module.overheads(lines, gbs=16)["step_ms"] is None
 
 
-def test_each_later_stage_at_the_gbs_gives_its_first_two_lines(overheads_module) -> None:
-    steps = [(1, 8, 40.0), (1, 8, 40.0), (2, 32, 130.0), (2, 32, 50.0), (2, 32, 51.0), (3, 64, 150.0),
-             (4, 32, 60.0), (4, 32, 50.0)]  # fmt: skip
+def test_each_later_stage_at_the_gbs_gives_its_first_three_lines(overheads_module) -> None:
+    steps = [(1, 8, 40.0), (1, 8, 40.0), (2, 32, 130.0), (2, 32, 50.0), (2, 32, 51.0), (2, 32, 52.0),
+             (3, 64, 150.0), (4, 32, 60.0), (4, 32, 50.0)]  # fmt: skip
     lines = [{"stage": stage, "gbs": gbs, "time": float(i), "step_time_s": ms / 1e3, "steps_in_interval": 1}
              for i, (stage, gbs, ms) in enumerate(steps)]  # fmt: skip
-    assert overheads_module.stage_starts(lines, 32) == {2: [130.0, 50.0], 4: [60.0, 50.0]}
+    assert overheads_module.stage_starts(lines, 32) == {2: [130.0, 50.0, 51.0], 4: [60.0, 50.0]}
     assert overheads_module.stage_starts(lines, 8) == {}  # the run's first stage is its start, not a switch
