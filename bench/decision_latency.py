@@ -9,15 +9,16 @@ longest evaluation, and the requests not carried out. Records from before the ti
 parent) have no delay to show.
 
     .venv/bin/python -m cona demo --out /tmp/demo --quiet
-    python3 bench/decision_latency.py /tmp/demo
+    PYTHONPATH=src python3 bench/decision_latency.py /tmp/demo
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
+
+from cona.jsonl import read_records
 
 DECISIONS = "decisions.jsonl"
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for root in args.runs:
         for path in decision_files(root):
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            records = read_records(path)  # a live run's torn last line is left out
             found = latency(records)
             delays = found["switch_delays_s"]
             print(
