@@ -108,8 +108,9 @@ def test_one_point_gives_one_factor_and_bad_input_is_refused():
         fit_shape(StepParts.of(matrix_s=[1.0, 1.0]), [1.0])
 
 
+@pytest.mark.parametrize("first_free", [0, 3])
 @pytest.mark.parametrize("form", ["overlap", "serial"])
-def test_the_fits_jacobian_is_the_residuals_derivative(form):
+def test_the_fits_jacobian_is_the_residuals_derivative(form, first_free):
     """The fit runs beside training on every new rate, so it takes the exact Jacobian (a numerical one made a
     refit seconds of CPU); a wrong column would stop it short of the minimum."""
     from scipy.optimize._numdiff import approx_derivative
@@ -121,9 +122,9 @@ def test_the_fits_jacobian_is_the_residuals_derivative(form):
     ]
     parts = model_step_parts(GPT_125M, strategies, H200)
     times = parts.raw_step_s * np.array([1.4, 2.5, 1.1, 0.9])
-    problem = _LogMisses(form, parts, times, float(np.median(times)))
+    problem = _LogMisses(form, parts, times, float(np.median(times)), first_free=first_free)
     rng = np.random.default_rng(0)
     for _ in range(5):
-        params = np.concatenate([rng.normal(0.0, 1.0, 4), rng.uniform(0.0, 0.5, 2)])
+        params = np.concatenate([rng.normal(0.0, 1.0, 4), rng.uniform(0.0, 0.5, 2)])[first_free:]
         numeric = approx_derivative(problem.residuals, params, method="3-point")
         assert np.allclose(problem.jacobian(params), numeric, rtol=1e-5, atol=1e-7)
