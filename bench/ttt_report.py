@@ -106,6 +106,7 @@ def summarize_run(
         "tokens_to_target": None if hit is None else int(hit["consumed_tokens"]),
         "eval_spacing_s": round(evals[-1]["time"] - evals[-2]["time"], 2) if len(evals) > 1 else None,
         "startup_s": None if first_step is None else round(first_step - launched, 2),
+        "runner_s": runner_seconds(run_dir, launched),
         "switch_gaps_s": [round(gap, 2) for gap in switch_gaps(upto)],
         "training_s": round(steps_s, 2),
         "mean_tokens_per_s": round(tokens / steps_s) if steps_s > 0 else None,
@@ -123,37 +124,65 @@ def summarize_run(
     }
 
 
-def charged_time(row: dict[str, Any], level: str, fixed_startup_s: float | None) -> float | None:
-    """A run's time to ``level`` from its first step, plus whatever start-up it took beyond the quickest
-    fixed run's (online mode's initial search and planning count against it, not as start-up)."""
+def runner_seconds(run_dir: Path, launched: float) -> float | None:
+    """Launch until the runner planned the run's first stage (``planned_at`` in ``runner_state.json``): its
+    own start-up and, online, the initial search; the workers' start follows (the same code in every mode)."""
+    try:
+        planned_at = json.loads((run_dir / "runner_state.json").read_text())["stages"][0]["planned_at"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return None if planned_at is None else round(float(planned_at) - launched, 2)
+
+
+CHARGES = ("runner", "startup")
+"""What a run that is not fixed is charged beyond the quickest fixed run's, on top of its time from its
+first step: ``runner``, its runner's start-up until the first stage is planned (what online mode adds to
+the start-up: its imports, its initial search), where every row has it, else ``startup``; ``startup``, the
+whole start-up, the workers' too (their start differs from run to run by seconds, in every mode)."""
+
+
+def charged_time(
+    row: dict[str, Any], level: str, fixed_least: dict[str, float | None], charge: str
+) -> float | None:
+    """A run's time to ``level`` from its first step, plus the ``charge`` (see :data:`CHARGES`) it took
+    beyond the least a fixed run took (``fixed_least``: per charge)."""
     own = row["time_to_level_from_first_step_s"].get(level)
     if own is None:
         return None
+    key = "runner_s" if charge == "runner" and fixed_least.get("runner_s") is not None else "startup_s"
     extra = 0.0
-    if fixed_startup_s is not None and row["startup_s"] is not None and row["kind"] != "fixed":
-        extra = max(0.0, row["startup_s"] - fixed_startup_s)
+    if fixed_least.get(key) is not None and row.get(key) is not None and row["kind"] != "fixed":
+        extra = max(0.0, row[key] - fixed_least[key])
     return round(own + extra, 2)
 
 
 def ladder_summary(rows: list[dict[str, Any]], levels: list[str]) -> dict[str, dict[str, Any]]:
-    """Per level: the best fixed run there (by time from its first step) and the other runs' time over it."""
+    """Per level: the best fixed run there (by time from its first step) and the other runs' time over it,
+    charged for the runner's extra start-up (``over_best_fixed``) and for the whole extra start-up
+    (``over_best_fixed_whole_startup``)."""
     fixed = [r for r in rows if r["kind"] == "fixed"]
-    startups = [r["startup_s"] for r in fixed if r["startup_s"] is not None]
-    fixed_startup = min(startups) if startups else None
+    fixed_least: dict[str, float | None] = {}
+    for key in ("runner_s", "startup_s"):
+        values = [r.get(key) for r in fixed]
+        fixed_least[key] = min(values) if values and all(v is not None for v in values) else None
+    if any(r.get("runner_s") is None for r in rows):
+        fixed_least["runner_s"] = None
     result = {}
     for level in levels:
-        times = {r["run"]: charged_time(r, level, fixed_startup) for r in rows}
-        reached = [r for r in fixed if times[r["run"]] is not None]
-        entry: dict[str, Any] = {"times_from_first_step_s": times, "best_fixed": None}
-        if reached:
-            best = min(reached, key=lambda r: times[r["run"]])
-            entry["best_fixed"], best_s = best["run"], times[best["run"]]
-            entry["best_fixed_s"] = best_s
-            entry["over_best_fixed"] = {
-                r["run"]: round(times[r["run"]] / best_s, 3)
-                for r in rows
-                if r["kind"] != "fixed" and times[r["run"]] is not None and best_s > 0
-            }
+        entry: dict[str, Any] = {"best_fixed": None}
+        for charge, suffix in zip(CHARGES, ("", "_whole_startup"), strict=True):
+            times = {r["run"]: charged_time(r, level, fixed_least, charge) for r in rows}
+            entry[f"times_from_first_step_s{suffix}"] = times
+            reached = [r for r in fixed if times[r["run"]] is not None]
+            if reached:
+                best = min(reached, key=lambda r: times[r["run"]])
+                entry["best_fixed"], best_s = best["run"], times[best["run"]]
+                entry["best_fixed_s"] = best_s
+                entry[f"over_best_fixed{suffix}"] = {
+                    r["run"]: round(times[r["run"]] / best_s, 3)
+                    for r in rows
+                    if r["kind"] != "fixed" and times[r["run"]] is not None and best_s > 0
+                }
         result[level] = entry
     return result
 
@@ -222,7 +251,16 @@ def format_ladder(ladder: dict[str, dict[str, Any]]) -> str:
         if entry.get("best_fixed") is None:
             lines.append(f"  ppl {level:>8}: no fixed run reached it")
             continue
-        ratios = ", ".join(f"{run} {ratio:.2f}x" for run, ratio in entry["over_best_fixed"].items()) or "-"
+        whole = entry.get("over_best_fixed_whole_startup", {})
+        ratios = (
+            ", ".join(
+                f"{run} {ratio:.2f}x ({whole[run]:.2f}x charged all its extra start-up)"
+                if run in whole
+                else f"{run} {ratio:.2f}x"
+                for run, ratio in entry["over_best_fixed"].items()
+            )
+            or "-"
+        )
         lines.append(
             f"  ppl {level:>8}: best fixed {entry['best_fixed']} {entry['best_fixed_s']:.1f} s; {ratios}"
         )

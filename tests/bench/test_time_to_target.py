@@ -149,6 +149,28 @@ def test_the_ladder_charges_online_for_its_extra_start_up_and_picks_the_main_lev
     assert "online 0.89x" in ttt.format_ladder(ladder) and "no fixed run" in ttt.format_ladder(ladder)
 
 
+def test_the_ladder_charges_the_runners_extra_start_up_where_every_run_has_it(ttt, tmp_path):
+    """Online adds to the start-up what its runner does before the first stage is planned (imports, the
+    initial search); the workers' start is the same code in every mode and is charged only in the
+    ``_whole_startup`` ratios."""
+    rows = [
+        row("fixed-gbs16", "fixed", startup=22.0, levels={"50": 45.0}) | {"runner_s": 8.0},
+        row("fixed-gbs32", "fixed", startup=20.0, levels={"50": 50.0}) | {"runner_s": 9.0},
+        row("online", "online", startup=30.0, levels={"50": 30.0}) | {"runner_s": 9.5},
+    ]
+    ladder = ttt.ladder_summary(rows, ["50"])
+    assert ladder["50"]["times_from_first_step_s"]["online"] == 31.5  # 30 + (9.5 - 8)
+    assert ladder["50"]["over_best_fixed"] == {"online": round(31.5 / 45.0, 3)}
+    assert ladder["50"]["over_best_fixed_whole_startup"] == {
+        "online": round(40.0 / 45.0, 3)
+    }  # 30 + (30 - 20)
+    assert "(0.89x charged all its extra start-up)" in ttt.format_ladder(ladder)
+    # The runner's part comes from runner_state.json's first stage.
+    (tmp_path / "runner_state.json").write_text(json.dumps({"stages": [{"planned_at": LAUNCHED + 7.25}]}))
+    assert ttt.runner_seconds(tmp_path, LAUNCHED) == 7.25
+    assert ttt.runner_seconds(tmp_path / "missing", LAUNCHED) is None
+
+
 def test_the_ramp_chain_switches_at_the_token_points_with_absolute_iterations(ttt):
     chain = ttt.ramp_chain([(8, 8), (16, 8), (32, 16)], [8 * 512 * 10, 8 * 512 * 30], 8 * 512 * 100, 512)
     steps = chain["steps"]

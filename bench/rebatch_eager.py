@@ -1,0 +1,92 @@
+"""Why an eager run's first metrics line after an in-place switch to a new mbs is slow (issue 16).
+
+One process builds CONA's training model eager (no compile) at the first mbs, then goes through the mbs
+sequence the way an online run's in-place switches do (:meth:`TrainingModel.rebatch`). At each shape it
+times every step of the first ``--line`` steps, the last of them measured (the gradient-noise step, run as
+two halves, as before each metrics line), with the device synchronised after each step, then the mean of
+``--steady`` steps more. With each step it prints what the CUDA caching allocator did in it: device
+allocations (``cudaMalloc``), frees of cached blocks to retry one, and the reserved memory. Run once per
+allocator setting, each in its own process (the setting is read when CUDA starts)::
+
+    PYTHONPATH=src python3 bench/rebatch_eager.py --size 125m --seq 512
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src python3 bench/rebatch_eager.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+
+from engine_vs_ref import engine_model, init_single_process_group, random_batch, synchronize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def allocator_counts() -> dict[str, float]:
+    stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    counts = {name: stats.get(name, 0) for name in ALLOCATOR_COUNTS}
+    counts["reserved_gib"] = stats.get("reserved_bytes.all.current", 0) / 2**30
+    return counts
+
+
+def timed_step(model, optimizer, batch, *, measure: bool) -> dict:
+    """One training step's wall seconds (device synchronised) and the allocator's activity in it."""
+    before = allocator_counts()
+    began = time.perf_counter()
+    model.train_step_pending([batch], measure_gns=measure)
+    model.optimizer_step_pending(optimizer)
+    synchronize(DEVICE)
+    seconds = time.perf_counter() - began
+    after = allocator_counts()
+    row = {"ms": round(seconds * 1e3, 1), "measured": measure}
+    row.update({name: int(after[name] - before[name]) for name in ALLOCATOR_COUNTS})
+    row["reserved_gib"] = round(after["reserved_gib"], 2)
+    return row
+
+
+def shape_rows(model, optimizer, mbs: int, args: argparse.Namespace) -> dict:
+    batch = random_batch(args.size, mbs, args.seq, DEVICE)
+    line = [timed_step(model, optimizer, batch, measure=i == args.line - 1) for i in range(args.line)]
+    began = time.perf_counter()
+    for _ in range(args.steady):
+        model.train_step_pending([batch], measure_gns=False)
+        model.optimizer_step_pending(optimizer)
+    synchronize(DEVICE)
+    steady_ms = (time.perf_counter() - began) / args.steady * 1e3
+    line_ms = sum(step["ms"] for step in line)
+    return {
+        "mbs": mbs,
+        "line_ms": round(line_ms, 1),
+        "line_over_steady": round(line_ms / (steady_ms * args.line), 3),
+        "steady_ms": round(steady_ms, 2),
+        "steps": line,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="125m")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--mbs", default="8,16,32,16,32,64,32", help="the shapes in order (an online run's)")
+    parser.add_argument("--line", type=int, default=8, help="steps timed one by one (a log interval)")
+    parser.add_argument("--steady", type=int, default=16)
+    args = parser.parse_args()
+    args.device, args.no_compile = DEVICE, True
+    init_single_process_group(DEVICE)
+    mbs_order = [int(m) for m in args.mbs.split(",")]
+    model, optimizer, _ = engine_model(args.size, mbs_order[0], args)
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")
+    for mbs in mbs_order:
+        if mbs != model.strategy.mbs:
+            model.rebatch(dataclasses.replace(model.strategy, mbs=mbs, gbs=mbs))
+        print(json.dumps({"allocator": setting, **shape_rows(model, optimizer, mbs, args)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
