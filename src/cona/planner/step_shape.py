@@ -21,7 +21,7 @@ log step times with a weak pull of every parameter towards "the model is right" 
 time), so a term the points cannot identify (communication on one GPU, the host on device-bound steps) stays
 at its neutral value instead of anywhere. Where the model's device with only the host terms fitted meets
 every point within :data:`PRIOR_DEVICE_TOLERANCE`, that fit is taken: the pull alone is too weak to keep a
-3% difference between two host-bound points from moving the device. One measured point cannot tell a
+few percent between two host-bound points from moving the device. One measured point cannot tell a
 host floor from a slow device: it gives a single factor on the whole step (``scale``); no point gives the
 raw model.
 """
@@ -53,14 +53,15 @@ dispatch of each micro-batch, the optimizer's foreach kernels are few."""
 EFFICIENCY_BOUNDS = (0.01, 100.0)
 HOST_BOUND = 10.0
 """Most extra host time per step or micro-batch, in median measured steps."""
-PRIOR_DEVICE_TOLERANCE = 0.03
+PRIOR_DEVICE_TOLERANCE = 0.05
 """Where the model's own device (its factors at 1, only the host terms fitted) meets every measured point
 within this, that fit is taken: below a few percent the points cannot show a device factor (a strategy's
-rate is the median of its metrics lines, which scatter by about 5% on a shared machine). Fitted freely,
-two host-bound eager points on the H200 whose step times differed by 3% (55.8 and 57.3 ms at gbs 8 and 16)
-made the device the bottleneck at the larger one (its factor 0.46) and predicted gbs 32 at half its
-measured rate (issue 16). 3%, not 5%: the planner validation's leave-one-out fits on device-bound points
-(``bench/planner_validation.py``) are unchanged at 3% and lose precision at 5%."""
+metrics lines scatter by about 5% on a shared machine). Fitted freely, two host-bound eager points on the
+H200 whose step times differed by 3% and 7% (55.8 and 57.3 ms, 41.6 and 44.5 ms at gbs 8 and 16, two runs)
+made the device the bottleneck at gbs 16 (factor 0.46, 0.60) and predicted gbs 32 at 0.49 and 0.64 of its
+measured rate (issue 16); kept, 0.91 and 1.06. The price is on clean device-bound points the model already
+meets within 5%: ``bench/planner_validation.py``'s leave-one-out fits miss by 1.48% on average (at most
+6.1%) instead of 0.71% (1.5%)."""
 DEVICE_PARAMS = 3
 """The first parameters of a fit are the device's (see :data:`PRIOR_WEIGHTS`), the rest the host's."""
 LEAST_SQUARES = {"method": "dogbox"}
