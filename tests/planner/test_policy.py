@@ -339,3 +339,22 @@ def test_a_backend_that_keeps_mbs_in_place_switches_an_mbs_change_through_a_chec
     same_mbs = dataclasses.replace(ONE_GPU_16, mbs=8)
     assert switches_in_place(ONE_GPU_8, same_mbs, gbs_only)
     assert not switches_in_place(ONE_GPU_8, dataclasses.replace(same_mbs, dp=2), gbs_only)
+
+
+def test_an_unknown_noise_scale_counts_the_measurements_the_tracker_holds():
+    """Before it has ``min_samples`` the tracker gives no estimate; the reason still says how many it has
+    (an H200 run said "0 of 10" at iterations 16 and 24 while it held 8 and 9)."""
+    held = tracker_at(20.0, 7)
+    assert held.estimate() is None
+    measurement = Measurement(
+        time=0.0,
+        iteration=16,
+        consumed_tokens=1_000,
+        noise=held.estimate(),
+        noise_measurements=len(held.measurements),
+        measured_tokens_per_s=1000.0,
+        remaining_tokens=1e7,
+    )
+    decision = decide(fresh_state(), measurement, CANDIDATE, SETTINGS)
+    assert decision.action == "stay" and decision.record["noise_samples"] == 7
+    assert decision.reason == f"noise scale unknown: 7 of {SETTINGS.min_measurements} measurements needed"

@@ -112,6 +112,8 @@ def test_quiet_mode_says_no_stay_decision_but_logs_every_one(tmp_path):
         append(tmp_path, [metrics_record(iteration, 2, noise_scale=1000.0)])
         search.poll()
     assert [d["decision"] for d in decisions(tmp_path)] == ["stay"] * 9 and lines == []
+    # each stay says how many of the measurements it needs the tracker holds
+    assert [d["noise_samples"] for d in decisions(tmp_path)] == list(range(1, 10))
     append(tmp_path, [metrics_record(10, 2, noise_scale=1000.0)])
     search.poll()  # enough measurements now: a switch, which quiet mode still says
     assert len(lines) == 1 and lines[0].startswith("decision at iteration 10: switch")

@@ -281,10 +281,15 @@ def _usable_noise_scale(noise: NoiseScaleEstimate | None, settings: PolicySettin
     return noise.noise_scale
 
 
+def _noise_samples(measurement: Measurement) -> int:
+    noise = measurement.noise
+    return measurement.noise_measurements if noise is None else noise.samples
+
+
 def _unknown_reason(measurement: Measurement, settings: PolicySettings) -> str:
     noise = measurement.noise
     if noise is None or noise.samples < settings.min_measurements:
-        have = 0 if noise is None else noise.samples
+        have = _noise_samples(measurement)
         return f"noise scale unknown: {have} of {settings.min_measurements} measurements needed"
     if noise.noise_scale is None:
         return f"noise scale unknown: the smoothed |G|^2 is {noise.grad_sqr:.3g} (not positive)"
@@ -352,7 +357,7 @@ def _record_base(state: PolicyState, measurement: Measurement, settings: PolicyS
         "iteration": measurement.iteration,
         "consumed_tokens": measurement.consumed_tokens,
         "noise_scale": None if noise is None else noise.noise_scale,
-        "noise_samples": 0 if noise is None else noise.samples,
+        "noise_samples": _noise_samples(measurement),
         "current": {
             "strategy": strategy_dict(state.current.strategy),
             "measured_tokens_per_s": measured,

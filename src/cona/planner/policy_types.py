@@ -132,6 +132,8 @@ class Measurement:
     consumed_tokens: int
     noise: NoiseScaleEstimate | None
     """The tracker's estimate (None before it has ``min_samples``)."""
+    noise_measurements: int = 0
+    """Measurements the tracker holds, also before it gives an estimate (what a decision's reason counts)."""
     measured_tokens_per_s: float | None
     """The current strategy's measured throughput (None before a step was timed)."""
     remaining_tokens: float

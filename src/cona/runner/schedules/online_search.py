@@ -222,6 +222,7 @@ class StageSearch:
             iteration=iteration,
             consumed_tokens=tokens,
             noise=self._noise_estimate(),
+            noise_measurements=len(self.tracker.measurements),
             measured_tokens_per_s=measured,
             remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
             interval_tokens=float(last.steps_in_interval or 1) * current.gbs * self.budget.seq,
