@@ -10,6 +10,7 @@ allocator setting, each in its own process (the setting is read when CUDA starts
 
     PYTHONPATH=src python3 bench/rebatch_eager.py --size 125m --seq 512
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src python3 bench/rebatch_eager.py
+    CUDA_MODULE_LOADING=EAGER PYTHONPATH=src python3 bench/rebatch_eager.py   # kernels loaded at CUDA start
 """
 
 from __future__ import annotations
@@ -81,11 +82,14 @@ def main() -> None:
     init_single_process_group(DEVICE)
     mbs_order = [int(m) for m in args.mbs.split(",")]
     model, optimizer, _ = engine_model(args.size, mbs_order[0], args)
-    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")
+    settings = {
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+        "module_loading": os.environ.get("CUDA_MODULE_LOADING", "default"),  # lazy unless EAGER
+    }
     for mbs in mbs_order:
         if mbs != model.strategy.mbs:
             model.rebatch(dataclasses.replace(model.strategy, mbs=mbs, gbs=mbs))
-        print(json.dumps({"allocator": setting, **shape_rows(model, optimizer, mbs, args)}), flush=True)
+        print(json.dumps({**settings, **shape_rows(model, optimizer, mbs, args)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -50,9 +50,9 @@ PRESET_OVERRIDES = ("system", "initial_gbs", "max_gbs", "target_ppl", "total_tok
 LOG_INTERVAL = 8
 """Iterations between metrics lines, in every run alike (fewer where evaluations come more often). A line
 reads the device (a sync), so the same step count between lines keeps that cost the same per step. Online
-mode's noise scale needs ten measurements before its first decision; the steps before the first line are
-measured (its first step apart, ``cona.engine.trainer.GNS_FIRST_STEPS``), so it has them at the fourth line
-(iteration 32), where one measurement a line took 80 iterations (issue 16)."""
+mode's noise scale needs eight measurements before its first decision; the steps before the first line are
+measured (its first step apart, ``cona.engine.trainer.GNS_FIRST_STEPS``), so it has them at the second line
+(iteration 16), where one measurement a line took 64 iterations (issue 16)."""
 
 CORPORA = {"demo": ("data/demo", "wiki_text_document"), "bench": ("data/bench", "bench_text_document")}
 """``--corpus``: the default data folder (under the project root) and dataset name in it."""

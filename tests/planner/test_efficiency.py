@@ -96,7 +96,7 @@ def test_a_first_measurement_100x_the_others_is_outvoted_within_50_steps():
 
 def test_a_line_listing_its_measured_steps_gives_one_measurement_per_step():
     """The run's first steps are all measured (``gns_steps``): at a log interval of 8 the tracker has its
-    ten measurements at the second line, not the tenth, and the line's means alone would be one."""
+    eight measurements at the second line, not the eighth, and the line's means alone would be one."""
     small_sqr, big_sqr = planted_measurements(np.random.default_rng(5), 11)
     pairs = [[float(s), float(b)] for s, b in zip(small_sqr, big_sqr, strict=True)]
     base = {"gns_small_batch": 4, "gns_big_batch": 64, "lr": 1e-3}
@@ -105,16 +105,17 @@ def test_a_line_listing_its_measured_steps_gives_one_measurement_per_step():
         "consumed_samples": 512,
         "gns_small_sqr": 0.0,
         "gns_big_sqr": 0.0,
-        "gns_steps": pairs[:8],
+        "gns_steps": pairs[:7],
     }
-    second = {**first, "consumed_samples": 1024, "lr": 2e-3, "gns_steps": pairs[8:]}  # still warming up
+    second = {**first, "consumed_samples": 1024, "lr": 2e-3, "gns_steps": pairs[7:]}  # still warming up
     tracker = NoiseScaleTracker(base_batch=64).update_from_metrics(first)
-    assert tracker.samples == 8 and tracker.noise_scale() is None
+    assert tracker.samples == 7 and tracker.noise_scale() is None
     tracker = tracker.update_from_metrics(second)
     assert tracker.samples == 11
     steps = NoiseScaleTracker(base_batch=64)
-    for s, b in pairs:
-        steps = steps.update(small_sqr=s, big_sqr=b, small_batch=4, big_batch=64)
+    for index, (s, b) in enumerate(pairs):  # at the lines' positions: the window is in samples
+        position = 512 if index < 7 else 1024
+        steps = steps.update(small_sqr=s, big_sqr=b, small_batch=4, big_batch=64, consumed_samples=position)
     assert tracker.noise_scale() == pytest.approx(steps.noise_scale())
     # One LR per line: steps of one line (equal LRs) do not end the warm-up, the next line's lower LR does.
     assert tracker.warmup_end is None

@@ -23,7 +23,7 @@ from cona.engine.checkpoint import layout_dir, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ConaError, LaunchError
 from cona.jsonl import JsonlTail
-from cona.planner.efficiency import NoiseScaleTracker
+from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
 from cona.runner.nodes.multinode import NodePlacement, cona_command
 from cona.runner.schedules.chain import load_chain
@@ -95,7 +95,7 @@ def test_a_large_noise_scale_and_a_faster_frontier_request_a_switch(tmp_path):
     logged = decisions(tmp_path)
     assert [d["decision"] for d in logged][-1] == "switch"
     assert all(d["decision"] == "stay" for d in logged[:-1])
-    assert logged[-1]["noise_samples"] >= 10 and abs(logged[-1]["noise_scale"] - 1000.0) < 1e-6
+    assert logged[-1]["noise_samples"] >= MIN_SAMPLES and abs(logged[-1]["noise_scale"] - 1000.0) < 1e-6
     request = json.loads((tmp_path / "switch_request.json").read_text())
     assert request["action"] == "switch" and Strategy(**request["strategy"]) == LARGE
     before = len(logged)
@@ -108,15 +108,15 @@ def test_quiet_mode_says_no_stay_decision_but_logs_every_one(tmp_path):
     lines: list[str] = []
     search = make_search(tmp_path, predicted=1e9)
     search.out, search.print_stays = lines.append, False
-    for iteration in range(1, 10):
+    for iteration in range(1, MIN_SAMPLES):
         append(tmp_path, [metrics_record(iteration, 2, noise_scale=1000.0)])
         search.poll()
-    assert [d["decision"] for d in decisions(tmp_path)] == ["stay"] * 9 and lines == []
+    assert [d["decision"] for d in decisions(tmp_path)] == ["stay"] * (MIN_SAMPLES - 1) and lines == []
     # each stay says how many of the measurements it needs the tracker holds
-    assert [d["noise_samples"] for d in decisions(tmp_path)] == list(range(1, 10))
-    append(tmp_path, [metrics_record(10, 2, noise_scale=1000.0)])
+    assert [d["noise_samples"] for d in decisions(tmp_path)] == list(range(1, MIN_SAMPLES))
+    append(tmp_path, [metrics_record(MIN_SAMPLES, 2, noise_scale=1000.0)])
     search.poll()  # enough measurements now: a switch, which quiet mode still says
-    assert len(lines) == 1 and lines[0].startswith("decision at iteration 10: switch")
+    assert len(lines) == 1 and lines[0].startswith(f"decision at iteration {MIN_SAMPLES}: switch")
 
 
 def test_an_unknown_noise_scale_never_requests_a_switch(tmp_path):
@@ -134,10 +134,10 @@ def test_an_unknown_noise_scale_never_requests_a_switch(tmp_path):
 
 def test_too_few_measurements_never_request_a_switch(tmp_path):
     search = make_search(tmp_path, predicted=1e9)
-    for iteration in range(1, 10):
+    for iteration in range(1, MIN_SAMPLES):
         append(tmp_path, [metrics_record(iteration, 2, noise_scale=1000.0)])
         search.poll()
-    assert [d["decision"] for d in decisions(tmp_path)] == ["stay"] * 9
+    assert [d["decision"] for d in decisions(tmp_path)] == ["stay"] * (MIN_SAMPLES - 1)
     assert not (tmp_path / "switch_request.json").exists()
 
 

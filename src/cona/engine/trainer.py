@@ -50,7 +50,7 @@ GNS_STEP_FRACTION = 10
 GNS_FIRST_STEPS = MIN_SAMPLES
 """The steps before the run's first metrics line are measured, up to this many after the run's first step:
 the noise-scale tracker needs this many measurements before online mode can decide anything, and one
-measured step per line would take that many lines (80 iterations at a log interval of 8, 1000 at 100; issue
+measured step per line would take that many lines (64 iterations at a log interval of 8, 800 at 100; issue
 16 asks for a known noise scale within 50 steps). Each measured step gives one measurement (the line lists
 them, ``gns_steps``). Where a step runs as pieces only when measured, these steps cost about one more step
 each, once per run, and only in the first line, whose rate the online search leaves out anyway (it holds the
