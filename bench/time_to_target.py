@@ -55,7 +55,7 @@ from ttt_plan import (
     plan_warmup,
     run_names,
 )
-from ttt_report import format_ladder, format_table, merge_reports, summarize_run, summary
+from ttt_report import LADDER, format_ladder, format_table, merge_reports, summarize_run, summary
 from ttt_supervise import RunPlan, supervise
 
 END_MARGIN_S = 10.0
@@ -85,7 +85,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
         parser.add_argument(f"--{field.replace('_', '-')}", type=kind, default=None, help="default: preset's")
     parser.add_argument("--fixed-gbs", default=None, help="comma list (default G0, 2G0, 4G0, 8G0)")
     parser.add_argument("--ramp-tokens", default=None, help="the ramp's two switch points in tokens")
-    parser.add_argument("--ladder", default="1.1,1.25,1.5,2,3,4,6", help="also time easier levels: P x these")
+    parser.add_argument(
+        "--ladder", default=",".join(f"{f:g}" for f in LADDER), help="also time easier levels: P x these"
+    )
     parser.add_argument(
         "--min-training-s", type=float, default=40.0, help="main level's least best-fixed time"
     )

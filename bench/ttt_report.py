@@ -13,6 +13,8 @@ from ttt_supervise import Supervised
 
 WARMUP_RUN = "warmup"
 """The folder of time_to_target's unreported warm-up run in a --work-dir."""
+LADDER = (1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The easier levels time_to_target times by default, as multiples of the target perplexity."""
 
 
 def measured_runs(work_dir: Path) -> list[tuple[str, list[dict[str, Any]]]]:
