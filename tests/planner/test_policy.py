@@ -18,6 +18,7 @@ from cona.planner.policy import (
     initial_state,
     next_frontier,
     next_gbs,
+    prediction_miss,
     switches_in_place,
 )
 from cona.strategy import Strategy
@@ -273,6 +274,46 @@ def test_a_layout_keeping_candidate_the_model_undersells_is_tried_in_place():
     # Nor when even perfect scaling could not pay for the way there and back.
     short = measure(20.0, tokens_per_s=1000.0, remaining=2e3)
     assert decide(state, short, candidate, IN_PLACE).action == "stay"
+
+
+def test_a_candidate_fitted_on_two_strategies_is_tried_only_where_its_prediction_could_miss_enough():
+    """Perfect scaling bounds a trial's hope where the model's shape rests on one strategy; once it rests on
+    two, the prediction plus its margin (25%, or the largest miss the run saw) does."""
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    measurement = measure(20.0, tokens_per_s=1000.0, remaining=1e5)
+    fitted = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0, fitted_on=2)
+    # At noise scale 20, 1150 x 1.25 tokens/s at gbs 32 make 0.995x the progress of 1000 at gbs 16: no trial.
+    decision = decide(state, measurement, fitted, IN_PLACE)
+    assert decision.action == "stay"
+    assert decision.record["trial_best_case_tokens_per_s"] == pytest.approx(1150.0 * 1.25)
+    # A wider setting, or a miss this run measured, widens the hope (1150 x 1.3: 1.035x).
+    wider = dataclasses.replace(IN_PLACE, trial_prediction_error=0.3)
+    assert decide(state, measurement, fitted, wider).target.trial
+    missed = dataclasses.replace(state, largest_prediction_miss=0.3)
+    tried = decide(missed, measurement, fitted, IN_PLACE)
+    assert tried.target.trial and "30% above its prediction" in tried.reason
+    # Never above perfect scaling (2000 tokens/s from 1000 at half the batch).
+    hopeful = dataclasses.replace(IN_PLACE, trial_prediction_error=5.0)
+    assert decide(state, measurement, fitted, hopeful).record["trial_best_case_tokens_per_s"] == 2000.0
+
+
+def test_leaving_a_fitted_prediction_records_its_miss_and_the_current_one_counts_too():
+    fitted = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0, fitted_on=2)
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=3000.0))  # the raw model
+    state = after_switch(state, new=fitted, old_measured_tokens_per_s=1000.0, switch_cost_s=0.1)
+    assert state.largest_prediction_miss == 0.0  # the first stage's raw-model prediction is no fit's miss
+    assert prediction_miss(fitted, 1000.0) == pytest.approx(0.15 / 1.15)
+    assert prediction_miss(dataclasses.replace(fitted, fitted_on=1), 500.0) == 0.0  # a one-point scale
+    onward = Candidate(strategy=ONE_GPU_32, predicted_tokens_per_s=4000.0, fitted_on=2)
+    left = after_switch(state, new=onward, old_measured_tokens_per_s=2300.0, switch_cost_s=0.1)
+    assert left.largest_prediction_miss == pytest.approx(1.0)  # measured 2x its prediction
+    # On the stage it runs: gbs 32 measured at 2000 against 1150 predicted widens the next trial's hope.
+    candidate = Candidate(strategy=ONE_GPU_32, predicted_tokens_per_s=2100.0, fitted_on=2)
+    decision = decide(state, measure(20.0, tokens_per_s=2000.0, remaining=1e5), candidate, IN_PLACE)
+    margin = 2000.0 / 1150.0 - 1.0
+    assert decision.record["trial_best_case_tokens_per_s"] == pytest.approx(
+        min(2100.0 * (1.0 + margin), 2000.0 * 64 / 32)
+    )
 
 
 def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():

@@ -102,8 +102,11 @@ def test_host_bound_points_within_their_scatter_keep_the_models_device():
     estimator = ThroughputEstimator(seq=SEQ, forms=fitted_forms(SYSTEM, profile)).with_points(points)
     assert estimator.shape.matrix_efficiency == pytest.approx(1.0)
     assert estimator.shape.memory_efficiency == pytest.approx(1.0)
-    predicted = estimator.estimate(one_gpu(32, 32), parts[32]).tokens_per_s
+    estimate = estimator.estimate(one_gpu(32, 32), parts[32])
+    predicted = estimate.tokens_per_s
     assert abs(predicted / measured[32] - 1.0) < 0.15
+    assert estimate.fitted_on == 2  # the trial rule bounds what a prediction fitted on two may miss by
+    assert estimator.estimate(one_gpu(8, 8), parts[8]).fitted_on == 0  # measured: no fit behind it
     # Device-bound points the model's device misses by more than their scatter still move it.
     slow = {32: 319_146 / 2, 64: 353_775 / 2}
     device_bound = [

@@ -124,7 +124,7 @@ def test_the_candidates_throughput_is_the_devices_not_the_models(setup):
     assert strategy.gbs == 8 and last["candidate"]["throughput_source"] == "predicted"
     truth = device.tokens_per_s(strategy)
     assert predicted == pytest.approx(truth, rel=0.15)
-    assert last["throughput_fit"]["measured_strategies"] == 3
+    assert last["throughput_fit"]["measured_strategies"] == 3 and last["candidate"]["fitted_on"] == 3
     # What the planted bugs would have used instead: the raw model, its inverse correction, and the model
     # times measured / model of the running strategy (the old anchor) are all far off.
     model = device.model_tokens_per_s(strategy)

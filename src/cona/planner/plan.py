@@ -166,7 +166,10 @@ def best_candidate(config: ConaConfig, gbs: int, search: SearchSettings) -> Cand
     models = model_step_parts(config.model, strategies, search.system, search.dtype, backend=search.backend)
     best = search.estimator.ranked(strategies, models)[0]
     return Candidate(
-        strategy=best.strategy, predicted_tokens_per_s=best.tokens_per_s, throughput_source=best.source
+        strategy=best.strategy,
+        predicted_tokens_per_s=best.tokens_per_s,
+        throughput_source=best.source,
+        fitted_on=best.fitted_on,
     )
 
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cona.planner.efficiency import NoiseScaleEstimate, statistical_efficiency
+from cona.planner.policy_trial import prediction_miss, trial_candidate
 from cona.planner.policy_types import (  # the policy's data, re-exported: callers import it from here
     DEFAULT_HYSTERESIS,
     Action,
@@ -50,7 +51,8 @@ from cona.strategy import Strategy
 __all__ = [
     "DEFAULT_HYSTERESIS", "Action", "Candidate", "Decision", "FinishedStage", "Measurement", "PolicySettings",
     "PolicyState", "after_switch", "break_even_noise_scale", "decide", "initial_state", "next_frontier",
-    "next_gbs", "progress_per_second", "strategy_dict", "switch_cost_s", "switches_in_place",
+    "next_gbs", "prediction_miss", "progress_per_second", "strategy_dict", "switch_cost_s",
+    "switches_in_place",
 ]  # fmt: skip
 
 
@@ -109,6 +111,8 @@ def after_switch(
     ``switch_cost_s`` is the measured time the switch took (None if it could not be measured); the mean of
     the measured costs (of in-place switches apart) replaces the predicted one in later decisions.
     """
+    miss = prediction_miss(state.current, old_measured_tokens_per_s)
+    state = dataclasses.replace(state, largest_prediction_miss=max(state.largest_prediction_miss, miss))
     if new.strategy.gbs < state.current.strategy.gbs:
         earlier = state.earlier[:-1] if state.earlier else ()
     else:
@@ -205,6 +209,7 @@ def _compare(
         "strategy": strategy_dict(candidate.strategy),
         "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
         "throughput_source": candidate.throughput_source,
+        "fitted_on": candidate.fitted_on,
         "efficiency": _efficiency(gbs, noise, settings),
         "progress_per_s": candidate_progress,
     }
@@ -221,40 +226,10 @@ def _compare(
     why = (
         f"{ratio}; would save {saved_s:.1f} s over the remaining {remaining_s:.1f} s, not more than {margin}"
     )
-    trial = _trial(state, candidate, current_progress, remaining_s, noise, settings, record)
+    trial = trial_candidate(state, candidate, current_progress, remaining_s, noise, settings, record)
     if trial is not None:
         return _decision("switch", trial, f"{why}; {record['trial']}", record, state)
     return _decision("stay", None, why, record, state)
-
-
-def _trial(
-    state: PolicyState,
-    candidate: Candidate,
-    current_progress: float,
-    remaining_s: float,
-    noise: float,
-    settings: PolicySettings,
-    record: dict[str, Any],
-) -> Candidate | None:
-    """The candidate as an in-place trial when it keeps the layout, its throughput is only predicted, and
-    perfect scaling from the current measured rate would pay for the trial and for the way back."""
-    measured = record["current"]["measured_tokens_per_s"]
-    if not (settings.trial_in_place and record["in_place"] and candidate.throughput_source == "predicted"):
-        return None
-    if not measured:
-        return None
-    current_gbs, gbs = state.current.strategy.gbs, candidate.strategy.gbs
-    best_case = progress_per_second(measured * gbs / current_gbs, gbs, noise, settings.base_gbs)
-    saved_s = max(1.0 - current_progress / best_case, 0.0) * remaining_s
-    cost_s = 2 * record["switch_cost_s"] * (1.0 + settings.hysteresis)  # there and, if it fails, back
-    record["trial_best_case_saved_s"] = saved_s
-    if saved_s <= cost_s:
-        return None
-    record["trial"] = (
-        f"trial in place: perfect scaling would save up to {saved_s:.1f} s, more than {cost_s:.1f} s for "
-        "the switch there and back; measured, it is left again if it does not pay"
-    )
-    return dataclasses.replace(candidate, trial=True)
 
 
 def switch_cost_s(

@@ -63,6 +63,8 @@ class Estimate:
     source: Literal["measured", "predicted"]
     model_tokens_per_s: float
     """The raw model's throughput, for the record."""
+    fitted_on: int = 0
+    """Predicted: the measured strategies the shape was fitted on (one fixes only a scale, not a shape)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +118,11 @@ class ThroughputEstimator:
             )
         predicted = self.predicted_tokens_per_s(strategy, model)
         return Estimate(
-            strategy=strategy, tokens_per_s=predicted, source="predicted", model_tokens_per_s=model_rate
+            strategy=strategy,
+            tokens_per_s=predicted,
+            source="predicted",
+            model_tokens_per_s=model_rate,
+            fitted_on=len({p.strategy for p in self.points}),
         )
 
     def ranked(self, strategies: Sequence[Strategy], models: StepParts) -> list[Estimate]:

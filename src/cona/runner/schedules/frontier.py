@@ -77,7 +77,10 @@ class FrontierSearch:
             return None
         best = self.estimator.ranked(strategies, models)[0]
         return Candidate(
-            strategy=best.strategy, predicted_tokens_per_s=best.tokens_per_s, throughput_source=best.source
+            strategy=best.strategy,
+            predicted_tokens_per_s=best.tokens_per_s,
+            throughput_source=best.source,
+            fitted_on=best.fitted_on,
         )
 
     def _search(self, gbs: int) -> tuple[list[Strategy], StepParts | None]:

@@ -291,6 +291,7 @@ class OnlineSchedule:
             strategy=Strategy(**request["strategy"]),
             predicted_tokens_per_s=request["predicted_tokens_per_s"],
             throughput_source=request.get("throughput_source", "predicted"),
+            fitted_on=request.get("fitted_on", 0),
             trial=request.get("trial", False),
         )
         in_place = request.get("in_place") is True and result.handed_over

@@ -3,7 +3,8 @@
 Between stages of one runner process the search hands its outcome to the next stage's search; after a kill,
 the same memory is rebuilt from the run directory: the noise-scale tracker from ``metrics.jsonl``, the
 measured switch costs from the run state (in-place switches apart from those through a checkpoint, as the
-policy keeps them), and the earlier stages' measured throughputs (the fallback targets).
+policy keeps them), the earlier stages' measured throughputs (the fallback targets) and the largest miss of
+their fitted predictions (the trial rule's margin).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from cona.engine.checkpoint_info import read_checkpoint_info
 from cona.errors import CheckpointError
 from cona.planner.efficiency import NoiseScaleTracker
-from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state
+from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state, prediction_miss
 from cona.runner.noise_history import noise_tracker
 from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.schedules.online_search import PendingSwitch
@@ -54,7 +55,10 @@ def resumed_memory(
             )
             for row in rates[:earlier]
         )
-        policy_state = dataclasses.replace(policy_state, earlier=finished)
+        miss = max(
+            prediction_miss(records.candidate(row["stage"]), row["tokens_per_s"]) for row in rates[:earlier]
+        )
+        policy_state = dataclasses.replace(policy_state, earlier=finished, largest_prediction_miss=miss)
     overrides = {"in_place": in_place, "in_place_mbs": in_place_mbs, **run.policy_overrides}
     settings = PolicySettings.from_training(training, max_gbs=run.max_gbs, **overrides)
     return Memory(settings=settings, policy_state=policy_state, tracker=tracker)

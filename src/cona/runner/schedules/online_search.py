@@ -358,6 +358,7 @@ def _target(decision: Decision) -> dict[str, Any]:
         "strategy": strategy_dict(decision.target.strategy),
         "predicted_tokens_per_s": decision.target.predicted_tokens_per_s,
         "throughput_source": decision.target.throughput_source,
+        "fitted_on": decision.target.fitted_on,
         "trial": decision.target.trial,
         "reason": decision.reason,
     }

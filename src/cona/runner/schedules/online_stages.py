@@ -35,6 +35,7 @@ class StageRecords:
                 "strategy": dataclasses.asdict(candidate.strategy),
                 "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
                 "throughput_source": candidate.throughput_source,
+                "fitted_on": candidate.fitted_on,
                 "trial": candidate.trial,
                 "action": action,
                 "reason": reason,
@@ -52,6 +53,7 @@ class StageRecords:
             strategy=self.strategy(step_num),
             predicted_tokens_per_s=entry["predicted_tokens_per_s"],
             throughput_source=entry.get("throughput_source", "predicted"),
+            fitted_on=entry.get("fitted_on", 0),
             trial=entry.get("trial", False),
         )
 
