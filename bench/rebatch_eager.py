@@ -11,6 +11,7 @@ allocator setting, each in its own process (the setting is read when CUDA starts
     PYTHONPATH=src python3 bench/rebatch_eager.py --size 125m --seq 512
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src python3 bench/rebatch_eager.py
     CUDA_MODULE_LOADING=EAGER PYTHONPATH=src python3 bench/rebatch_eager.py   # kernels loaded at CUDA start
+    PYTHONPATH=src python3 bench/rebatch_eager.py --profile   # each shape's first two steps under the profiler
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine_vs_ref import engine_model, init_single_process_group, random_batch,
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script
 ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+PROFILE_TOP = 12
 
 
 def allocator_counts() -> dict[str, float]:
@@ -51,8 +53,24 @@ def timed_step(model, optimizer, batch, *, measure: bool) -> dict:
     return row
 
 
+def profiled_step(model, optimizer, batch) -> list[dict]:
+    """One step under torch.profiler: the ops with the most host time of their own (where a first step at
+    a new shape spends what the steps after it do not)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        timed_step(model, optimizer, batch, measure=False)
+    events = sorted(profile.key_averages(), key=lambda e: -e.self_cpu_time_total)[:PROFILE_TOP]
+    return [
+        {"op": e.key, "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in events
+    ]
+
+
 def shape_rows(model, optimizer, mbs: int, args: argparse.Namespace) -> dict:
     batch = random_batch(args.size, mbs, args.seq, DEVICE)
+    first = profiled_step(model, optimizer, batch) if args.profile else None
+    again = profiled_step(model, optimizer, batch) if args.profile else None
     line = [timed_step(model, optimizer, batch, measure=i == args.line - 1) for i in range(args.line)]
     began = time.perf_counter()
     for _ in range(args.steady):
@@ -67,6 +85,7 @@ def shape_rows(model, optimizer, mbs: int, args: argparse.Namespace) -> dict:
         "line_over_steady": round(line_ms / (steady_ms * args.line), 3),
         "steady_ms": round(steady_ms, 2),
         "steps": line,
+        **({"profile_first": first, "profile_second": again} if args.profile else {}),
     }
 
 
@@ -77,6 +96,9 @@ def main() -> None:
     parser.add_argument("--mbs", default="8,16,32,16,32,64,32", help="the shapes in order (an online run's)")
     parser.add_argument("--line", type=int, default=8, help="steps timed one by one (a log interval)")
     parser.add_argument("--steady", type=int, default=16)
+    parser.add_argument(
+        "--profile", action="store_true", help="profile each shape's first and second steps (before the line)"
+    )
     args = parser.parse_args()
     args.device, args.no_compile = DEVICE, True
     init_single_process_group(DEVICE)
