@@ -11,7 +11,7 @@ allocator setting, each in its own process (the setting is read when CUDA starts
     PYTHONPATH=src python3 bench/rebatch_eager.py --size 125m --seq 512
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src python3 bench/rebatch_eager.py
     CUDA_MODULE_LOADING=EAGER PYTHONPATH=src python3 bench/rebatch_eager.py   # kernels loaded at CUDA start
-    PYTHONPATH=src python3 bench/rebatch_eager.py --profile   # each shape's first two steps under the profiler
+    PYTHONPATH=src python3 bench/rebatch_eager.py --profile   # first two steps at each shape, profiled
 """
 
 from __future__ import annotations
