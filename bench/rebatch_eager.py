@@ -12,6 +12,7 @@ allocator setting, each in its own process (the setting is read when CUDA starts
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src python3 bench/rebatch_eager.py
     CUDA_MODULE_LOADING=EAGER PYTHONPATH=src python3 bench/rebatch_eager.py   # kernels loaded at CUDA start
     PYTHONPATH=src python3 bench/rebatch_eager.py --profile   # first two steps at each shape, profiled
+    PYTHONPATH=src python3 bench/rebatch_eager.py --attention flash   # no cuDNN attention
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from engine_vs_ref import engine_model, init_single_process_group, random_batch,
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script
 ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 PROFILE_TOP = 12
+_BACKENDS = torch.nn.attention.SDPBackend
+ATTENTION = {  # the H200's profile: cuDNN attention builds a plan at each new shape (~60-75 ms a pass)
+    "default": [_BACKENDS.CUDNN_ATTENTION, _BACKENDS.FLASH_ATTENTION, _BACKENDS.EFFICIENT_ATTENTION,
+                _BACKENDS.MATH],
+    "flash": [_BACKENDS.FLASH_ATTENTION, _BACKENDS.MATH],  # MATH: the CPU smoke run has no flash kernel
+}  # fmt: skip
 
 
 def allocator_counts() -> dict[str, float]:
@@ -99,7 +106,15 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="profile each shape's first and second steps (before the line)"
     )
+    parser.add_argument(
+        "--attention", choices=sorted(ATTENTION), default="default", help="the SDPA backends allowed"
+    )
     args = parser.parse_args()
+    with torch.nn.attention.sdpa_kernel(ATTENTION[args.attention]):
+        run_shapes(args)
+
+
+def run_shapes(args: argparse.Namespace) -> None:
     args.device, args.no_compile = DEVICE, True
     init_single_process_group(DEVICE)
     mbs_order = [int(m) for m in args.mbs.split(",")]
@@ -107,6 +122,7 @@ def main() -> None:
     settings = {
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
         "module_loading": os.environ.get("CUDA_MODULE_LOADING", "default"),  # lazy unless EAGER
+        "attention": args.attention,
     }
     for mbs in mbs_order:
         if mbs != model.strategy.mbs:

@@ -30,11 +30,13 @@ def test_each_shape_of_the_sequence_gets_its_steps_timed_in_order() -> None:
 def test_profile_gives_each_shape_s_first_two_steps_ops_by_their_own_host_time() -> None:
     env = {**os.environ, "PYTHONPATH": str(BENCH.parent / "src"), "CUDA_VISIBLE_DEVICES": ""}
     args = ["--size", "tiny", "--seq", "16", "--mbs", "2", "--line", "2", "--steady", "1", "--profile"]
+    args += ["--attention", "flash"]  # on the CPU its fallback, the math kernel
     done = subprocess.run(
         [sys.executable, "rebatch_eager.py", *args], cwd=BENCH, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert row["attention"] == "flash"
     for key in ("profile_first", "profile_second"):
         ops = row[key]
         assert 0 < len(ops) <= 12 and any(op["op"] == "aten::mm" for op in ops)
