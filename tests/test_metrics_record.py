@@ -10,7 +10,7 @@ import pytest
 
 from cona.backends.megatron_deepspeed.log_parse import MetricsRecorder
 from cona.engine.metrics import JsonlSink
-from cona.metrics_record import ALWAYS_WRITTEN, MetricsRecord, read_metrics
+from cona.metrics_record import ALWAYS_WRITTEN, MetricsRecord, read_metrics, steady_rates
 from cona.strategy import Strategy
 
 # A native trainer line as it was written before the record existed (key order included).
@@ -90,3 +90,14 @@ def test_read_metrics_skips_torn_and_foreign_lines(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"iteration": 1}\n{"iteration": "two"}\n[3]\n{"iteration": 4}\n{"iter')
     assert [record.iteration for record in read_metrics(path)] == [1, 4]
+
+
+def test_a_stage_s_steady_rates_leave_out_its_first_line_and_a_warm_up_after_it():
+    # The H200's compiled switch to mbs 32 (GPT-350M): 67.5k, 74.4k, then 184k tokens/s.
+    assert steady_rates([67_506.0, 74_448.0, 184_033.0, 180_000.0]) == [184_033.0, 180_000.0]
+    assert steady_rates([1.0, 10.0, 20.0, 40.0]) == [40.0]  # each leading line 2x slower than the next
+    # Eager host-bound lines scatter (1.37x here): not warm-up, and a slow line later on stays.
+    assert steady_rates([50.0, 30.0, 41.0, 33.0]) == [30.0, 41.0, 33.0]
+    assert steady_rates([50.0, 100.0, 40.0]) == [100.0, 40.0]
+    assert steady_rates([50.0, 40.0]) == [40.0]  # one line: nothing to compare it with
+    assert steady_rates([50.0]) == [] and steady_rates([]) == []

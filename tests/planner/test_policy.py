@@ -316,6 +316,36 @@ def test_leaving_a_fitted_prediction_records_its_miss_and_the_current_one_counts
     )
 
 
+def test_a_trial_far_below_its_fitted_prediction_on_one_line_is_measured_once_more():
+    """A compiled shape's warm-up can outlast the stage's first line: a trial's one measured line far below
+    its fitted prediction is not judged yet; a second line, or a rate near the prediction, is."""
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    trial = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1600.0, fitted_on=2, trial=True)
+    state = after_switch(state, new=trial, old_measured_tokens_per_s=1000.0, switch_cost_s=0.1, in_place=True)
+
+    def at(tokens_per_s: float, intervals: int):
+        measurement = dataclasses.replace(
+            measure(20.0, tokens_per_s=tokens_per_s, remaining=1e6), measured_intervals=intervals
+        )
+        return decide(state, measurement, None, IN_PLACE)
+
+    waited = at(700.0, 1)  # 700 x 1.25 < 1600: maybe warm-up
+    assert waited.action == "stay" and "measured once more" in waited.reason
+    assert waited.state.below_break_even == 0
+    assert at(700.0, 2).action == "fallback"  # measured twice: judged
+    assert at(1300.0, 1).action == "fallback"  # 1300 x 1.25 >= 1600: judged now (and it loses)
+    assert at(700.0, 0).action == "fallback"  # intervals not counted (a simulation): judged
+    one_point = after_switch(
+        initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0)),
+        new=dataclasses.replace(trial, fitted_on=1),
+        old_measured_tokens_per_s=1000.0,
+        switch_cost_s=0.1,
+        in_place=True,
+    )
+    measurement = dataclasses.replace(measure(20.0, tokens_per_s=700.0, remaining=1e6), measured_intervals=1)
+    assert decide(one_point, measurement, None, IN_PLACE).action == "fallback"  # a one-point scale: no wait
+
+
 def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():
     state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
     trial = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0, trial=True)

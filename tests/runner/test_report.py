@@ -15,6 +15,7 @@ from matplotlib.image import imread
 from cona.cli import main
 from cona.errors import ConaError
 from cona.jsonl import read_json_lines
+from cona.planner.efficiency import MIN_SAMPLES
 from cona.runner.views.report import (
     load_run,
     noise_series,
@@ -139,7 +140,8 @@ def test_noise_scale_efficiency_and_predictions_from_the_fixture():
     run = load_run(FIXTURE)
     points = noise_series(run)
 
-    assert points[0].tokens == run.metrics[9]["consumed_tokens"]  # from the tracker's 10th measurement
+    # from the tracker's first estimate, at its MIN_SAMPLES-th measurement
+    assert points[0].tokens == run.metrics[MIN_SAMPLES - 1]["consumed_tokens"]
     for point in points:
         assert point.efficiency == pytest.approx((point.noise_scale + 8) / (point.noise_scale + point.gbs))
     assert 5 < points[0].noise_scale < 20 < 200 < points[-1].noise_scale < 1000  # grows as the loss falls

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cona.planner.efficiency import NoiseScaleEstimate, statistical_efficiency
-from cona.planner.policy_trial import prediction_miss, trial_candidate
+from cona.planner.policy_trial import prediction_miss, trial_candidate, warming_up
 from cona.planner.policy_types import (  # the policy's data, re-exported: callers import it from here
     DEFAULT_HYSTERESIS,
     Action,
@@ -179,6 +179,12 @@ def decide(
     record["remaining_s"] = remaining_s
     state = _with_ema(state, noise, settings)
     record["noise_scale_ema"] = state.noise_ema
+    if warming_up(state.current, measurement, settings):
+        why = (
+            f"trial measured at {measured / state.current.predicted_tokens_per_s:.2f} of its prediction on "
+            "its first measured line: measured once more before it is judged (a new shape's warm-up)"
+        )
+        return _decision("stay", None, why, record, state)
     if measurement.remaining_tokens <= ENDING_INTERVALS * measurement.interval_tokens:
         # The workers would reach the end before (or just after) the handover: a switch decided now would
         # not happen, or not run long enough to be measured.

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from cona.planner.efficiency import progress_per_second
-from cona.planner.policy_types import Candidate, PolicySettings, PolicyState
+from cona.planner.policy_types import Candidate, Measurement, PolicySettings, PolicyState
 
 
 def prediction_miss(candidate: Candidate, measured_tokens_per_s: float | None) -> float:
@@ -22,6 +22,18 @@ def prediction_miss(candidate: Candidate, measured_tokens_per_s: float | None) -
     if not fitted or not measured_tokens_per_s or candidate.predicted_tokens_per_s <= 0:
         return 0.0
     return abs(measured_tokens_per_s / candidate.predicted_tokens_per_s - 1.0)
+
+
+def warming_up(current: Candidate, measurement: Measurement, settings: PolicySettings) -> bool:
+    """Whether a trial's one measured line is so far below its fitted prediction (beyond the trial margin)
+    that it may still hold the new shape's warm-up: then it is measured once more before it is judged.
+    Compiled, a new shape's graphs can warm up past the stage's first line: on the H200 (GPT-350M, gbs 32)
+    the trial's first measured line ran 220 ms a step and the next 89 ms, 1.00 of the prediction; judged on
+    the first, the trial's rate read 0.41 of it."""
+    measured = measurement.measured_tokens_per_s
+    if not current.trial or current.fitted_on < 2 or measurement.measured_intervals != 1 or not measured:
+        return False
+    return measured * (1.0 + settings.trial_prediction_error) < current.predicted_tokens_per_s
 
 
 def trial_candidate(

@@ -151,6 +151,8 @@ class Measurement:
     """Measurements the tracker holds, also before it gives an estimate (what a decision's reason counts)."""
     measured_tokens_per_s: float | None
     """The current strategy's measured throughput (None before a step was timed)."""
+    measured_intervals: int = 0
+    """Log intervals behind ``measured_tokens_per_s`` (0: not counted, as in a simulation)."""
     remaining_tokens: float
     """Tokens still to train under the current strategy (the run's budget minus what is done)."""
     interval_tokens: float = 0.0

@@ -1,12 +1,12 @@
 """The search beside an online stage: a daemon thread of the runner that reads ``metrics.jsonl`` as it grows.
 
 At every new batch of metrics lines it folds the gradient-noise measurements into the noise-scale tracker,
-measures the running strategy's throughput (median over the stage's log intervals, the first one left out:
-it holds the start-up), asks the planner for the frontier candidate (:func:`cona.planner.policy.next_frontier`
-over the best strategy of each larger gbs by the run's throughput estimator,
-:mod:`cona.planner.throughput`) and lets :func:`cona.planner.policy.decide`
-choose. Every evaluation is appended to ``decisions.jsonl``. A switch or fall-back writes
-``switch_request.json`` (atomically); the workers see it at the next step boundary, save and exit, and the
+measures the running strategy's throughput (median over the stage's steady log intervals: the first one
+left out, it holds the start-up, and any warm-up after it), asks the planner for the frontier candidate
+(:func:`cona.planner.policy.next_frontier` over the best strategy of each larger gbs by the run's throughput
+estimator, :mod:`cona.planner.throughput`) and lets :func:`cona.planner.policy.decide` choose. Every
+evaluation is appended to ``decisions.jsonl``. A switch or fall-back writes ``switch_request.json``
+(atomically); the workers see it at the next step boundary, save and exit, and the
 runner carries the switch out. A stop at ``--target-ppl`` travels the same way. A request that comes after
 the stage's last step boundary is logged as not carried out (:func:`log_not_carried_out`).
 
@@ -29,7 +29,7 @@ from typing import Any
 from cona import run_files
 from cona.atomic_files import write_json_atomic
 from cona.jsonl import JsonlTail
-from cona.metrics_record import MetricsRecord, metrics_records
+from cona.metrics_record import MetricsRecord, metrics_records, steady_rates
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.planner.policy import (
     Candidate,
@@ -155,8 +155,10 @@ class StageSearch:
         return run_files.switch_request_path(self.run_dir)
 
     def measured_tokens_per_s(self) -> float | None:
-        """Median over the stage's log intervals after the first (which holds start-up and warm-up)."""
-        return statistics.median(self.step_rates[1:]) if len(self.step_rates) > 1 else None
+        """Median over the stage's steady log intervals (:func:`cona.metrics_record.steady_rates`: after the
+        first, which holds start-up, and after any further warm-up)."""
+        steady = steady_rates(self.step_rates)
+        return statistics.median(steady) if steady else None
 
     def poll(self) -> Decision | None:
         """Read what is new, evaluate once if anything is, and request a switch or stop if due."""
@@ -224,6 +226,7 @@ class StageSearch:
             noise=self._noise_estimate(),
             noise_measurements=len(self.tracker.measurements),
             measured_tokens_per_s=measured,
+            measured_intervals=len(steady_rates(self.step_rates)),
             remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
             interval_tokens=float(last.steps_in_interval or 1) * current.gbs * self.budget.seq,
         )
@@ -262,7 +265,7 @@ class StageSearch:
         last = self._measured_rate
         if last is not None and abs(measured / last - 1.0) <= REMEASURE_CHANGE:
             return
-        intervals = len(self.step_rates) - 1
+        intervals = len(steady_rates(self.step_rates))
         self.frontier.add_measurement(current, measured, intervals=intervals, source=f"stage {self.stage}")
         self._measured_rate = measured
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from cona import run_files
 from cona.engine.spec import StageResult
-from cona.metrics_record import read_metrics
+from cona.metrics_record import read_metrics, steady_rates
 from cona.runner.state import RunState
 from cona.strategy import Strategy
 
@@ -41,8 +41,8 @@ def realized_chain(state: RunState, stages: list[dict[str, Any]]) -> dict[str, A
 
 
 def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per trained stage: strategy, iterations, tokens, wall seconds, mean tokens/s (the log intervals after
-    the first, which holds the start-up), the tokens/s predicted when it was chosen, and the last eval
+    """Per trained stage: strategy, iterations, tokens, wall seconds, mean tokens/s (its steady log intervals:
+    :func:`cona.metrics_record.steady_rates`), the tokens/s predicted when it was chosen, and the last eval
     perplexity."""
     records = read_metrics(run_files.metrics_path(run_dir))
     rows = []
@@ -51,7 +51,7 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
         if stage.last_iteration is None:
             continue
         own = [r for r in records if r.stage == stage.step_num and (r.iteration or 0) > previous_iteration]
-        rates = [float(r.tokens_per_s) for r in own if r.tokens_per_s is not None][1:]
+        rates = steady_rates([float(r.tokens_per_s) for r in own if r.tokens_per_s is not None])
         evals = [r.eval_ppl for r in own if r.eval_ppl is not None]
         result_path = run_files.stage_result_path(run_dir, stage.step_num)
         timings = StageResult.read(result_path).timings if result_path.is_file() else {}
