@@ -54,10 +54,10 @@ class PolicySettings:
     where its prediction, :attr:`trial_prediction_error` higher (or the run's largest miss, if larger),
     would pay."""
     trial_prediction_error: float = 0.25
-    """How far above a fitted prediction a candidate's throughput may turn out, for the trial rule. The
-    fitted model met every switched-to strategy within 15% on the H200 (issue 16's target); the trial's
-    margin goes beyond that. On the H200 (GPT-125M eager), perfect scaling had tried gbs 64, predicted at
-    1.03x of what it then measured, for 2 s at 0.7x the progress per second."""
+    """How far above a fitted prediction a candidate's throughput may turn out, for the trial rule. Eager on
+    the H200 the fitted model met each strategy switched to within 15% (issue 16's target; 28 of 28 over
+    two sessions); the trial's margin goes beyond that. There (GPT-125M), perfect scaling had tried gbs 64,
+    predicted at 1.04x of what it then measured, for 2 s at 0.7x the progress per second."""
     fallback: bool = False
     fallback_ema_alpha: float = 0.1
     fallback_patience: int = 3
