@@ -55,7 +55,7 @@ class PolicySettings:
     would pay."""
     trial_prediction_error: float = 0.25
     """How far above a fitted prediction a candidate's throughput may turn out, for the trial rule. Eager on
-    the H200 the fitted model met each strategy switched to within 15% (issue 16's target; 28 of 28 over
+    the H200 the fitted model met each strategy switched to within 15% (issue 16's target; 23 of 23 over
     two sessions); the trial's margin goes beyond that. There (GPT-125M), perfect scaling had tried gbs 64,
     predicted at 1.04x of what it then measured, for 2 s at 0.7x the progress per second."""
     fallback: bool = False
