@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -29,8 +30,41 @@ def killed_in_own_process_group(run: Callable[[], object]) -> int:
     while time.monotonic() < deadline:
         done, wait_status = os.waitpid(pid, os.WNOHANG)
         if done:
+            wait_for_group_exit(pid)
             return wait_status
         time.sleep(0.2)
     os.killpg(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail(f"the run was not killed within {CHILD_TIMEOUT_S} s")
+
+
+GROUP_EXIT_S = 30.0
+
+
+def wait_for_group_exit(group: int) -> None:
+    """Until no live process of the killed group is left. The child runner is reaped first, while its
+    workers and torchrun may still be exiting and holding the run's lock (a rerun then refuses the run
+    directory, as it should): on a loaded machine that took longer than the test's next launch. Zombies
+    count as gone: their files are closed (and a container's init may never reap them)."""
+    deadline = time.monotonic() + GROUP_EXIT_S
+    while time.monotonic() < deadline:
+        if not live_members(group):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"processes {live_members(group)} of the killed run were left after {GROUP_EXIT_S:g} s")
+
+
+def live_members(group: int) -> list[int]:
+    """The pids of ``group``'s processes that are not zombies (from /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it ended while we looked
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == group and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
