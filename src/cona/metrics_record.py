@@ -188,9 +188,9 @@ def steady_rates(rates: list[float]) -> list[float]:
     """The tokens/s of a stage's lines that measure its steady rate: the first line (start-up, the first
     step) left out, and after it each leading line :data:`WARMUP_RATE_JUMP` times slower than the next.
     Compiled, a new shape's graphs can warm up past the first line: on the H200 (GPT-350M, an in-place
-    switch to mbs 32) the second line ran 220 ms a step and the third 89 ms. Eager lines of one strategy
-    scatter by up to ~1.45x (host-bound ones), so only a larger jump reads as warm-up, and only at the
-    stage's start."""
+    switch to mbs 32) the second line ran 220 ms a step and the third 89 ms. Eager host-bound lines of one
+    strategy scatter (30.2-41.2 ms a step at gbs 16 there), so only a larger jump reads as warm-up, and only
+    at the stage's start: replayed on those eager runs it changes no evaluation (steady_rates_replay)."""
     steady = rates[1:]
     while len(steady) > 1 and steady[0] * WARMUP_RATE_JUMP < steady[1]:
         steady = steady[1:]

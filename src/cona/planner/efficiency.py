@@ -48,7 +48,7 @@ many (a long log interval never makes a known noise scale unknown again). Eight 
 second metrics line, the first whose rate online mode uses (the first holds the start-up), where a step has
 one micro-batch on one rank: the steps before the first line are measured (``GNS_FIRST_STEPS``), 7 at a log
 interval of 8, and one step a line after. Ten waited two more lines at the run's slowest batch (issue 16:
-16 iterations of gbs 8 on the H200, about 0.4 s against gbs 16)."""
+16 iterations of gbs 8 on the H200, about 0.3 s against gbs 16)."""
 MAX_KEPT = 512
 """At most this many measurements are kept (the oldest leave first): bounds the cost of an update."""
 MAX_GROUPS = 7
