@@ -15,9 +15,9 @@ from cona.data.gpt_dataset import (
     build_datasets,
     collate,
     micro_batch_sample_ids,
-    split_document_ranges,
 )
 from cona.data.indexed import IndexedDatasetWriter
+from cona.data.split_ranges import split_document_ranges
 from cona.errors import DataError, LayoutError
 
 SEQ = 16

@@ -27,6 +27,7 @@ from cona.commands.config_flags import add_config_flags
 from cona.commands.search_flags import add_search_flags
 from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
 from cona.errors import UsageError
+from cona.layout_rules import LayoutSizes, check_layout
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 
 if TYPE_CHECKING:
@@ -259,11 +260,10 @@ def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
     ]
     _refuse_for_one_stage(args)
     config, strategy = fixed_strategy(args)
-    from cona.engine.parallel_dims import validate_layout  # imports torch: not at `cona --help` time
     from cona.runner.views.console import RunConsole
 
     console = RunConsole.for_stdout(quiet=args.quiet)
-    validate_layout(config.model, config.training, strategy, world_size=strategy.world_size)
+    check_layout(LayoutSizes.of_config(config.model), strategy, strategy.world_size)
     if across_nodes:  # a one-stage chain; each node checks its own GPUs
         from cona.runner.nodes.fixed_across_nodes import write_fixed_chain
         from cona.runner.schedules.sequence import run_chain, torchrun_launcher

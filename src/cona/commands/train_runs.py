@@ -50,10 +50,13 @@ def run_config(
 
 def device_type(training: TrainingConfig, *, processes: int | None = None) -> str:
     """``cpu`` or ``cuda`` as the workers will resolve ``training.device``; given ``processes`` (one node's),
-    a CUDA run needs a GPU for each."""
-    import torch  # here, not at import: `cona --help` should not pay for it
-
+    a CUDA run needs a GPU for each. Torch is imported only to ask CUDA (``auto``, or a GPU count): the runner
+    needs it for nothing else, and its import is seconds of every run's start."""
     requested = training.device
+    if requested == "cpu" or (requested != "auto" and processes is None):
+        return requested
+    import torch
+
     resolved = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
     if resolved == "cuda" and processes is not None:
         available = torch.cuda.device_count()

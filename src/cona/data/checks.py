@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from cona.config import ConaConfig
-from cona.data.gpt_dataset import split_document_ranges
 from cona.data.indexed import IndexedDataset
 from cona.data.masking import SPECIALS_PER_SAMPLE
+from cona.data.split_ranges import split_document_ranges
 from cona.errors import DataError
 
 CHUNK_TOKENS = 1 << 24

@@ -29,9 +29,9 @@ import torch
 
 from cona.atomic_files import atomic_open
 from cona.config import ConaConfig
-from cona.config_checks import split_fractions
 from cona.data.indexed import IndexedDataset
 from cona.data.masking import SPECIALS_PER_SAMPLE, MaskingRule, mask_sample, masking_rule
+from cona.data.split_ranges import split_document_ranges
 from cona.data.tokenizer import BERT_WORDPIECE_LOWER, load_wordpiece_tokenizer
 from cona.errors import DataError, LayoutError
 
@@ -39,16 +39,6 @@ SPLIT_NAMES = ("train", "valid", "test")
 INDEX_FORMAT = 1  # bump when the way epochs are built changes, so old cache files are not reused
 EPOCHS_IN_MEMORY = 2
 ARRAY_NAMES = ("doc_order", "sample_starts", "shuffle")
-
-
-def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
-    """Megatron's ``get_train_valid_test_split_``: contiguous [begin, end) document ranges."""
-    bounds = [0]
-    for fraction in split_fractions(split):
-        bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
-    excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [bound - excess for bound in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import os
-import secrets
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -40,9 +37,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from cona.atomic_files import fsync_dir, write_atomic, write_json_atomic
 from cona.config import ConaConfig
-from cona.engine.checkpoint_dcp import METADATA_FILE, dcp_async_save, dcp_save, failure_line
+from cona.engine.checkpoint_dcp import dcp_async_save, dcp_save, failure_line
 from cona.engine.checkpoint_files import (
     CONFIG_FILE,
+    METADATA_FILE,
     TRAINER_STATE_FILE,
     exchange_paths,
     verify_complete,
@@ -71,7 +69,16 @@ from cona.engine.checkpoint_manifest import (
     shares,
     write_manifest,
 )
-from cona.engine.checkpoint_paths import layout_dir
+from cona.engine.checkpoint_paths import (
+    OWNER_TAG,
+    RUN_KEY,
+    TMP_PREFIX,
+    another_runs_checkpoint,
+    is_own_tmp,
+    layout_dir,
+    tmp_name,
+    tmp_owner,
+)
 from cona.engine.checkpoint_state import (
     barrier,
     distributed,
@@ -90,7 +97,9 @@ __all__ = [
     "LATEST_UNIVERSAL",
     "MANIFEST_FILE",
     "METADATA_FILE",
+    "OWNER_TAG",
     "PROBE_FILE",
+    "RUN_KEY",
     "STEP_DIR",
     "STRATEGY_FILE",
     "TRAINER_STATE_FILE",
@@ -107,16 +116,10 @@ __all__ = [
     "resolve_checkpoint",
     "save_checkpoint",
     "start_checkpoint",
+    "tmp_owner",
     "verify_checkpoint",
     "verify_complete",
 ]
-
-RUN_KEY = "run"
-"""The trainer_state key naming the run that saved a checkpoint (:func:`tmp_owner` of its run directory)."""
-TMP_PREFIX = ".tmp-"
-OWNER_TAG = "-of-"
-OWNER_CHARS = 12
-
 
 # ----------------------------------------------------------------------------------------------- save
 
@@ -250,22 +253,6 @@ def _checksums_of_shards(tmp_dir: Path, final_dir: Path) -> dict[str, dict[str, 
     return {name: entry for digests, _ in everyone for name, entry in digests.items()}
 
 
-def tmp_owner(run_dir: Path) -> str:
-    """The owner tag of a run's checkpoint temporaries: a digest of its resolved run directory."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:OWNER_CHARS]
-
-
-def _tmp_name(kind: str, owner: str) -> str:
-    """``.tmp-<kind>-<random>``, with ``-of-<owner>`` when the save has an owner."""
-    return f"{TMP_PREFIX}{kind}-{secrets.token_hex(4)}" + (f"{OWNER_TAG}{owner}" if owner else "")
-
-
-def _is_own_tmp(name: str, owner: str) -> bool:
-    if not name.startswith(TMP_PREFIX):
-        return False
-    return name.endswith(f"{OWNER_TAG}{owner}") if owner else OWNER_TAG not in name
-
-
 def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str:
     """Rank 0 removes the stale temporaries of this owner's earlier crashed saves (another run's, maybe in
     progress, stay), creates a fresh one and tells all; or refuses (every rank) to replace another run's
@@ -277,9 +264,9 @@ def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str
         try:
             layout_dir.mkdir(parents=True, exist_ok=True)
             for stale in layout_dir.glob(f"{TMP_PREFIX}*"):
-                if _is_own_tmp(stale.name, owner):
+                if is_own_tmp(stale.name, owner):
                     _remove(stale)
-            names[0] = _tmp_name(f"global_step{iteration}", owner)
+            names[0] = tmp_name(f"global_step{iteration}", owner)
             (layout_dir / names[0]).mkdir()
         except OSError as err:
             names[1] = f"saving a checkpoint into {layout_dir} failed on rank 0: {err}"
@@ -289,22 +276,6 @@ def _agree_on_tmp_name(layout_dir: Path, iteration: int, owner: str = "") -> str
         raise CheckpointError(names[1])
     assert names[0] is not None
     return names[0]
-
-
-def another_runs_checkpoint(final_dir: Path, owner: str) -> str | None:
-    """Why ``final_dir`` may not be replaced by run ``owner`` (None: it may): its trainer_state names
-    another run."""
-    try:
-        saved = json.loads((final_dir / TRAINER_STATE_FILE).read_text()).get(RUN_KEY) if owner else None
-    except (OSError, ValueError, AttributeError):
-        return None  # none there, or not a complete checkpoint of any run
-    if not isinstance(saved, str) or saved == owner:
-        return None
-    return (
-        f"{final_dir} is another run's checkpoint (its trainer_state.json names run {saved}, a run of the "
-        f"same name under another log_root); refusing to replace it: give this run another --run-name or "
-        f"a --workdir of its own"
-    )
 
 
 def _write_json_files(directory: Path, documents: dict[str, Any]) -> None:
@@ -324,7 +295,7 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
         _remove(tmp_dir)  # now the old copy
         return
     owner = tmp_dir.name.rpartition(OWNER_TAG)[2] if OWNER_TAG in tmp_dir.name else ""  # the save's
-    aside = final_dir.with_name(_tmp_name(f"replaced-{final_dir.name}", owner))
+    aside = final_dir.with_name(tmp_name(f"replaced-{final_dir.name}", owner))
     os.replace(final_dir, aside)
     os.replace(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
@@ -333,7 +304,7 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
 
 def _write_marker(marker: Path, target_name: str, owner: str = "") -> None:
     """Atomically replace a marker file with the directory name it points at (a ``.tmp-*`` temporary)."""
-    write_atomic(marker, target_name + "\n", tmp=marker.with_name(_tmp_name(marker.name, owner)))
+    write_atomic(marker, target_name + "\n", tmp=marker.with_name(tmp_name(marker.name, owner)))
 
 
 def _gather_tied_groups(model_parts: list[nn.Module]) -> list[list[str]]:
@@ -352,7 +323,7 @@ def _gather_tied_groups(model_parts: list[nn.Module]) -> list[list[str]]:
 def remove_checkpoint(path: Path, owner: str = "") -> None:
     """Remove a checkpoint directory: first renamed to an own temporary (never loaded, and removed by the
     owner's next save if a kill stops the removal), so no reader sees half a checkpoint."""
-    aside = path.with_name(_tmp_name(f"removed-{path.name}", owner))
+    aside = path.with_name(tmp_name(f"removed-{path.name}", owner))
     os.replace(path, aside)
     _remove(aside)
 

@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from cona.errors import CheckpointError
 
-METADATA_FILE = ".metadata"
 _METADATA_GLOBALS = {
     **{(dcp_metadata.__name__, name): getattr(dcp_metadata, name) for name in dcp_metadata.__all__},
     (dcp_metadata.__name__, "_MEM_FORMAT_ENCODING"): dcp_metadata._MEM_FORMAT_ENCODING,

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import ConaConfig, ModelConfig, parse_config
-from cona.engine.checkpoint_dcp import METADATA_FILE
-from cona.engine.checkpoint_files import CONFIG_FILE, TRAINER_STATE_FILE
+from cona.engine.checkpoint_files import CONFIG_FILE, METADATA_FILE, TRAINER_STATE_FILE
 from cona.engine.checkpoint_manifest import MANIFEST_FILE
 from cona.errors import CheckpointError, ConaError
 from cona.strategy import Strategy

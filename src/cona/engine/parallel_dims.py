@@ -1,7 +1,7 @@
 """Parallel degrees -> checks and the (pp, dp, tp) DeviceMesh.
 
-:func:`validate_layout` is pure (no process group) so the CLI and the runner can refuse an impossible layout
-before anything is launched; it applies :mod:`cona.layout_rules`, which the planner's mask uses too. The
+:func:`validate_layout` is pure (no process group): the workers' check of :mod:`cona.layout_rules`, the rules
+the CLI and the runner (which import no torch) apply before anything is launched, and the planner's mask. The
 strategy's own fields (zero stage, recompute, sequence parallel, schedule, virtual stages) are what the
 engine runs; the config only supplies the model shape.
 """

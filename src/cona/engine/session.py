@@ -25,23 +25,13 @@ import torch.distributed as dist
 
 from cona.atomic_files import write_json_atomic
 from cona.config import ConaConfig
+from cona.engine.session_files import done_marker, next_command
 from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.processes import running
 
-SESSION_FLAG = "--session"
 COMMAND_POLL_S = 0.03
 RUNNER_CHECK_S = 1.0
 """How often rank 0 checks during training that the runner and torchrun are still there."""
-
-
-def done_marker(session_dir: Path, number: int) -> Path:
-    """Written by rank 0 when the session's ``number``-th stage (from 1) finished and its objects are gone."""
-    return session_dir / f"done-{number}.json"
-
-
-def next_command(session_dir: Path, number: int) -> Path:
-    """The runner's command for the session's ``number``-th stage (``{"stop": true}`` ends the session)."""
-    return session_dir / f"next-{number}.json"
 
 
 def next_stage(spec: StageSpec, session_dir: Path, number: int, rank: int, *, keep_state: bool) -> dict:

@@ -37,7 +37,8 @@ from cona import run_files
 from cona.atomic_files import write_json_atomic
 from cona.config import ConaConfig
 from cona.engine.parallel_dims import validate_layout
-from cona.engine.session import SESSION_FLAG, next_stage, release_stage_memory
+from cona.engine.session import next_stage, release_stage_memory
+from cona.engine.session_files import SESSION_FLAG
 from cona.engine.spec import LAUNCH_TIME_ENV, WORKER_CONSOLE_ENV, StageResult, StageSpec
 from cona.engine.stage_build import (
     InPlaceState,

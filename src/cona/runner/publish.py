@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cona.atomic_files import write_atomic
-from cona.engine.checkpoint import LATEST_UNIVERSAL, verify_complete
+from cona.engine.checkpoint_files import verify_complete
+from cona.engine.checkpoint_info import LATEST_UNIVERSAL
 from cona.errors import CheckpointError
 from cona.runner.schedules.chain import PruneRule
 

@@ -30,7 +30,9 @@ from typing import Any, Literal
 
 from cona import run_files
 from cona.atomic_files import write_json_atomic
-from cona.engine.checkpoint import LATEST, RUN_KEY, TRAINER_STATE_FILE, read_checkpoint_info, tmp_owner
+from cona.engine.checkpoint_files import TRAINER_STATE_FILE
+from cona.engine.checkpoint_info import LATEST, read_checkpoint_info
+from cona.engine.checkpoint_paths import RUN_KEY, tmp_owner
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.runner.schedules.chain import ChainConfig

@@ -31,7 +31,7 @@ from typing import IO
 
 from cona import run_files
 from cona.atomic_files import write_json_atomic
-from cona.engine.session import SESSION_FLAG, done_marker, next_command
+from cona.engine.session_files import SESSION_FLAG, done_marker, next_command
 from cona.errors import LaunchError
 from cona.runner.launch import (
     WORKER_MODULE,

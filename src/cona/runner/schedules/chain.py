@@ -38,8 +38,8 @@ from typing import Any, Literal
 from cona.config import ConaConfig
 from cona.config_fields import reject_unknown
 from cona.engine.checkpoint_paths import CHECKPOINTS, layout_name
-from cona.engine.parallel_dims import validate_layout as engine_validate_layout
 from cona.errors import ChainError, ConaError
+from cona.layout_rules import LayoutSizes, check_layout
 from cona.runner.chain_start import start_point
 from cona.strategy import Strategy, configured_strategy
 
@@ -311,7 +311,7 @@ def validate_layout(config: ConaConfig, strategy: Strategy, world_size: int) -> 
     model = config.model
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=model.make_vocab_size_divisible_by)
-    engine_validate_layout(model, config.training, strategy, world_size)
+    check_layout(LayoutSizes.of_config(model), strategy, world_size)
 
 
 def _parse_rule(item: Any, index: int, where: str) -> PruneRule:

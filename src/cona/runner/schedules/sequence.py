@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from cona.engine.checkpoint import resolve_checkpoint
+from cona.engine.checkpoint_info import resolve_checkpoint
 from cona.engine.checkpoint_paths import layout_dir, resume_folders
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError, UsageError

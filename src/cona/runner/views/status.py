@@ -27,7 +27,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from cona import run_files
-from cona.engine.checkpoint import LATEST, LATEST_UNIVERSAL, STEP_DIR
+from cona.engine.checkpoint_info import LATEST, LATEST_UNIVERSAL, STEP_DIR
 from cona.metrics_record import MetricsRecord
 from cona.processes import PROC, pid_alive
 from cona.processes import process_state as process_state  # re-exported: it lived here

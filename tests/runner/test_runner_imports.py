@@ -1,0 +1,46 @@
+"""The runner process imports no torch: it launches and watches the workers, which do. On the H200 host the
+runner's imports took 7.0-9.6 s, torch and ``torch.distributed.checkpoint`` 6-8 s of it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+RUNNER_MODULES = (
+    "cona.cli",
+    "cona.commands.train",
+    "cona.commands.train_runs",
+    "cona.runner.schedules.chain",
+    "cona.runner.schedules.online",
+    "cona.runner.stage_run",
+    "cona.runner.worker_session",
+    "cona.runner.publish",
+    "cona.runner.views.status",
+)
+
+
+def torch_imported(code: str) -> bool:
+    """Whether running ``code`` in a fresh interpreter imports torch."""
+    script = code + "\nimport sys\nprint('torch' in sys.modules)\n"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return result.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_the_runners_modules_import_no_torch():
+    assert not torch_imported("\n".join(f"import {module}" for module in RUNNER_MODULES))
+    assert torch_imported("import cona.engine.checkpoint")  # the check can fail
+
+
+def test_the_device_is_asked_of_torch_only_where_the_config_leaves_it_open():
+    ask = textwrap.dedent("""
+        from cona.commands.train_runs import device_type
+        from cona.config import TrainingConfig
+        assert device_type(TrainingConfig(device="cpu"), processes=2) == "cpu"
+        assert device_type(TrainingConfig(device="cuda")) == "cuda"
+    """)
+    assert not torch_imported(ask)
+    # "auto" asks CUDA; so does a GPU count (a CUDA run needs a GPU for each process).
+    assert torch_imported(ask + "\ndevice_type(TrainingConfig(device='auto'))")
+    counted = "try:\n    device_type(TrainingConfig(device='cuda'), processes=1)\nexcept Exception:\n    pass"
+    assert torch_imported(ask + counted)  # no GPU here: the LaunchError is expected
