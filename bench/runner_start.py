@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def one_round(work_dir: Path, system: str) -> dict[str, float]:
     for mode in MODES:
         run_root = work_dir / mode
         for leftover in ("logs", "checkpoints"):
-            subprocess.run(["rm", "-rf", str(run_root / leftover)], check=True)
+            shutil.rmtree(run_root / leftover, ignore_errors=True)
         launched = time.time()
         timed(command(mode, run_root, system), PROJECT_ROOT)
         times[mode] = planned_after(run_root / "logs" / mode, launched)
