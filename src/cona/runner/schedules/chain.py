@@ -306,8 +306,8 @@ def _check_step_layout(
 
 
 def validate_layout(config: ConaConfig, strategy: Strategy, world_size: int) -> None:
-    """The engine's layout check. Where the vocabulary is not known yet (no vocab file), the padded-vocabulary
-    check is left to the training command, which refuses such a config anyway."""
+    """The layout rules the workers check too. Where the vocabulary is not known yet (no vocab file), the
+    padded-vocabulary check is left to the training command, which refuses such a config anyway."""
     model = config.model
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=model.make_vocab_size_divisible_by)
