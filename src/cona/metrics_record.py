@@ -60,6 +60,9 @@ class MetricsRecord:
     it had more than one (``gns_small_sqr`` and ``gns_big_sqr`` are their means): each is one measurement
     for the noise-scale tracker."""
     steps_in_interval: int | None = None
+    warmup_steps: int | None = None
+    """Steps of the interval that still warmed up a forward shape (:mod:`cona.engine.shape_warmup`),
+    written only where there were any: such a line is no steady rate."""
     skipped_steps: float | None = None
     """Steps the optimizer skipped (fp16 overflow); Megatron reports it as a float."""
     time: float | None = None
@@ -128,12 +131,13 @@ ALWAYS_WRITTEN = (
     "time",
 )
 """The keys of every line the trainer and the log parser write (null where unknown)."""
-WRITTEN_WHEN_SET = ("gns_steps", "eval_loss", "eval_ppl", "eval_ppl_tokens")
+WRITTEN_WHEN_SET = ("gns_steps", "warmup_steps", "eval_loss", "eval_ppl", "eval_ppl_tokens")
 
 _NUMBER, _TEXT, _PAIRS = "number", "text", "pairs"
 _FIELD_KINDS = {name: _NUMBER for name in ALWAYS_WRITTEN} | {
     "backend": _TEXT,
     "gns_steps": _PAIRS,
+    "warmup_steps": _NUMBER,
     "eval_loss": _NUMBER,
     "eval_ppl": _NUMBER,
     "eval_ppl_tokens": _TEXT,
@@ -182,6 +186,17 @@ def metrics_records(lines: Iterable[Mapping[str, Any]]) -> list[MetricsRecord]:
 
 WARMUP_RATE_JUMP = 1.5
 """A stage's line after its first that ran this many times slower than the line after it is still warm-up."""
+
+
+def stage_rates(records: Iterable[MetricsRecord]) -> list[float]:
+    """The tokens/s of one stage's lines in order, for :func:`steady_rates`: after the stage's first line
+    (which holds its start and which steady_rates drops), a line that still warmed up a forward shape
+    (``warmup_steps``) is left out, whatever the lines after it show."""
+    rates: list[float] = []
+    for record in records:
+        if record.tokens_per_s is not None and not (rates and record.warmup_steps):
+            rates.append(float(record.tokens_per_s))
+    return rates
 
 
 def steady_rates(rates: list[float]) -> list[float]:

@@ -14,6 +14,7 @@ from tiny_chain import write_chain, write_config_and_data
 
 from cona.cli import main
 from cona.engine.spec import StageSpec
+from cona.metrics_record import read_metrics
 from cona.runner.state import load_state
 
 STEPS = [
@@ -62,6 +63,10 @@ def test_a_chain_step_keeping_the_layout_switches_in_place_and_trains_as_the_che
     assert_each_sample_once_in_order(run_dir, total_samples=TOTAL_SAMPLES)
     in_place = losses(run_dir)
     assert sorted(in_place) == list(range(1, 9))
+    # Each stage's first step runs a shape first: stage 1 measures the noise on every step (a line per step),
+    # as pieces of 2 rows; stage 2's two micro-batches of 4 rows; stage 3 a new model (tp 2). Once each.
+    lines = read_metrics(run_dir / "metrics.jsonl")
+    assert [line.warmup_steps for line in lines] == [1, None, None, 1, None, None, 1, None]
     assert list(in_place.values()) == pytest.approx(list(losses(checkpointed_dir).values()), rel=1e-6)
     assert {"probe_s", "publish_s", "verify_s"}.isdisjoint(state.stages[1].switch_cost), state.stages[
         1

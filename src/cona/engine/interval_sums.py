@@ -31,13 +31,17 @@ class IntervalSums:
     inputs count only where finite (the first step of a difference estimate, unmeasured steps and fp16
     overflows have none)."""
     last: PendingStepOutput | None = None
+    warmup_steps: int = 0
+    """Steps that still warmed up a forward shape (:mod:`cona.engine.shape_warmup`)."""
     started: float = field(default_factory=time.perf_counter)
 
     @property
     def steps(self) -> int:
         return len(self.rows)
 
-    def add(self, out: PendingStepOutput, grad_norm: Tensor, stepped: Tensor) -> None:
+    def add(
+        self, out: PendingStepOutput, grad_norm: Tensor, stepped: Tensor, *, warmed_up: bool = False
+    ) -> None:
         measured = torch.isfinite(out.gns_small_sqr) & torch.isfinite(out.gns_big_sqr)
         zero = torch.zeros_like(out.gns_small_sqr)
         values = [
@@ -50,6 +54,7 @@ class IntervalSums:
         ]
         self.rows.append(torch.stack([v.to(torch.float64) for v in values]))
         self.last = out
+        self.warmup_steps += warmed_up
 
     def means(self) -> dict[str, float | list[list[float]]]:
         """The interval's means (one host read, which waits for the device); GNS NaN if none measured.

@@ -25,13 +25,8 @@ from cona.engine import gns
 from cona.engine.model import GPT, init_weights, parameter_seed, token_cross_entropy
 from cona.engine.objective import loss_token_count, micro_batch_share, summed_token_cross_entropy
 from cona.engine.parallelize import GradAllReducer, match_grad_placements, parallelize_gpt
-from cona.engine.pipeline import (
-    PipelineRunner,
-    TiedEmbeddingSync,
-    num_stages,
-    split_stage,
-    stage_ids_of_rank,
-)
+from cona.engine.pipeline import PipelineRunner, TiedEmbeddingSync, num_stages, split_stage, stage_ids_of_rank
+from cona.engine.shape_warmup import ShapeWarmup, run_mode
 from cona.engine.step_modes import compile_options, compiles_whole_model, resolved_dtype, uses_cuda_graphs
 from cona.engine.step_noise import HeldPieceGradients, NoiseInputs, local_grads, split_rows
 from cona.engine.step_output import LossScaler, PendingStepOutput, StepOutput
@@ -81,6 +76,7 @@ class TrainingModel:
         self._compiled: dict[bool, Callable] = {}  # with and without CUDA graphs, kept across rebatch
         self._set_batch_parts(strategy)
         self._last_norm_sqr: torch.Tensor | None = None  # of the gradients held now; None: none held
+        self.shape_warmup = ShapeWarmup()  # the trainer reads whether each step still warmed up a shape
 
     def _set_batch_parts(self, strategy: Strategy) -> None:
         """What depends on the micro-batch count: the pipeline schedule, CUDA graphs (single micro-batch
@@ -156,23 +152,28 @@ class TrainingModel:
         if self.cuda_graphs:  # the last step's graph outputs are dead: the replay may reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
         scale = self.scaler.scale
+        self.shape_warmup.start_step()
         pieces = self._noise.pieces_for(measure_gns) if n_micro == 1 else 1
         if pieces > 1:  # a measured step of one micro-batch: its pieces give small batches (step_noise)
             micro_batches = split_rows(micro_batches[0], pieces)
             n_micro = pieces
+        compiled = self.config.training.compiles_on(self.device.type)
         if self._pipeline is None:
             measure = self._noise.start_step(n_micro / scale, measure=measure_gns)
             # Pieces of more than one row run in the whole-model graph (its batch is dynamic); others eager.
             eager = pieces > 1 and not (self._compiled and micro_batches[0][0].shape[0] > 1)
+            mode = run_mode(compiled=compiled, eager=eager, cuda_graphs=self.cuda_graphs)
             with self._eager_if(eager):
                 graphs = self.cuda_graphs and pieces > 1 and not eager
-                losses = self._plain_forward_backward(micro_batches, scale, graph_pieces=graphs)
+                losses = self._plain_forward_backward(micro_batches, scale, graph_pieces=graphs, mode=mode)
         else:  # the schedule scales the gradient by 1 / n_micro after the per-micro-batch hooks ran
             measure = self._noise.start_step(1 / scale, measure=measure_gns)
             inputs, targets = self._to_device(
                 *(torch.cat(parts) for parts in zip(*micro_batches, strict=True))
             )
             share = self._share([targets], n_micro)
+            pipeline_mode = run_mode(compiled=compiled, eager=False, cuda_graphs=False)
+            self.shape_warmup.note(tuple(inputs.shape), pipeline_mode)
             with self._compute_context():
                 losses = self._pipeline.run(inputs, targets, share=share, loss_factor=scale, train=True)
         if self.strategy.tp > 1:
@@ -197,9 +198,10 @@ class TrainingModel:
         return micro_batch_share(loss_token_count(targets, dp_group), self.strategy.dp * n_micro)
 
     def _plain_forward_backward(
-        self, micro_batches: list[Batch], scale: float, *, graph_pieces: bool
+        self, micro_batches: list[Batch], scale: float, *, graph_pieces: bool, mode: str
     ) -> list[torch.Tensor]:
-        """``graph_pieces``: the pieces replay CUDA graphs, each overwriting the last one's outputs."""
+        """``graph_pieces``: the pieces replay CUDA graphs, each overwriting the last one's outputs; ``mode``:
+        how the forward runs (:func:`cona.engine.shape_warmup.run_mode`)."""
         model, losses = self.model_parts[0], []
         batches = [self._to_device(inputs, targets) for inputs, targets in micro_batches]
         share = self._share([targets for _, targets in batches], len(batches))
@@ -209,6 +211,7 @@ class TrainingModel:
             if graph_pieces and index:
                 self._held_pieces.hold(self._unique_params())
                 torch.compiler.cudagraph_mark_step_begin()
+            self.shape_warmup.note(tuple(inputs.shape), mode)
             with self._compute_context():
                 loss = self._forward_loss(inputs, targets, share)
                 (loss * (scale / len(batches))).backward()
@@ -363,11 +366,8 @@ class TrainingModel:
             return self._pipeline.eval_losses(batches, self._unique_params(), share=share)
 
     def probe_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Mean loss of one fixed batch given whole to every rank (switch verification).
-
-        The batch is cut into micro-batches of ``mbs`` rows (pipeline stages expect that shape); if its rows
-        are not a multiple of mbs it is repeated until they are, which leaves the mean unchanged.
-        """
+        """Mean loss of one fixed batch given whole to every rank (switch verification), in micro-batches of
+        ``mbs`` rows as pipeline stages expect (repeated to a multiple of mbs: the mean stays)."""
         mbs = self.strategy.mbs
         repeats = mbs // math.gcd(inputs.shape[0], mbs)
         inputs, targets = inputs.repeat(repeats, 1), targets.repeat(repeats, 1)

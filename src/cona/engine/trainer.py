@@ -130,7 +130,7 @@ def _train_steps(ctx: StageContext, progress: Progress) -> str:
         measure = gns_due(spec, progress, single_step=ctx.model.measures_noise_in_one_step)
         out, grad_norm, stepped = _step(ctx, progress, lr, measure_gns=measure)
         _advance(progress, spec)
-        interval.add(out, grad_norm, stepped)
+        interval.add(out, grad_norm, stepped, warmed_up=ctx.model.shape_warmup.step_warmed_up)
         if "first_step_done" not in ctx.timings:
             out.loss.item()  # once per stage: the milestone is the first step finished on the device
             ctx.timings["first_step_done"] = time.time()
@@ -337,6 +337,7 @@ def _record(
         gns_big_batch=last.gns_big_batch,
         gns_steps=means["gns_steps"] if len(means["gns_steps"]) > 1 else None,
         steps_in_interval=interval.steps,
+        warmup_steps=interval.warmup_steps or None,
         skipped_steps=means["skipped_steps"],
         time=time.time(),
     )

@@ -29,7 +29,7 @@ from typing import Any
 from cona import run_files
 from cona.atomic_files import write_json_atomic
 from cona.jsonl import JsonlTail
-from cona.metrics_record import MetricsRecord, metrics_records, steady_rates
+from cona.metrics_record import MetricsRecord, metrics_records, stage_rates, steady_rates
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
 from cona.planner.policy import (
     Candidate,
@@ -141,7 +141,7 @@ class StageSearch:
         self.noise_scale_floor = noise_scale_floor
         self.startup_prices_switch = startup_prices_switch
         self.tail = JsonlTail(run_files.metrics_path(run_dir), metrics_offset)
-        self.step_rates: list[float] = []
+        self.rate_lines: list[MetricsRecord] = []  # the stage's lines with a tokens/s
         self.decision: Decision | None = None
         self.stop_reason: str | None = None
         self.target_reached: dict[str, Any] | None = None
@@ -157,7 +157,7 @@ class StageSearch:
     def measured_tokens_per_s(self) -> float | None:
         """Median over the stage's steady log intervals (:func:`cona.metrics_record.steady_rates`: after the
         first, which holds start-up, and after any further warm-up)."""
-        steady = steady_rates(self.step_rates)
+        steady = steady_rates(stage_rates(self.rate_lines))
         return statistics.median(steady) if steady else None
 
     def poll(self) -> Decision | None:
@@ -185,7 +185,7 @@ class StageSearch:
         if not self._started_logging:
             self._started_logging = True
             self._account_start(record)
-        self.step_rates.append(float(record.tokens_per_s))
+        self.rate_lines.append(record)
         ppl, target = record.eval_ppl, self.budget.target_ppl
         if target is not None and ppl is not None and ppl <= target and self.target_reached is None:
             self.target_reached = record.to_dict()
@@ -226,7 +226,7 @@ class StageSearch:
             noise=self._noise_estimate(),
             noise_measurements=len(self.tracker.measurements),
             measured_tokens_per_s=measured,
-            measured_intervals=len(steady_rates(self.step_rates)),
+            measured_intervals=len(steady_rates(stage_rates(self.rate_lines))),
             remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
             interval_tokens=float(last.steps_in_interval or 1) * current.gbs * self.budget.seq,
         )
@@ -265,7 +265,7 @@ class StageSearch:
         last = self._measured_rate
         if last is not None and abs(measured / last - 1.0) <= REMEASURE_CHANGE:
             return
-        intervals = len(steady_rates(self.step_rates))
+        intervals = len(steady_rates(stage_rates(self.rate_lines)))
         self.frontier.add_measurement(current, measured, intervals=intervals, source=f"stage {self.stage}")
         self._measured_rate = measured
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from cona import run_files
 from cona.engine.spec import StageResult
-from cona.metrics_record import read_metrics, steady_rates
+from cona.metrics_record import read_metrics, stage_rates, steady_rates
 from cona.runner.state import RunState
 from cona.strategy import Strategy
 
@@ -51,7 +51,7 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
         if stage.last_iteration is None:
             continue
         own = [r for r in records if r.stage == stage.step_num and (r.iteration or 0) > previous_iteration]
-        rates = steady_rates([float(r.tokens_per_s) for r in own if r.tokens_per_s is not None])
+        rates = steady_rates(stage_rates(own))
         evals = [r.eval_ppl for r in own if r.eval_ppl is not None]
         result_path = run_files.stage_result_path(run_dir, stage.step_num)
         timings = StageResult.read(result_path).timings if result_path.is_file() else {}
