@@ -97,6 +97,24 @@ def test_unidentifiable_factors_stay_neutral():
     assert fitted.error < 0.005
 
 
+def test_one_point_under_the_model_s_host_floor_corrects_the_host_and_not_the_device():
+    """Compiled GPT-125M on the H200 (CUDA graphs, issue 16): gbs 8 stepped in 14.6 ms, under the model's
+    host floor (16.6 ms) and over its device (11.4 ms); gbs 16 then measured 19.9 ms and gbs 32 about 36 ms.
+    One factor on the whole step had made gbs 16 16.9 ms (17.5% fast)."""
+    model = ModelConfig(layers=12, hidden=768, heads=12, seq=512, vocab_size=50257)
+    strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16, 32)]
+    parts = model_step_parts(model, strategies, H200)
+    assert parts.device_s[0] < 0.0146 < parts.host_s[0]
+    fitted = fit_shape(parts.take(0), [0.0146])
+    assert fitted.form == "overlap" and fitted.matrix_efficiency == fitted.memory_efficiency == 1.0
+    predicted = fitted.step_s(parts)
+    assert predicted[0] == pytest.approx(0.0146)
+    assert predicted[1] == pytest.approx(0.0199, rel=0.05) and predicted[2] == pytest.approx(0.036, rel=0.05)
+    # Over the model's step, or under its device, one point still gives one factor on the whole step.
+    assert fit_shape(parts.take(0), [0.02]).form == "scale"
+    assert fit_shape(parts.take(0), [0.5 * float(parts.device_s[0])]).form == "scale"
+
+
 def test_one_point_gives_one_factor_and_bad_input_is_refused():
     parts = StepParts.of(matrix_s=[0.01], memory_s=[0.01], host_s=[0.005])
     single = fit_shape(parts, [0.04])
