@@ -10,7 +10,8 @@ import pytest
 
 from cona.backends.megatron_deepspeed.log_parse import MetricsRecorder
 from cona.engine.metrics import JsonlSink
-from cona.metrics_record import ALWAYS_WRITTEN, MetricsRecord, read_metrics, steady_rates
+from cona.metrics_record import ALWAYS_WRITTEN, MetricsRecord, read_metrics, stage_rates, steady_rates
+from cona.runner.views.online_report import searched_lines
 from cona.strategy import Strategy
 
 # A native trainer line as it was written before the record existed (key order included).
@@ -101,3 +102,16 @@ def test_a_stage_s_steady_rates_leave_out_its_first_line_and_a_warm_up_after_it(
     assert steady_rates([50.0, 100.0, 40.0]) == [100.0, 40.0]
     assert steady_rates([50.0, 40.0]) == [40.0]  # one line: nothing to compare it with
     assert steady_rates([50.0]) == [] and steady_rates([]) == []
+
+
+def test_a_stage_s_summary_leaves_out_the_short_last_line_a_switch_forced():
+    def line(steps: int, rate: float) -> MetricsRecord:
+        return MetricsRecord(stage=1, steps_in_interval=steps, tokens_per_s=rate)
+
+    # GPT-125M gbs 8 eager on the H200 (eleventh session): the 3-step line the switch forced ran no
+    # noise-measuring step and 1.7x faster than the full line before it.
+    lines = [line(8, 21_788.0), line(8, 95_395.0), line(3, 161_658.0)]
+    assert searched_lines(lines) == lines[:2]
+    assert steady_rates(stage_rates(searched_lines(lines))) == [95_395.0]
+    assert searched_lines(lines[:2]) == lines[:2] and searched_lines(lines[:1]) == lines[:1]
+    assert searched_lines([line(8, 1.0), line(8, 2.0)]) == [line(8, 1.0), line(8, 2.0)]
