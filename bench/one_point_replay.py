@@ -55,8 +55,8 @@ def replayed(run_dir: Path, system: str, *, steady: bool = False) -> list[dict[s
         means = {row["stage"]: row["tokens_per_s"] for row in rows if row["tokens_per_s"]}
         at_switch = {stage: {s: means[s] for s in rates if s in means} for stage, rates in at_switch.items()}
     out = []
-    for row, stage in zip(rows[1:], stages[1:], strict=False):
-        measured, chosen_in = row["tokens_per_s"], row["stage"] - 1
+    for row in rows:
+        stage, measured, chosen_in = stages[row["stage"] - 1], row["tokens_per_s"], row["stage"] - 1
         if stage["throughput_source"] != "predicted" or not measured or chosen_in not in at_switch:
             continue
         frontier = FrontierSearch(
