@@ -5,7 +5,8 @@ For each stage whose strategy was chosen on a prediction: the tokens/s predicted
 (``online_stages.json``) over the mean of its stage's steady lines (the summary's,
 ``cona.runner.views.online_report.stage_rows``), and the same for a replay: the current code's online
 frontier (``FrontierSearch``: the run's config, profile and step forms) fed the rates the run had measured
-when it made that choice (``decisions.jsonl``), predicting the chosen strategy. ``--steady`` feeds it the
+when it made that choice (``decisions.jsonl``), predicting the chosen strategy; then the raw model's host
+floor and device time of every stage's strategy. ``--steady`` feeds it the
 earlier stages' steady means instead: where a run decided on a line that still held warm-up, what it would
 have predicted from the rate those stages went on to show. Runs on a CPU in seconds,
 on the run files a device call brought back::
@@ -75,6 +76,21 @@ def replayed(run_dir: Path, system: str, *, steady: bool = False) -> list[dict[s
     return out
 
 
+def model_steps(run_dir: Path, system: str) -> list[str]:
+    """The raw model's host floor and device time of each stage's strategy (the parts the fit corrects)."""
+    stages = json.loads((run_dir / "online_stages.json").read_text())
+    config = StageSpec.read(run_dir / "stages" / "1" / "spec.json").config
+    frontier = FrontierSearch(
+        config=config, system=load_system(system), n_gpus=1, dtype=config.training.dtype
+    )
+    lines = []
+    for index, stage in enumerate(stages, start=1):
+        parts = frontier.model_step(Strategy(**stage["strategy"]))
+        host_ms, device_ms = 1e3 * float(parts.host_s[0]), 1e3 * float(parts.device_s[0])
+        lines.append(f"  stage {index} model: host {host_ms:.1f} ms, device {device_ms:.1f} ms")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, help="online runs' log directories")
@@ -91,6 +107,7 @@ def main() -> None:
             trial = " (trial)" if row["trial"] else ""
             ratios = f"run {row['run']:.3f}, replay {row['replay']:.3f}"
             print(f"  stage {row['stage']} {row['strategy']}{trial}: {ratios}")
+        print("\n".join(model_steps(run_dir, args.system)))
 
 
 if __name__ == "__main__":

@@ -157,8 +157,12 @@ class StageSearch:
     def measured_tokens_per_s(self) -> float | None:
         """Median over the stage's steady log intervals (:func:`cona.metrics_record.steady_rates`: after the
         first, which holds start-up, and after any further warm-up)."""
-        steady = steady_rates(stage_rates(self.rate_lines))
+        steady = self.steady_rates()
         return statistics.median(steady) if steady else None
+
+    def steady_rates(self) -> list[float]:
+        """The tokens/s of the stage's lines that measure its steady rate (``metrics_record``'s rules)."""
+        return steady_rates(stage_rates(self.rate_lines))
 
     def poll(self) -> Decision | None:
         """Read what is new, evaluate once if anything is, and request a switch or stop if due."""
@@ -226,7 +230,7 @@ class StageSearch:
             noise=self._noise_estimate(),
             noise_measurements=len(self.tracker.measurements),
             measured_tokens_per_s=measured,
-            measured_intervals=len(steady_rates(stage_rates(self.rate_lines))),
+            measured_intervals=len(self.steady_rates()),
             remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
             interval_tokens=float(last.steps_in_interval or 1) * current.gbs * self.budget.seq,
         )
@@ -265,7 +269,7 @@ class StageSearch:
         last = self._measured_rate
         if last is not None and abs(measured / last - 1.0) <= REMEASURE_CHANGE:
             return
-        intervals = len(steady_rates(stage_rates(self.rate_lines)))
+        intervals = len(self.steady_rates())
         self.frontier.add_measurement(current, measured, intervals=intervals, source=f"stage {self.stage}")
         self._measured_rate = measured
 
