@@ -5,6 +5,7 @@ import pytest
 
 from cona.errors import PlanError
 from cona.planner.efficiency import (
+    MIN_SAMPLES,
     NoiseScaleEstimate,
     NoiseScaleTracker,
     adascale_gain,
@@ -96,7 +97,7 @@ def test_a_first_measurement_100x_the_others_is_outvoted_within_50_steps():
 
 def test_a_line_listing_its_measured_steps_gives_one_measurement_per_step():
     """The run's first steps are all measured (``gns_steps``): at a log interval of 8 the tracker has its
-    eight measurements at the second line, not the eighth, and the line's means alone would be one."""
+    seven measurements, and a noise scale, at the first line, and the line's means alone would be one."""
     small_sqr, big_sqr = planted_measurements(np.random.default_rng(5), 11)
     pairs = [[float(s), float(b)] for s, b in zip(small_sqr, big_sqr, strict=True)]
     base = {"gns_small_batch": 4, "gns_big_batch": 64, "lr": 1e-3}
@@ -107,9 +108,11 @@ def test_a_line_listing_its_measured_steps_gives_one_measurement_per_step():
         "gns_big_sqr": 0.0,
         "gns_steps": pairs[:7],
     }
+    six = NoiseScaleTracker(base_batch=64).update_from_metrics({**first, "gns_steps": pairs[:6]})
+    assert six.samples == 6 and six.noise_scale() is None
     second = {**first, "consumed_samples": 1024, "lr": 2e-3, "gns_steps": pairs[7:]}  # still warming up
     tracker = NoiseScaleTracker(base_batch=64).update_from_metrics(first)
-    assert tracker.samples == 7 and tracker.noise_scale() is None
+    assert tracker.samples == MIN_SAMPLES == 7 and tracker.noise_scale() is not None
     tracker = tracker.update_from_metrics(second)
     assert tracker.samples == 11
     steps = NoiseScaleTracker(base_batch=64)

@@ -191,7 +191,7 @@ def test_a_metrics_trace_gives_the_noise_scale_and_prefers_eval_loss(tmp_path):
             rows.append({"iteration": iteration, "consumed_tokens": iteration * 8 * 16, "eval_loss": 4.0})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     trace = read_trace(tmp_path, training=TrainingConfig(base_gbs=8))
-    assert trace.estimate(6) is None and trace.estimate(7) is not None  # the tracker needs 8 measurements
+    assert trace.estimate(5) is None and trace.estimate(6) is not None  # the tracker needs 7 measurements
     assert trace.estimate(29).noise_scale == pytest.approx(40.0)
     assert trace.loss_kind == "eval_loss" and trace.tokens_at_loss(4.0) == 10 * 8 * 16
 

@@ -276,9 +276,9 @@ def test_a_layout_keeping_candidate_the_model_undersells_is_tried_in_place():
     assert decide(state, short, candidate, IN_PLACE).action == "stay"
 
 
-def test_a_candidate_fitted_on_two_strategies_is_tried_only_where_its_prediction_could_miss_enough():
-    """Perfect scaling bounds a trial's hope where the model's shape rests on one strategy; once it rests on
-    two, the prediction plus its margin (15%, or the largest miss the run saw) does."""
+def test_a_candidate_fitted_on_measured_strategies_is_tried_only_where_its_prediction_could_miss_enough():
+    """Perfect scaling bounds a trial's hope where the model rests on no measured strategy; once it rests on
+    one or more, the prediction plus its margin (15%, or the largest miss the run saw) does."""
     state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
     measurement = measure(20.0, tokens_per_s=1000.0, remaining=1e5)
     fitted = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0, fitted_on=2)
@@ -303,7 +303,8 @@ def test_leaving_a_fitted_prediction_records_its_miss_and_the_current_one_counts
     state = after_switch(state, new=fitted, old_measured_tokens_per_s=1000.0, switch_cost_s=0.1)
     assert state.largest_prediction_miss == 0.0  # the first stage's raw-model prediction is no fit's miss
     assert prediction_miss(fitted, 1000.0) == pytest.approx(0.15 / 1.15)
-    assert prediction_miss(dataclasses.replace(fitted, fitted_on=1), 500.0) == 0.0  # a one-point scale
+    assert prediction_miss(dataclasses.replace(fitted, fitted_on=1), 500.0) == pytest.approx(1 - 500 / 1150)
+    assert prediction_miss(dataclasses.replace(fitted, fitted_on=0), 500.0) == 0.0  # the raw model's
     onward = Candidate(strategy=ONE_GPU_32, predicted_tokens_per_s=4000.0, fitted_on=2)
     left = after_switch(state, new=onward, old_measured_tokens_per_s=2300.0, switch_cost_s=0.1)
     assert left.largest_prediction_miss == pytest.approx(1.0)  # measured 2x its prediction
@@ -338,15 +339,15 @@ def test_a_trial_far_below_its_fitted_prediction_on_one_line_is_measured_once_mo
     assert at(1300.0, 1).action == "fallback"  # 1300 x 1.25 >= 1600: judged now (and it loses)
     assert at(1300.0, 1, IN_PLACE).action == "stay"  # the default margin, 15%: 1300 x 1.15 < 1600
     assert at(700.0, 0).action == "fallback"  # intervals not counted (a simulation): judged
-    one_point = after_switch(
+    raw_model = after_switch(
         initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0)),
-        new=dataclasses.replace(trial, fitted_on=1),
+        new=dataclasses.replace(trial, fitted_on=0),
         old_measured_tokens_per_s=1000.0,
         switch_cost_s=0.1,
         in_place=True,
     )
     measurement = dataclasses.replace(measure(20.0, tokens_per_s=700.0, remaining=1e6), measured_intervals=1)
-    assert decide(one_point, measurement, None, IN_PLACE).action == "fallback"  # a one-point scale: no wait
+    assert decide(raw_model, measurement, None, IN_PLACE).action == "fallback"  # the raw model's: no wait
 
 
 def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():
@@ -418,7 +419,7 @@ def test_a_backend_that_keeps_mbs_in_place_switches_an_mbs_change_through_a_chec
 def test_an_unknown_noise_scale_counts_the_measurements_the_tracker_holds():
     """Before it has ``min_samples`` the tracker gives no estimate; the reason still says how many it has
     (an H200 run said "0 of 10" at iterations 16 and 24 while it held 8 and 9)."""
-    held = tracker_at(20.0, 7)
+    held = tracker_at(20.0, 6)
     assert held.estimate() is None
     measurement = Measurement(
         time=0.0,
@@ -430,5 +431,22 @@ def test_an_unknown_noise_scale_counts_the_measurements_the_tracker_holds():
         remaining_tokens=1e7,
     )
     decision = decide(fresh_state(), measurement, CANDIDATE, SETTINGS)
-    assert decision.action == "stay" and decision.record["noise_samples"] == 7
-    assert decision.reason == f"noise scale unknown: 7 of {SETTINGS.min_measurements} measurements needed"
+    assert decision.action == "stay" and decision.record["noise_samples"] == 6
+    assert decision.reason == f"noise scale unknown: 6 of {SETTINGS.min_measurements} measurements needed"
+
+
+def test_on_a_predicted_current_rate_a_switch_that_pays_is_made_only_as_an_in_place_trial():
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    candidate = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1800.0)
+    measured = measure(1000.0, tokens_per_s=1000.0)
+    predicted = dataclasses.replace(measured, rate_measured=False)
+    plain = decide(state, measured, candidate, IN_PLACE)
+    assert plain.action == "switch" and not plain.target.trial  # it pays: measured, a plain switch
+    tried = decide(state, predicted, candidate, IN_PLACE)
+    assert tried.action == "switch" and tried.target.trial and "trial in place" in tried.reason
+    assert tried.record["current"]["rate_measured"] is False
+    assert tried.record["predicted_over_measured"] is None
+    # Through a checkpoint there is no trial: the run waits for a measured rate.
+    two_gpus = Strategy(dp=2, tp=1, pp=1, mbs=8, gbs=32)
+    other_layout = Candidate(strategy=two_gpus, predicted_tokens_per_s=1800.0)
+    assert decide(state, predicted, other_layout, IN_PLACE).action == "stay"

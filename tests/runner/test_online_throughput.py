@@ -167,3 +167,69 @@ def test_the_frontier_predicts_with_the_profile_of_the_backend_that_trains(tmp_p
     assert best is not None and best.predicted_tokens_per_s == pytest.approx(
         4 * config.model.seq / megatron.model_step_s(best.strategy)
     )
+
+
+def first_stage_search(run_dir: Path, frontier, current: Strategy, *, earlier_stage=None) -> StageSearch:
+    settings = PolicySettings(
+        base_gbs=2, max_gbs=16, in_place=True, predicted_in_place_cost_s=0.0, hysteresis=0.0
+    )
+    state = initial_state(
+        Candidate(strategy=current, predicted_tokens_per_s=frontier.predicted_tokens_per_s(current))
+    )
+    if earlier_stage is not None:
+        state = after_switch(
+            initial_state(earlier_stage),
+            new=state.current,
+            old_measured_tokens_per_s=earlier_stage.predicted_tokens_per_s,
+            switch_cost_s=0.0,
+            in_place=True,
+            old_rate_measured=False,
+        )
+    return StageSearch(
+        run_dir=run_dir, stage=2 if earlier_stage else 1, launched_at=time.time(), settings=settings,
+        policy_state=state, tracker=NoiseScaleTracker(base_batch=2), frontier=frontier,
+        budget=Budget(total_iters=10**9, total_tokens=None, target_ppl=None, seq=SEQ),
+        startup_prices_switch=False, out=lambda line: None,
+    )  # fmt: skip
+
+
+def test_before_anything_is_measured_the_first_line_decides_on_the_predicted_rate_by_trial_only(setup):
+    """The run's first line holds the start-up, so it gives no rate; with the noise scale known there (its
+    steps are measured), the first decision uses the estimator's rate of the running strategy, and a switch
+    it makes is an in-place trial, measured before the run stays on it."""
+    run_dir, frontier, device = setup
+    current = one_gpu(2, 2)
+    search = first_stage_search(run_dir, frontier, current)
+    first = metrics(1, current, device.tokens_per_s(current), range(1, 2))[0]
+    first["gns_steps"] = [[first["gns_small_sqr"], first["gns_big_sqr"]]] * 7  # the first line's 7
+    append_lines(run_dir, [first])
+    decision = search.poll()
+    record = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])
+    assert record["current"]["rate_measured"] is False and record["predicted_over_measured"] is None
+    expected_rate = frontier.predicted_tokens_per_s(current)
+    assert record["current"]["measured_tokens_per_s"] == pytest.approx(expected_rate)
+    assert decision.action == "switch" and decision.target.trial and record["in_place"]
+    outcome = search.stop()
+    assert outcome.rate_measured is False and not frontier.estimator.points  # a prediction is no point
+
+
+def test_a_stage_left_unmeasured_takes_the_refitted_prediction_once_the_next_one_is_measured(setup):
+    """The fall-back target's rate is the estimator's until that strategy is measured itself: once the
+    trial's rate joins the fit, the earlier stage's rate is the refitted prediction, not the raw model's."""
+    run_dir, frontier, device = setup
+    small, large = one_gpu(2, 2), one_gpu(4, 4)
+    raw = Candidate(strategy=small, predicted_tokens_per_s=frontier.predicted_tokens_per_s(small))
+    search = first_stage_search(run_dir, frontier, large, earlier_stage=raw)
+    assert search.policy_state.earlier[0].rate_measured is False
+    append_lines(run_dir, metrics(2, large, device.tokens_per_s(large), range(1, 4)))
+    search.poll()
+    earlier = search.policy_state.earlier[0]
+    assert frontier.estimator.points and earlier.rate_measured is False
+    assert earlier.measured_tokens_per_s == pytest.approx(frontier.predicted_tokens_per_s(small))
+    assert earlier.measured_tokens_per_s != pytest.approx(raw.predicted_tokens_per_s, rel=0.05)
+
+
+def append_lines(run_dir: Path, records: list[dict]) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")

@@ -41,14 +41,14 @@ WINDOW_FRACTION = 0.75
 """Early in a run the window is shorter: the last 3/4 of the samples consumed so far. The noise scale
 changes on the scale of the run's length (it follows the loss), and the warm-up's measurements leave the
 average once the run is 4x as long as the warm-up."""
-MIN_SAMPLES = 8
-"""Measurements needed before the tracker reports a noise scale; fewer are too noisy to act on (eight give
+MIN_SAMPLES = 7
+"""Measurements needed before the tracker reports a noise scale; fewer are too noisy to act on (seven give
 three median-of-means groups, so one group of outliers moves nothing). The window always keeps at least this
-many (a long log interval never makes a known noise scale unknown again). Eight is what a run has at its
-second metrics line, the first whose rate online mode uses (the first holds the start-up), where a step has
-one micro-batch on one rank: the steps before the first line are measured (``GNS_FIRST_STEPS``), 7 at a log
-interval of 8, and one step a line after. Ten waited two more lines at the run's slowest batch (issue 16:
-16 iterations of gbs 8 on the H200, about 0.3 s against gbs 16)."""
+many (a long log interval never makes a known noise scale unknown again). Seven is what a run has at its
+first metrics line where a step has one micro-batch on one rank: the steps before that line are measured
+after the first (``GNS_FIRST_STEPS``), 7 at a log interval of 8, so online mode's first decision comes
+at the first line. Eight waited for the second (issue 16: 8 iterations of gbs 8 on the H200, 0.65 s eager),
+ten for two more."""
 MAX_KEPT = 512
 """At most this many measurements are kept (the oldest leave first): bounds the cost of an update."""
 MAX_GROUPS = 7

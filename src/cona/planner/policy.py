@@ -16,7 +16,9 @@ scale used is today's; it normally grows as the loss falls, so the estimate of t
 A switch is never made on an unknown noise scale (the tracker's ``|G|^2`` average <= 0, or fewer than
 ``min_measurements`` measurements): with no noise information the efficiency of a larger batch is unknowable,
 and AdaptDL's habit of reading that as an infinite noise scale jumps to the largest batch exactly when the
-estimate is worst.
+estimate is worst. Before the run has measured any throughput (its first line holds the start-up), the
+current strategy's rate is the estimator's prediction (``Measurement.rate_measured`` False), and a switch is
+then made only as an in-place trial, which is measured and judged before the run stays on it.
 
 With ``fallback`` on, an exponential moving average of the noise scale is compared with the noise scale at
 which the previous (smaller) gbs and the current one make equal progress per second (both measured). When the
@@ -51,8 +53,8 @@ from cona.strategy import Strategy
 __all__ = [
     "DEFAULT_HYSTERESIS", "Action", "Candidate", "Decision", "FinishedStage", "Measurement", "PolicySettings",
     "PolicyState", "after_switch", "break_even_noise_scale", "decide", "initial_state", "next_frontier",
-    "next_gbs", "prediction_miss", "progress_per_second", "strategy_dict", "switch_cost_s",
-    "switches_in_place",
+    "next_gbs", "prediction_miss", "progress_per_second", "refresh_predicted_rates", "strategy_dict",
+    "switch_cost_s", "switches_in_place",
 ]  # fmt: skip
 
 
@@ -105,13 +107,15 @@ def after_switch(
     old_measured_tokens_per_s: float,
     switch_cost_s: float | None,
     in_place: bool = False,
+    old_rate_measured: bool = True,
 ) -> PolicyState:
     """The state once the runner has carried out a switch (or fallback) to ``new``.
 
     ``switch_cost_s`` is the measured time the switch took (None if it could not be measured); the mean of
     the measured costs (of in-place switches apart) replaces the predicted one in later decisions.
+    ``old_rate_measured``: False when the stage left had no steady line (its rate is the estimator's).
     """
-    miss = prediction_miss(state.current, old_measured_tokens_per_s)
+    miss = prediction_miss(state.current, old_measured_tokens_per_s) if old_rate_measured else 0.0
     state = dataclasses.replace(state, largest_prediction_miss=max(state.largest_prediction_miss, miss))
     if new.strategy.gbs < state.current.strategy.gbs:
         earlier = state.earlier[:-1] if state.earlier else ()
@@ -120,6 +124,7 @@ def after_switch(
             strategy=state.current.strategy,
             measured_tokens_per_s=old_measured_tokens_per_s,
             trial=state.current.trial,
+            rate_measured=old_rate_measured,
         )
         earlier = (*state.earlier, finished)
     state = dataclasses.replace(state, current=new, earlier=earlier, below_break_even=0)
@@ -130,6 +135,18 @@ def after_switch(
         return dataclasses.replace(state, measured_in_place_cost_s=cost, in_place_switches=count)
     cost, count = _mean_with(state.measured_switch_cost_s, state.switches, switch_cost_s)
     return dataclasses.replace(state, measured_switch_cost_s=cost, switches=count)
+
+
+def refresh_predicted_rates(state: PolicyState, predict: Callable[[Strategy], float]) -> PolicyState:
+    """Earlier stages the run left before measuring them take ``predict``'s rate (the estimator's, refitted
+    on what the run has measured since), so a fall-back to one is judged on the best estimate there is."""
+    earlier = tuple(
+        stage
+        if stage.rate_measured
+        else dataclasses.replace(stage, measured_tokens_per_s=predict(stage.strategy))
+        for stage in state.earlier
+    )
+    return dataclasses.replace(state, earlier=earlier)
 
 
 def _mean_with(mean: float | None, count: int, value: float) -> tuple[float, int]:
@@ -226,7 +243,8 @@ def _compare(
     record["time_saved_s"] = saved_s
     ratio = f"candidate makes {candidate_progress / current_progress:.3f}x the progress per second"
     margin = f"the switch cost {cost_s:.1f} s x {1 + settings.hysteresis:g}"
-    if saved_s > cost_s * (1.0 + settings.hysteresis) and candidate_progress > current_progress:
+    pays = saved_s > cost_s * (1.0 + settings.hysteresis) and candidate_progress > current_progress
+    if pays and record["current"]["rate_measured"]:
         why = f"{ratio}; saves {saved_s:.1f} s over the remaining {remaining_s:.1f} s, more than {margin}"
         return _decision("switch", candidate, why, record, state)
     why = (
@@ -313,7 +331,7 @@ def _fallback_check(
     target = Candidate(
         strategy=previous.strategy,
         predicted_tokens_per_s=previous.measured_tokens_per_s,
-        throughput_source="measured",
+        throughput_source="measured" if previous.rate_measured else "predicted",
         trial=previous.trial,
     )
     record["in_place"] = switches_in_place(state.current.strategy, previous.strategy, settings)
@@ -342,12 +360,13 @@ def _record_base(state: PolicyState, measurement: Measurement, settings: PolicyS
         "current": {
             "strategy": strategy_dict(state.current.strategy),
             "measured_tokens_per_s": measured,
+            "rate_measured": measurement.rate_measured,
             "efficiency": None,
             "progress_per_s": None,
         },
         "candidate": None,
         "current_predicted_tokens_per_s": predicted,
-        "predicted_over_measured": predicted / measured if measured else None,
+        "predicted_over_measured": predicted / measured if measured and measurement.rate_measured else None,
         "switch_cost_s": cost,
         "switch_cost_source": source,
         "remaining_s": None,

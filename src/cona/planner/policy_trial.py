@@ -1,7 +1,7 @@
 """The policy's in-place trials: when a candidate the model says loses is still tried, measured, in place.
 
 A trial is made where the best throughput the candidate could have would pay for the switch there and back:
-perfect scaling from the measured rate, or, for a throughput model fitted in shape on two or more measured
+perfect scaling from the measured rate, or, for a throughput model fitted on one or more measured
 strategies, its prediction plus the margin it may miss by (:attr:`PolicySettings.trial_prediction_error`, or
 the largest miss the run has measured). :mod:`cona.planner.policy` judges the trial once it is measured.
 """
@@ -14,11 +14,19 @@ from typing import Any
 from cona.planner.efficiency import progress_per_second
 from cona.planner.policy_types import Candidate, Measurement, PolicySettings, PolicyState
 
+MIN_FITTED_ON = 1
+"""Measured strategies a prediction must rest on before its margin, not perfect scaling, bounds a trial. One
+is enough since the one-point fit keeps the model's shape where the step is host-bound (71b8648): on the
+H200 in the twelfth session every prediction from one measured point or none was within 8% (gbs 16 from
+gbs 8, 1.03 and 0.99 compiled; gbs 32 from gbs 16, 0.96 eager), while trials on perfect scaling from one
+point (gbs 8 -> 16 at 125M and 350M compiled, 16 -> 32 eager) all fell back after 15-17 iterations that cost
+the early levels of the ladder their time (issue 16). The raw model's (0.74-1.08) keeps perfect scaling."""
+
 
 def prediction_miss(candidate: Candidate, measured_tokens_per_s: float | None) -> float:
-    """``|measured / predicted - 1|`` of a strategy switched to on a prediction fitted on two or more
-    strategies; 0 for any other (measured, the raw model's, a one-point scale)."""
-    fitted = candidate.throughput_source == "predicted" and candidate.fitted_on >= 2
+    """``|measured / predicted - 1|`` of a strategy switched to on a prediction fitted on one or more
+    measured strategies; 0 for any other (measured, or the raw model's)."""
+    fitted = candidate.throughput_source == "predicted" and candidate.fitted_on >= MIN_FITTED_ON
     if not fitted or not measured_tokens_per_s or candidate.predicted_tokens_per_s <= 0:
         return 0.0
     return abs(measured_tokens_per_s / candidate.predicted_tokens_per_s - 1.0)
@@ -31,7 +39,8 @@ def warming_up(current: Candidate, measurement: Measurement, settings: PolicySet
     the trial's first measured line ran 220 ms a step and the next 89 ms, 1.00 of the prediction; judged on
     the first, the trial's rate read 0.41 of it."""
     measured = measurement.measured_tokens_per_s
-    if not current.trial or current.fitted_on < 2 or measurement.measured_intervals != 1 or not measured:
+    fitted = current.fitted_on >= MIN_FITTED_ON
+    if not current.trial or not fitted or measurement.measured_intervals != 1 or not measured:
         return False
     return measured * (1.0 + settings.trial_prediction_error) < current.predicted_tokens_per_s
 
@@ -71,10 +80,10 @@ def _best_case_tokens_per_s(
     state: PolicyState, candidate: Candidate, measured: float, settings: PolicySettings
 ) -> tuple[float, str]:
     """The most a trial candidate could run at, and the words for it. Perfect scaling from the current
-    measured rate bounds any batch's; a shape fitted on two or more strategies bounds it further by its
+    measured rate bounds any batch's; a model fitted on a measured strategy bounds it further by its
     prediction plus the margin it may miss by (the setting, or the largest miss this run has seen)."""
     perfect = measured * candidate.strategy.gbs / state.current.strategy.gbs
-    if candidate.fitted_on < 2:
+    if candidate.fitted_on < MIN_FITTED_ON:
         return perfect, "perfect scaling"
     current_miss = prediction_miss(state.current, measured)
     margin = max(settings.trial_prediction_error, state.largest_prediction_miss, current_miss)

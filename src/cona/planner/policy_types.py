@@ -48,11 +48,10 @@ class PolicySettings:
     trial_in_place: bool = True
     """With ``in_place``: try a candidate that keeps the layout when its predicted throughput does not pay but
     a throughput the prediction may have missed would, and measure it (training steps at a batch the
-    model says is slower; two cheap switches when it does not pay). A model calibrated on one strategy
-    cannot tell a host-bound step, which a larger batch nearly doubles, from a device-bound one: its
-    candidates are tried where perfect scaling would pay. One fitted on two or more strategies is tried
-    where its prediction, :attr:`trial_prediction_error` higher (or the run's largest miss, if larger),
-    would pay."""
+    model says is slower; two cheap switches when it does not pay). A candidate of the raw model (nothing
+    measured) is tried where perfect scaling would pay; one fitted on a measured strategy or more
+    (:data:`cona.planner.policy_trial.MIN_FITTED_ON`) where its prediction, :attr:`trial_prediction_error`
+    higher (or the run's largest miss, if larger), would pay."""
     trial_prediction_error: float = 0.15
     """How far above a fitted prediction a candidate's throughput may turn out, for the trial rule: issue 16's
     accuracy target. Eager on the H200 the fitted model met each strategy switched to within 15% (28 of 28
@@ -114,6 +113,9 @@ class FinishedStage:
     measured_tokens_per_s: float
     trial: bool = False
     """It was a trial when the run left it for a larger gbs: a fallback to it keeps judging it as one."""
+    rate_measured: bool = True
+    """False: the run left it before any steady line, and ``measured_tokens_per_s`` is the throughput
+    estimator's (the search refits it as the run measures other strategies)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,7 +138,7 @@ class PolicyState:
     """Consecutive evaluations with the EMA below the fallback break-even noise scale."""
     largest_prediction_miss: float = 0.0
     """The largest ``|measured / predicted - 1|`` of the strategies left so far that were switched to on a
-    prediction fitted on two or more strategies (the trial rule's margin when over its setting)."""
+    prediction fitted on measured strategies (the trial rule's margin when over its setting)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,6 +155,10 @@ class Measurement:
     """Measurements the tracker holds, also before it gives an estimate (what a decision's reason counts)."""
     measured_tokens_per_s: float | None
     """The current strategy's measured throughput (None before a step was timed)."""
+    rate_measured: bool = True
+    """False: the run has measured no throughput yet and ``measured_tokens_per_s`` is the estimator's
+    prediction of the current strategy; a switch is then made only as an in-place trial, measured before it
+    is kept."""
     measured_intervals: int = 0
     """Log intervals behind ``measured_tokens_per_s`` (0: not counted, as in a simulation)."""
     remaining_tokens: float

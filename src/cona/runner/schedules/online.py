@@ -329,6 +329,7 @@ class OnlineSchedule:
             memory.pending = PendingSwitch(
                 new=self.records.candidate(step_num + 1),
                 old_measured_tokens_per_s=outcome.measured_tokens_per_s or 0.0,
+                old_rate_measured=outcome.rate_measured,
                 handoff_s=done.timings.get("save_s", 0.0) + done.timings.get("publish_s", 0.0),
                 in_place=self.records.continues_in_place(step_num + 1),
             )

@@ -40,6 +40,7 @@ from cona.planner.policy import (
     after_switch,
     decide,
     next_frontier,
+    refresh_predicted_rates,
     strategy_dict,
 )
 from cona.runner.schedules.frontier import FrontierSearch
@@ -64,6 +65,8 @@ class PendingSwitch:
 
     new: Candidate
     old_measured_tokens_per_s: float
+    old_rate_measured: bool = True
+    """False: the previous stage had no steady line; its rate is the estimator's."""
     handoff_s: float
     """Save and publish of the previous stage, measured by the runner."""
     in_place: bool = False
@@ -101,6 +104,8 @@ class StageOutcome:
     settings: PolicySettings
     tracker: NoiseScaleTracker
     measured_tokens_per_s: float | None
+    rate_measured: bool = True
+    """False: the stage logged no steady line and the rate is the throughput estimator's."""
     target_reached: dict[str, Any] | None
     """The first metrics record with eval_ppl <= --target-ppl."""
 
@@ -209,6 +214,7 @@ class StageSearch:
                 old_measured_tokens_per_s=self.pending.old_measured_tokens_per_s,
                 switch_cost_s=self.pending.handoff_s + startup_s,
                 in_place=self.pending.in_place,
+                old_rate_measured=self.pending.old_rate_measured,
             )
             self.pending = None
         elif self.startup_prices_switch and self.policy_state.measured_switch_cost_s is None:
@@ -220,7 +226,7 @@ class StageSearch:
         if self.pending is not None:
             return None  # the switch into this stage is not accounted yet
         started = time.perf_counter()
-        measured = self.measured_tokens_per_s()
+        measured, rate_measured = self._current_rate()
         current = self.policy_state.current.strategy
         iteration, tokens = int(last.iteration), int(last.consumed_tokens)
         measurement = Measurement(
@@ -230,11 +236,13 @@ class StageSearch:
             noise=self._noise_estimate(),
             noise_measurements=len(self.tracker.measurements),
             measured_tokens_per_s=measured,
+            rate_measured=rate_measured,
             measured_intervals=len(self.steady_rates()),
             remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
             interval_tokens=float(last.steps_in_interval or 1) * current.gbs * self.budget.seq,
         )
-        self._measure(current, measured)
+        if rate_measured:
+            self._measure(current, measured)
         candidate = None
         if measured is not None and measurement.noise is not None:
             candidate = next_frontier(current.gbs, measured, self.settings, self.frontier)
@@ -250,6 +258,22 @@ class StageSearch:
             }
             write_json_atomic(self.switch_request_path, request)  # a worker never reads half of it
         return decision
+
+    def _current_rate(self) -> tuple[float | None, bool]:
+        """The running strategy's rate and whether it was measured. Until the run has measured any
+        throughput (no steady line in any stage yet: its first line holds the start-up) it is the
+        estimator's prediction, so that the first decision comes at the first line, not the second (on
+        the H200, eager GPT-125M at gbs 8, 0.65 s later, when fixed gbs 16 reaches the ladder's easiest
+        levels 4.4-7.4 s after its first step: issue 16). ``decide`` then switches only as a trial."""
+        measured = self.measured_tokens_per_s()
+        if measured is not None:
+            return measured, True
+        frontier = self.frontier
+        if not isinstance(frontier, FrontierSearch) or not self.rate_lines:
+            return None, True
+        if self.policy_state.earlier or frontier.estimator.points:
+            return None, True
+        return frontier.predicted_tokens_per_s(self.policy_state.current.strategy), False
 
     def _noise_estimate(self) -> NoiseScaleEstimate | None:
         """The tracker's estimate, raised to ``noise_scale_floor`` when one is set (the demo's stand-in for
@@ -272,6 +296,7 @@ class StageSearch:
         intervals = len(self.steady_rates())
         self.frontier.add_measurement(current, measured, intervals=intervals, source=f"stage {self.stage}")
         self._measured_rate = measured
+        self.policy_state = refresh_predicted_rates(self.policy_state, self.frontier.predicted_tokens_per_s)
 
     def _log(self, decision: Decision, *, evaluation_s: float) -> None:
         record = {
@@ -322,13 +347,15 @@ class StageSearch:
             raise self.error
         for record in metrics_records(self.tail.new_records()):  # the last lines: counted, not acted on
             self._absorb(record)
+        rate, rate_measured = self._current_rate()
         return StageOutcome(
             decision=self.decision,
             stop_reason=self.stop_reason,
             policy_state=self.policy_state,
             settings=self.settings,
             tracker=self.tracker,
-            measured_tokens_per_s=self.measured_tokens_per_s(),
+            measured_tokens_per_s=rate,
+            rate_measured=rate_measured,
             target_reached=self.target_reached,
         )
 
