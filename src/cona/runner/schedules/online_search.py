@@ -1,14 +1,14 @@
 """The search beside an online stage: a daemon thread of the runner that reads ``metrics.jsonl`` as it grows.
 
 At every new batch of metrics lines it folds the gradient-noise measurements into the noise-scale tracker,
-measures the running strategy's throughput (median over the stage's steady log intervals: the first one
-left out, it holds the start-up, and any warm-up after it; the estimator's until the run measured any),
-asks the planner for the frontier candidate (:func:`cona.planner.policy.next_frontier` over the best
-strategy of each larger gbs by the run's throughput estimator, :mod:`cona.planner.throughput`) and lets :func:`cona.planner.policy.decide` choose. Every
-evaluation is appended to ``decisions.jsonl``. A switch or fall-back writes ``switch_request.json``
-(atomically); the workers see it at the next step boundary, save and exit, and the
-runner carries the switch out. A stop at ``--target-ppl`` travels the same way. A request that comes after
-the stage's last step boundary is logged as not carried out (:func:`log_not_carried_out`).
+measures the running strategy's throughput (median over the stage's steady log intervals: the first one left
+out, it holds the start-up, and any warm-up after it; the estimator's until the run measured any), asks the
+planner for the frontier candidate (:func:`cona.planner.policy.next_frontier` over the best strategy of each
+larger gbs by the run's throughput estimator, :mod:`cona.planner.throughput`) and lets
+:func:`cona.planner.policy.decide` choose. Every evaluation is appended to ``decisions.jsonl``. A switch or
+fall-back writes ``switch_request.json`` (atomically); the workers see it at the next step boundary, save
+and exit, and the runner carries the switch out. A stop at ``--target-ppl`` travels the same way. A request
+that comes after the stage's last step boundary is logged as not carried out (:func:`log_not_carried_out`).
 
 The thread only reads files the workers append to and writes files they poll, so it never waits on them
 and they never wait on it; it runs on the CPU of the runner process (measured in docs/benchmarks.md).
