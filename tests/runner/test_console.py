@@ -109,7 +109,7 @@ def test_plain_mode_writes_one_stable_line_per_log_interval(run_dir):
     assert lines[0] == "stage 2: dp4/tp1/pp1 mbs4 gbs16 from iteration 50"
     assert lines[1] == (
         "stage 2 iter     55 | loss 7.7419 | lr 1.41e-03 | 3.580 s/it | 572 tok/s | gnorm 1.079 | "
-        "61,440 tokens | noise scale 15.7 samples | tokens 61.4k in 51.2k->461k (2%) | eta 11:38"
+        "61,440 tokens | noise scale 23.1 samples | tokens 61.4k in 51.2k->461k (2%) | eta 11:38"
     )
     assert all(line.startswith("stage 2 iter ") for line in lines[1:-1])
     assert "eval 7.6969 ppl 2201.45" in lines[2]

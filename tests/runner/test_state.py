@@ -119,7 +119,7 @@ def test_noise_scale_for_adascale_counts_each_iteration_once(tmp_path):
     lines += [json.dumps({"iteration": 5, **retry}), '{"iteration": 13, "gns']  # the last line: cut by a kill
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
     training = TrainingConfig(base_gbs=8)
-    assert measured_noise_scale(tmp_path, training, up_to_iteration=7) is None  # fewer than 8 measurements
+    assert measured_noise_scale(tmp_path, training, up_to_iteration=6) is None  # fewer than 7 measurements
     expected = NoiseScaleTracker(base_batch=8)
     for iteration in range(1, 13):
         expected = expected.update_from_metrics(retry if iteration == 5 else record)
