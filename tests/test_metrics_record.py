@@ -11,7 +11,6 @@ import pytest
 from cona.backends.megatron_deepspeed.log_parse import MetricsRecorder
 from cona.engine.metrics import JsonlSink
 from cona.metrics_record import ALWAYS_WRITTEN, MetricsRecord, read_metrics, stage_rates, steady_rates
-from cona.runner.views.online_report import searched_lines
 from cona.strategy import Strategy
 
 # A native trainer line as it was written before the record existed (key order included).
@@ -104,14 +103,16 @@ def test_a_stage_s_steady_rates_leave_out_its_first_line_and_a_warm_up_after_it(
     assert steady_rates([50.0]) == [] and steady_rates([]) == []
 
 
-def test_a_stage_s_summary_leaves_out_the_short_last_line_a_switch_forced():
+def test_a_stage_s_rates_leave_out_the_short_last_line_a_switch_forced():
     def line(steps: int, rate: float) -> MetricsRecord:
         return MetricsRecord(stage=1, steps_in_interval=steps, tokens_per_s=rate)
 
     # GPT-125M gbs 8 eager on the H200 (eleventh session): the 3-step line the switch forced ran no
     # noise-measuring step and 1.7x faster than the full line before it.
     lines = [line(8, 21_788.0), line(8, 95_395.0), line(3, 161_658.0)]
-    assert searched_lines(lines) == lines[:2]
-    assert steady_rates(stage_rates(searched_lines(lines))) == [95_395.0]
-    assert searched_lines(lines[:2]) == lines[:2] and searched_lines(lines[:1]) == lines[:1]
-    assert searched_lines([line(8, 1.0), line(8, 2.0)]) == [line(8, 1.0), line(8, 2.0)]
+    assert stage_rates(lines) == [21_788.0, 95_395.0]
+    assert steady_rates(stage_rates(lines)) == [95_395.0]
+    # Twelfth session, e5: a first line, then the 2-step line a switch forced: nothing measured.
+    assert steady_rates(stage_rates([line(8, 31_926.0), line(2, 194_678.0)])) == []
+    assert stage_rates(lines[:2]) == [21_788.0, 95_395.0] and stage_rates(lines[:1]) == [21_788.0]
+    assert stage_rates([line(6, 1.0), line(8, 2.0)]) == [1.0, 2.0]  # a short first line stays

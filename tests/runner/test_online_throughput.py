@@ -213,6 +213,22 @@ def test_before_anything_is_measured_the_first_line_decides_on_the_predicted_rat
     assert outcome.rate_measured is False and not frontier.estimator.points  # a prediction is no point
 
 
+def test_the_short_line_a_switch_forces_after_the_decision_is_no_rate_of_the_stage(setup):
+    """A switch decided at the first line cuts the stage's next line short; that line ran no measured
+    step (eager on the H200, 2 steps at 1.6x the stage's later rate) and leaves the stage unmeasured."""
+    run_dir, frontier, device = setup
+    current = one_gpu(2, 2)
+    search = first_stage_search(run_dir, frontier, current)
+    first, short = metrics(1, current, device.tokens_per_s(current), range(8, 17, 8))
+    first.update(steps_in_interval=8, gns_steps=[[first["gns_small_sqr"], first["gns_big_sqr"]]] * 7)
+    append_lines(run_dir, [first])
+    assert search.poll().action == "switch"
+    short.update(steps_in_interval=2, tokens_per_s=1.6 * short["tokens_per_s"])
+    append_lines(run_dir, [short])
+    outcome = search.stop()
+    assert outcome.rate_measured is False and not frontier.estimator.points
+
+
 def test_a_stage_left_unmeasured_takes_the_refitted_prediction_once_the_next_one_is_measured(setup):
     """The fall-back target's rate is the estimator's until that strategy is measured itself: once the
     trial's rate joins the fit, the earlier stage's rate is the refitted prediction, not the raw model's."""

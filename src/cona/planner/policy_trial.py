@@ -20,9 +20,10 @@ is enough since the one-point fit keeps the model's shape where the step is host
 H200 in the twelfth session, the one-point predictions of a larger batch were within 4%: gbs 16 from gbs 8
 gave 1.03 and 0.99 compiled, and gbs 32 from gbs 16 gave 0.96 eager. Trials on perfect scaling from one
 point all fell back after 15-17 iterations that cost the ladder's early levels their time (issue 16). That
-happened going 8 -> 16 at 125M and 350M compiled and 16 -> 32 eager. A one-point prediction downward (gbs 8
-from a host-bound gbs 16) missed by 1.61: the margin bounds trials, which only go up. The raw model's
-predictions (0.74-1.08) keep perfect scaling."""
+happened going 8 -> 16 at 125M and 350M compiled and 16 -> 32 eager. (The fall-back target e5 recorded
+at 1.61 of its measured rate was no prediction: a 2-step line the switch had cut short had become gbs 8's
+rate; :func:`cona.metrics_record.stage_rates` leaves such lines out.) The raw model's predictions (0.74-1.08)
+keep perfect scaling."""
 
 
 def prediction_miss(candidate: Candidate, measured_tokens_per_s: float | None) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 
 from cona import run_files
 from cona.engine.spec import StageResult
-from cona.metrics_record import MetricsRecord, read_metrics, stage_rates, steady_rates
+from cona.metrics_record import read_metrics, stage_rates, steady_rates
 from cona.runner.state import RunState
 from cona.strategy import Strategy
 
@@ -40,19 +40,9 @@ def realized_chain(state: RunState, stages: list[dict[str, Any]]) -> dict[str, A
     return {"steps": steps}
 
 
-def searched_lines(own: list[MetricsRecord]) -> list[MetricsRecord]:
-    """A stage's lines as its search saw them: a last line shorter than the one before it was forced by
-    the switch (or the run's end) after the search had decided, and ran no noise-measuring step, so eager
-    it ran faster than any full line (GPT-125M gbs 8 on the H200: 161.7k tokens/s over 3 steps, against
-    95.4k for the 8-step line before it; docs/benchmarks.md, eleventh session)."""
-    if len(own) > 1 and (own[-1].steps_in_interval or 0) < (own[-2].steps_in_interval or 0):
-        return own[:-1]
-    return own
-
-
 def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per trained stage: strategy, iterations, tokens, wall seconds, mean tokens/s (its steady log intervals:
-    :func:`cona.metrics_record.steady_rates` of :func:`searched_lines`), the tokens/s predicted when it was
+    :func:`cona.metrics_record.steady_rates` of its ``stage_rates``), the tokens/s predicted when it was
     chosen, and the last eval perplexity."""
     records = read_metrics(run_files.metrics_path(run_dir))
     rows = []
@@ -61,7 +51,7 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
         if stage.last_iteration is None:
             continue
         own = [r for r in records if r.stage == stage.step_num and (r.iteration or 0) > previous_iteration]
-        rates = steady_rates(stage_rates(searched_lines(own)))
+        rates = steady_rates(stage_rates(own))
         evals = [r.eval_ppl for r in own if r.eval_ppl is not None]
         result_path = run_files.stage_result_path(run_dir, stage.step_num)
         timings = StageResult.read(result_path).timings if result_path.is_file() else {}
