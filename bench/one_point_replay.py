@@ -31,13 +31,15 @@ from cona.strategy import Strategy
 
 def rates_at_decisions(run_dir: Path) -> dict[int, dict[int, float]]:
     """Per stage that a decision left: the measured tokens/s of every stage so far as the run had them at
-    that decision (each stage's last ``current.measured_tokens_per_s`` in ``decisions.jsonl``)."""
+    that decision (each stage's last ``current.measured_tokens_per_s`` in ``decisions.jsonl``; a rate the
+    run had only predicted, ``rate_measured`` false, is no measurement)."""
     known: dict[int, float] = {}
     at_switch: dict[int, dict[int, float]] = {}
     for line in (run_dir / "decisions.jsonl").read_text().splitlines():
         decision = json.loads(line)
-        rate = (decision.get("current") or {}).get("measured_tokens_per_s")
-        if rate:
+        current = decision.get("current") or {}
+        rate = current.get("measured_tokens_per_s")
+        if rate and current.get("rate_measured", True):
             known[decision["stage"]] = float(rate)
         if decision["decision"] in ("switch", "fallback"):
             at_switch[decision["stage"]] = dict(known)

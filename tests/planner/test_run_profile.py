@@ -44,8 +44,9 @@ def test_the_online_frontier_predicts_an_eager_run_with_the_plain_host_dispatch(
 
 
 def test_one_eager_point_predicts_the_larger_batches_with_the_runs_profile() -> None:
-    """Fitted on the measured gbs 8 alone: the graph profile reads its host-bound step as slow device work
-    and under-predicts gbs 32 and 64 by a third; the run's own profile keeps them within 20%."""
+    """Fitted on the measured gbs 8 alone: the graph profile's device is the compiled kernels', and with its
+    host floor corrected to the eager step it over-predicts gbs 32 and 64 by a third or more (one factor on
+    the whole step had under-predicted them by a third); the run's own profile keeps them within 20%."""
     h200 = load_system("h200_141g")
     larger = [16, 32, 64]
 
@@ -60,7 +61,7 @@ def test_one_eager_point_predicts_the_larger_batches_with_the_runs_profile() -> 
         return np.array(predicted) / np.array([H200_EAGER_TOKENS_PER_S[g] for g in larger]) - 1
 
     assert np.all(np.abs(misses(TrainingConfig(compile=False))) < 0.2)
-    assert np.any(misses(TrainingConfig()) < -0.3)
+    assert np.any(misses(TrainingConfig()) > 0.3)
 
 
 def test_an_eager_gpu_run_is_predicted_at_eager_kernel_speed() -> None:

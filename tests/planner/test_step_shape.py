@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cona.config import ModelConfig
+from cona.config import ModelConfig, TrainingConfig
 from cona.errors import PlanError
 from cona.planner.calibration_factors import Calibration
 from cona.planner.perf_model import predict
+from cona.planner.profiles import run_profile
 from cona.planner.step_parts import StepParts, model_step_parts
 from cona.planner.step_shape import StepShape, fit_shape
 from cona.planner.systems import load_system
@@ -110,15 +111,38 @@ def test_one_point_under_the_model_s_host_floor_corrects_the_host_and_not_the_de
     predicted = fitted.step_s(parts)
     assert predicted[0] == pytest.approx(0.0146)
     assert predicted[1] == pytest.approx(0.0199, rel=0.05) and predicted[2] == pytest.approx(0.036, rel=0.05)
-    # Over the model's step, or under its device, one point still gives one factor on the whole step.
-    assert fit_shape(parts.take(0), [0.02]).form == "scale"
+    # Under its device too (under both terms), one point gives one factor on the whole step.
     assert fit_shape(parts.take(0), [0.5 * float(parts.device_s[0])]).form == "scale"
 
 
-def test_one_point_gives_one_factor_and_bad_input_is_refused():
+def test_one_point_over_an_eager_host_floor_corrects_the_host_and_not_the_device():
+    """Eager GPT-125M on the H200 (issue 16, thirteenth session, e6): gbs 16 stepped in 42 ms on a slow host,
+    over the model's host floor (29.8 ms) and its device (26.6 ms); gbs 32 then measured 50.1 ms, about its
+    device's 48.0 ms. One factor on the whole step had made gbs 32 67.7 ms: 0.79 of its measured rate."""
+    strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16, 32)]
+    profile = run_profile("native", TrainingConfig(compile=False))
+    parts = model_step_parts(GPT_125M, strategies, H200, backend=profile)
+    assert parts.device_s[1] < parts.host_s[1] < 0.042
+    fitted = fit_shape(parts.take(1), [0.042])
+    assert fitted.form == "overlap" and fitted.matrix_efficiency == fitted.memory_efficiency == 1.0
+    predicted = fitted.step_s(parts)
+    assert predicted[1] == pytest.approx(0.042)
+    assert predicted[2] == pytest.approx(0.0501, rel=0.05)
+
+
+def test_one_point_over_the_model_s_host_floor_on_a_device_bound_step_corrects_the_device():
+    """Where the model says the device bounds the step and the point ran over the host floor, only the
+    device's factors move: a strategy the host bounds keeps the model's host floor."""
+    parts = StepParts.of(matrix_s=[0.02, 0.004], memory_s=[0.01, 0.002], host_s=[0.005, 0.005])
+    fitted = fit_shape(parts.take(0), [0.045])
+    assert fitted.host_efficiency == 1.0 and fitted.matrix_efficiency == pytest.approx(0.03 / 0.045)
+    assert fitted.step_s(parts) == pytest.approx([0.045, 0.009])
+
+
+def test_one_point_under_both_terms_gives_one_factor_and_bad_input_is_refused():
     parts = StepParts.of(matrix_s=[0.01], memory_s=[0.01], host_s=[0.005])
-    single = fit_shape(parts, [0.04])
-    assert single.form == "scale" and single.step_s(parts)[0] == pytest.approx(0.04)
+    single = fit_shape(parts, [0.004])
+    assert single.form == "scale" and single.step_s(parts)[0] == pytest.approx(0.004)
     assert fit_shape(StepParts.of(matrix_s=[]), []).form == "model"
     with pytest.raises(PlanError, match="positive"):
         fit_shape(StepParts.of(matrix_s=[1.0, 1.0]), [0.0, 1.0])

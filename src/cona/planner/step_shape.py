@@ -22,8 +22,8 @@ time), so a term the points cannot identify (communication on one GPU, the host 
 at its neutral value instead of anywhere. Where the model's device with only the host terms fitted meets
 every point within :data:`PRIOR_DEVICE_TOLERANCE`, that fit is taken: the pull alone is too weak to keep a
 few percent between two host-bound points from moving the device. One measured point cannot tell a
-host floor from a slow device: it gives a single factor on the whole step (``scale``), unless it ran under
-the model's host floor and over its device (then only the host's factor); no point gives the raw model.
+host floor from a slow device: it corrects the term that bounds the model's step (the host floor or the
+device), or, under both, scales the whole step (``scale``); no point gives the raw model.
 """
 
 from __future__ import annotations
@@ -150,15 +150,23 @@ _FACTORS = ("matrix_efficiency", "memory_efficiency", "comm_efficiency", "host_e
 
 
 def _one_point_shape(parts: StepParts, measured_s: float, forms: tuple[Form, ...]) -> StepShape:
-    """One point: a single factor on the whole step, except where the step ran faster than the model's
-    host floor and no faster than its device: then the host was slower in the model, and nothing says the
-    device was. Scaled with it, the device looked faster too: compiled GPT-125M on the H200 (CUDA graphs)
-    stepped gbs 8 in 14.6 ms against a host floor of 16.6 ms and a device of 11.4 ms, and one factor made
-    gbs 16 16.9 ms, which then measured 19.9 ms (the device's 19.3 ms) (issue 16)."""
+    """One point corrects the term that bounds the model's step (its host floor or its device) where the
+    other term stays under the measured step: nothing measured says that term was off, and a factor on
+    it too would move every strategy it bounds. Only where the measured step is under both terms does one
+    factor scale the whole step. Issue 16, both on the H200 with GPT-125M:
+
+    * compiled (CUDA graphs), gbs 8 stepped in 14.6 ms against a host floor of 16.6 ms and a device of
+      11.4 ms; one factor made gbs 16 16.9 ms, which then measured 19.9 ms (the device's 19.3 ms);
+    * eager, gbs 16 stepped in 42 ms against a host floor of 29.8 ms and a device of 26.6 ms (a slow host);
+      one factor made gbs 32 67.7 ms, which then measured 50.1 ms (the device's 48.0 ms): 0.79 of its rate.
+    """
     host, device = float(parts.host_s[0]), float(parts.device_s[0])
-    if device <= measured_s < host:  # without extra host time both forms are max(host, device)
-        form: Form = "overlap" if "overlap" in forms else "serial"
+    form: Form = "overlap" if "overlap" in forms else "serial"  # without extra host time both are the max
+    if host >= device and measured_s >= device:
         return StepShape(form=form, host_efficiency=host / measured_s)
+    if device > host and measured_s >= host:
+        factors = ("matrix_efficiency", "memory_efficiency", "comm_efficiency")
+        return StepShape(form=form, **dict.fromkeys(factors, device / measured_s))
     factor = measured_s / float(parts.raw_step_s[0])
     return StepShape(form="scale", **dict.fromkeys(_FACTORS, 1.0 / factor))
 
