@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from forked import fork
 
 from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint, tmp_owner
@@ -253,7 +254,7 @@ def run_until_killed(workdir: Path, chain_path: Path, kill_point: str) -> int:
 
     Forking (rather than starting a new interpreter) saves the seconds of importing torch again; the child
     uses one thread, as forked DataLoader workers do, and never returns into the test."""
-    pid = os.fork()
+    pid = fork()
     if pid == 0:
         status = 3  # reaching the end means the kill point was never hit
         try:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from forked import fork
 from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.cli import main
@@ -118,7 +119,7 @@ def test_torchrun_keeps_a_killed_runners_locks_until_it_ends(tmp_path):
     directory, so a rerun is refused until that process, which outlives its workers, has ended."""
     directory = tmp_path / "logs" / "run"
     pid_file = tmp_path / "torchrun.pid"
-    runner = os.fork()
+    runner = fork()
     if runner == 0:
         try:
             with run_locks():

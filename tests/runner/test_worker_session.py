@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import fork
 from test_chain_e2e import free_port_base
 from test_status import running_copy
 from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
@@ -158,7 +159,7 @@ def test_sigkill_of_the_runner_between_stages_leaves_no_worker_and_the_rerun_fin
         time.sleep(600)  # killed here
         return publish(checkpoint)
 
-    runner = os.fork()
+    runner = fork()
     if runner == 0:
         try:
             with WorkerSession() as session:
