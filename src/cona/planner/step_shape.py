@@ -157,8 +157,8 @@ def _one_point_shape(parts: StepParts, measured_s: float, forms: tuple[Form, ...
 
     * compiled (CUDA graphs), gbs 8 stepped in 14.6 ms against a host floor of 16.6 ms and a device of
       11.4 ms; one factor made gbs 16 16.9 ms, which then measured 19.9 ms (the device's 19.3 ms);
-    * eager, gbs 16 stepped in 42 ms against a host floor of 29.8 ms and a device of 26.6 ms (a slow host);
-      one factor made gbs 32 67.7 ms, which then measured 50.1 ms (the device's 48.0 ms): 0.79 of its rate.
+    * eager, gbs 16 stepped in 39.3 ms against a host floor of 29.8 ms and a device of 26.6 ms (a slow host);
+      one factor made gbs 32 63.2 ms, which then measured 50.1 ms (the device's 48.0 ms): 0.79 of its rate.
     """
     host, device = float(parts.host_s[0]), float(parts.device_s[0])
     form: Form = "overlap" if "overlap" in forms else "serial"  # without extra host time both are the max
