@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from forked import fork
+from tests.runner.forked import fork
 
 from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint, tmp_owner
