@@ -18,7 +18,7 @@ import pytest
 from test_train_cli import free_port_base, write_tiny_setup
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGE2_ITERS = 16
+STAGE2_ITERS = 6
 CHAIN = {
     "steps": [
         {"step_num": 1, "dp": 2, "tp": 1, "pp": 2, "gbs": 8, "mbs": 2, "train_iters": 2, "is_initial": True,
