@@ -157,8 +157,11 @@ def test_a_chain_killed_mid_stage_resumes_from_the_stage_s_periodic_checkpoint(t
     ]
     total = 3 * 8 + 5 * 16
     chain = write_chain(tmp_path / "chain.json", steps)
-    run_chain(train_runs.chain_run(chain_args(config, chain, tmp_path / "whole", "whole", stages=2)),
-              out=lambda line: None)  # fmt: skip
+    # The uninterrupted run in one worker session (one process start; it trains as the per-stage launch
+    # does, test_worker_session), the killed one launching each stage.
+    with stage_launcher(restart_workers=False) as launcher:
+        run_chain(train_runs.chain_run(chain_args(config, chain, tmp_path / "whole", "whole", stages=2)),
+                  launcher=launcher, out=lambda line: None)  # fmt: skip
     args = chain_args(config, chain, tmp_path, "kill", stages=2)
 
     def killing_launcher(launch: StageLaunch) -> None:
