@@ -11,6 +11,7 @@ from tiny_chain import SEQ, chain_args, write_chain, write_config_and_data
 
 from cona.commands import train_runs
 from cona.runner.schedules.sequence import run_chain
+from cona.runner.worker_session import WorkerSession
 
 
 @pytest.mark.slow
@@ -25,8 +26,9 @@ def test_a_chain_whose_first_step_loads_another_run_s_checkpoint_continues_that_
     first = {"dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 4, "train_iters": 3, "is_initial": True}
     then = {"dp": 1, "tp": 2, "pp": 1, "gbs": 8, "mbs": 4, "extra_iters": 3}
     both = write_chain(tmp_path / "both.json", [{**first, "convert": True}, then])
-    run_chain(train_runs.chain_run(chain_args(config, both, tmp_path / "both", "both", stages=2)),
-              out=lambda line: None)  # fmt: skip
+    with WorkerSession() as session:  # both steps in one process start (as `cona train --chain` runs it)
+        run_chain(train_runs.chain_run(chain_args(config, both, tmp_path / "both", "both", stages=2)),
+                  launcher=session, out=lambda line: None)  # fmt: skip
     alone = write_chain(tmp_path / "first.json", [first])
     run_chain(train_runs.chain_run(chain_args(config, alone, tmp_path / "a", "a", stages=1)),
               out=lambda line: None)  # fmt: skip
