@@ -33,6 +33,7 @@ from cona.errors import CheckpointError, LaunchError
 from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import StageLaunch, torchrun_launcher
 from cona.runner.state import load_state
+from cona.runner.worker_session import WorkerSession
 
 STRATEGIES = ((1, 2, 1), (1, 1, 2), (2, 1, 1))
 """(dp, tp, pp) of the chain's stages: every switch changes the layout."""
@@ -101,7 +102,10 @@ def file_digests(directory: Path) -> dict[str, str]:
 @pytest.mark.multiproc
 def test_an_intact_chain_passes_the_check_at_every_switch(setup_dir, tmp_path):
     lines: list[str] = []
-    state = run_chain(train_runs.chain_run(args_of(setup_dir, tmp_path, "intact")), out=lines.append)
+    with WorkerSession() as session:  # as `cona train --chain` runs it: one process start for the 3 stages
+        state = run_chain(
+            train_runs.chain_run(args_of(setup_dir, tmp_path, "intact")), launcher=session, out=lines.append
+        )
 
     assert [stage.status for stage in state.stages] == ["done"] * len(STRATEGIES)
     assert state.stages[0].switch_check is None  # stage 1 starts from scratch
