@@ -28,6 +28,7 @@ from cona.runner.launch import run_stage
 from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import StageLaunch
 from cona.runner.state import load_state
+from cona.runner.worker_session import WorkerSession
 
 HERE = Path(__file__).resolve().parent
 STEPS = (
@@ -82,10 +83,12 @@ def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeat
     killed_trace = {step.iteration: step.sample_ids for step in trained_steps(run_dir)}
     assert sorted(killed_trace) == list(range(1, 7))
 
-    # The same command again (on fresh ports: the killed stage's may still be held by the kernel).
+    # The same command again (on fresh ports: the killed stage's may still be held by the kernel), its
+    # stages 2 and 3 in one worker session as `cona train --chain` runs them.
     lines: list[str] = []
     args.master_port_base = free_port_base(len(STEPS))
-    state = run_chain(train_runs.chain_run(args), out=lines.append)
+    with WorkerSession() as session:
+        state = run_chain(train_runs.chain_run(args), launcher=session, out=lines.append)
 
     assert lines[0] == (
         f"resuming run kill at stage 2 (running) from {stage1_universal}, iteration=3, "
