@@ -18,9 +18,10 @@ from cona.runner.state import load_state
 from cona.runner.worker_session import WorkerSession
 
 TOTAL_ITERS = 60
-IN_PLACE_ITERS = 200
-"""With the wider model below, long enough (seconds) that the search thread, which polls every 0.5 s,
-decides well before the end, also on a busy machine."""
+IN_PLACE_ITERS = 100
+"""With the wider model below, long enough (seconds) that the search thread, which polls every 0.05 s
+(online_search.POLL_INTERVAL_S) and decides at the run's first lines, switches well before the end, also
+on a busy machine: the switch came at iteration 10 of 200 here."""
 
 
 @pytest.mark.slow
