@@ -360,12 +360,7 @@ def main() -> None:
         "--crossover", type=int, default=None, metavar="K", help="only the crossover part, K BO searches"
     )
     parser.add_argument("--json-out", default=None, help="also write every row and the summary here")
-    parser.add_argument(
-        "--merge",
-        nargs="+",
-        metavar="JSON",
-        help="summarise the BO rows of these --json-out files (no search)",
-    )
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="only summarise these --json-out files")
     args = parser.parse_args()
     if args.merge:
         rows = [row for path in args.merge for row in json.loads(Path(path).read_text())["bo"]]
