@@ -1,11 +1,13 @@
 """torchrun worker: one training step of a tiny GPT under each requested layout vs the 1-process reference.
 
 Usage: torchrun --nproc-per-node N tests/engine/parity_worker.py [family=F] LAYOUT [LAYOUT ...]
+[family=F LAYOUT ...]
 A layout is ``name:key=value,...`` over Strategy fields, e.g. ``dp2xtp2:dp=2,tp=2,zero_stage=3``. The model
 family F is gpt (default), llama (grouped-query attention with 2 of 4 heads, untied head) or bert (targets
-only at some positions, the others IGNORE_INDEX, the same number per row). Every rank computes the
+only at some positions, the others IGNORE_INDEX, the same number per row); ``family=F`` applies to the
+layouts after it, up to the next one (one launch serves several families). Every rank computes the
 reference itself (plain model, no mesh, whole global batch). Rank 0 prints one JSON line per layout,
-prefixed ``PARITY``.
+prefixed ``PARITY``, with its family.
 """
 
 from __future__ import annotations
@@ -165,15 +167,17 @@ def run_layout(name: str, strategy: Strategy, config: ConaConfig, batch) -> dict
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    layouts = sys.argv[1:]
-    family = layouts.pop(0).removeprefix("family=") if layouts[0].startswith("family=") else "gpt"
-    config = tiny_config(family)
-    batch = global_batch(config)
-    for text in layouts:
+    family, config, batch = None, None, None
+    for text in sys.argv[1:] if sys.argv[1].startswith("family=") else ["family=gpt", *sys.argv[1:]]:
+        if text.startswith("family="):
+            family = text.removeprefix("family=")
+            config = tiny_config(family)
+            batch = global_batch(config)
+            continue
         name, strategy = parse_layout(text)
         result = run_layout(name, strategy, config, batch)
         if dist.get_rank() == 0:
-            print("PARITY " + json.dumps(result), flush=True)
+            print("PARITY " + json.dumps({"family": family, **result}), flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     dist.barrier()

@@ -1,8 +1,8 @@
 """Parity: one training step under each parallel layout equals the 1-process step on the same global batch.
 
-Two torchrun launches (2 and 4 gloo processes) run all layouts of the GPT, one per other family (Llama,
-BERT) a layout of each parallel dimension; each worker rank compares against the plain model it computes
-itself (see parity_worker.py).
+Two torchrun launches (2 and 4 gloo processes) run all layouts of the GPT and, in the 2-process launch, for
+each other family (Llama, BERT) a layout of each parallel dimension; each worker rank compares against the
+plain model it computes itself (see parity_worker.py).
 """
 
 from __future__ import annotations
@@ -47,22 +47,29 @@ FAMILY_LAYOUTS = {
 """Llama and BERT: each parallel dimension (tp=2 splits llama's 2 key/value heads one per rank)."""
 
 
-def run_layouts(layouts: dict[str, str], nproc: int, family: str = "gpt") -> dict[str, dict]:
-    args = [
-        WORKER,
-        f"family={family}",
-        *(f"{name.replace(' ', '_')}:{spec}" for name, spec in layouts.items()),
-    ]
-    done = run_torchrun(args, nproc, timeout=150)
+def run_layouts(groups: dict[str, dict[str, str]], nproc: int) -> dict[str, dict[str, dict]]:
+    """The layouts of each family (``{family: {name: layout}}``) in one torchrun launch of ``nproc``
+    processes; returns ``{family: {name: result}}``."""
+    args = [WORKER]
+    for family, layouts in groups.items():
+        args += [f"family={family}", *(f"{name.replace(' ', '_')}:{spec}" for name, spec in layouts.items())]
+    done = run_torchrun(args, nproc, timeout=150 * len(groups))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = [
-        json.loads(line.removeprefix("PARITY "))
-        for line in done.stdout.splitlines()
-        if line.startswith("PARITY ")
-    ]
-    by_name = {r["layout"].replace("_", " "): r for r in results}
-    assert set(by_name) == set(layouts), done.stdout[-2000:]
-    return by_name
+    results: dict[str, dict[str, dict]] = {family: {} for family in groups}
+    for line in done.stdout.splitlines():
+        if line.startswith("PARITY "):
+            result = json.loads(line.removeprefix("PARITY "))
+            results[result["family"]][result["layout"].replace("_", " ")] = result
+    for family, layouts in groups.items():
+        assert set(results[family]) == set(layouts), (family, done.stdout[-2000:])
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_process_results() -> dict[str, dict[str, dict]]:
+    """The 2-process layouts of every family, in one launch (one process start for the three tests below;
+    the tests read the results only)."""
+    return run_layouts({"gpt": TWO_PROCESS_LAYOUTS, "llama": FAMILY_LAYOUTS, "bert": FAMILY_LAYOUTS}, 2)
 
 
 def relative(value: float, reference: float) -> float:
@@ -83,8 +90,8 @@ def check(result: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_two_process_layouts_match_one_process() -> None:
-    results = run_layouts(TWO_PROCESS_LAYOUTS, 2)
+def test_two_process_layouts_match_one_process(two_process_results) -> None:
+    results = two_process_results["gpt"]
     for result in results.values():
         check(result)
     for name in ("dp2 zero0 one micro-batch", "dp2 zero3 one micro-batch"):  # measured as halves of 1 row
@@ -94,13 +101,14 @@ def test_two_process_layouts_match_one_process() -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_four_process_layouts_match_one_process() -> None:
-    for result in run_layouts(FOUR_PROCESS_LAYOUTS, 4).values():
+    for result in run_layouts({"gpt": FOUR_PROCESS_LAYOUTS}, 4)["gpt"].values():
         check(result)
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family", ["llama", "bert"])
-def test_other_families_match_one_process(family: str) -> None:
-    for result in run_layouts(FAMILY_LAYOUTS, 2, family).values():
+def test_other_families_match_one_process(family: str, two_process_results) -> None:
+    assert set(two_process_results[family]) == set(FAMILY_LAYOUTS)
+    for result in two_process_results[family].values():
         check(result)
