@@ -171,6 +171,14 @@ def test_the_tail_waits_for_the_end_of_a_half_written_line(tmp_path):
     assert tail.new_records() == [{"iteration": 2}]
 
 
+STEP_S = 0.02
+"""A step of stage 1: the search thread (polling every 0.05 s) sees a few lines a poll and decides within
+the stage's first lines (it switched at iteration 8 of 150)."""
+LATER_STEP_S = 0.005
+"""A step of a later stage (after the switch, at the largest gbs): the search still polls it over a dozen
+times (the tests need it to go on there), without waiting out ~140 steps at stage 1's pace."""
+
+
 class StreamingEngine:
     """A launcher that appends a metrics line per step (noise scale 1000, throughput growing with gbs) and
     honours switch_request.json at step boundaries as the worker does; checkpoints via FakeEngine."""
@@ -192,7 +200,7 @@ class StreamingEngine:
             record = metrics_record(iteration, gbs, noise_scale=1000.0, tokens_per_s=50.0 * gbs)
             append(spec.run_dir, [{**record, "stage": spec.stage, "consumed_samples": samples,
                                    "consumed_tokens": tokens}])  # fmt: skip
-            time.sleep(0.02)
+            time.sleep(STEP_S if spec.stage == 1 else LATER_STEP_S)
             if spec.switch_request_path.exists() and not self.late_request:
                 reason = "switch_requested"
                 break
