@@ -10,7 +10,10 @@ schedule, evaluation set and evaluation spacing (``ttt_plan``):
 * **fixed-gbsG** for G in G0, 2G0, 4G0, 8G0 (``--fixed-gbs``): a one-step chain (``cona train --chain``,
   which scales the LR to G by the config's rule as online mode does) at the planner's best strategy for G;
 * **ramp**: a chain G0 -> 2G0 -> 4G0 switching at the token counts of ``--ramp-tokens``, each step at the
-  planner's best strategy for its gbs.
+  planner's best strategy for its gbs;
+* **online-NAME** (``--online-variant NAME training.KEY=VALUE ...``): online with config keys set (``cona
+  train --set``), to compare a policy setting with the defaults in one call, e.g. ``--online-variant
+  windowed training.fallback_ema_alpha=1`` (a trial judged on the windowed noise scale, not its EMA).
 
 Fixed and chain mode have no perplexity stop, so this script stops them (``ttt_supervise``). Time to target
 is given from the launch (everything counts) and from the run's first training step (start-up apart; for
@@ -51,6 +54,7 @@ from ttt_plan import (
     PRESETS,
     PROJECT_ROOT,
     Preset,
+    online_variants,
     plan_run,
     plan_warmup,
     run_names,
@@ -107,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     parser.add_argument(
         "--botorch", action="store_true", help="online search by BoTorch (default exhaustive)"
     )
+    parser.add_argument(
+        "--online-variant", action="append", nargs="+", metavar="NAME SECTION.KEY=VALUE",
+        help="also run online-NAME: online mode with these config keys set (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                         help="a short eager run first, unreported (default on for GPU presets)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -149,6 +157,7 @@ def _resolve(args: argparse.Namespace, preset: Preset) -> None:
         args.levels = [args.target_ppl * float(f) for f in ("1", *args.ladder.split(","))]
     except ValueError:
         raise SystemExit(f"--ladder: {args.ladder!r} is not a comma list of numbers") from None
+    args.online_variants = online_variants(args.online_variant)
     names = run_names(args)
     default = ["online", f"fixed-gbs{args.initial_gbs}", "ramp"] if args.smoke else names
     args.runs = [r.strip() for r in args.runs.split(",")] if args.runs else default
@@ -168,7 +177,7 @@ def _int_list(flag: str, text: str | None) -> list[int]:
 
 def settings(args: argparse.Namespace, preset: Preset, plans: list[RunPlan]) -> dict[str, Any]:
     keys = (*PRESET_OVERRIDES, "data_dir", "tokenizer_dir", "compile", "warmup", "botorch", "min_training_s",
-            "stop_behind", "known_best_s")  # fmt: skip
+            "stop_behind", "known_best_s", "online_variants")  # fmt: skip
     return {
         **{key: getattr(args, key) for key in (*keys, *COMPARED_FIELDS)},
         "seq": preset.model["seq"],

@@ -7,8 +7,9 @@ interpolated between the last evaluation above the level and the first at or bel
 perplexity against tokens and against time, for every run alike. The eval set is fixed, so two runs that
 trained the same samples evaluate alike; what moves a crossing is the training, not the measurement.
 
-Per level it prints the tokens each run needed and online's time over the best fixed run's, interpolated and
-as the report counts it (first evaluation at or below), all from each run's first step.
+Per level it prints the tokens each run needed and online's time over the best fixed run's (and each online
+variant's), interpolated and as the report counts it (first evaluation at or below), all from each run's
+first step.
 
     python3 bench/ttt_level_crossings.py --work-dir /tmp/ttt-c1 --target-ppl 20
 """
@@ -54,17 +55,27 @@ def level_rows(runs: dict[str, list[dict[str, Any]]], levels: list[float]) -> li
             ("first_eval", {n: r and float(r["time"]) - step_start(runs[n][0]) for n, r in firsts.items()}),
         ):
             fixed = {n: s for n, s in seconds.items() if n.startswith("fixed") and s is not None}
-            if not fixed or seconds.get("online") is None:
+            online = {n: s for n, s in seconds.items() if n.startswith("online") and s is not None}
+            if not fixed or not online:
                 row[way] = None
                 continue
             best = min(fixed, key=fixed.__getitem__)
+            over_best = {name: online_s / fixed[best] for name, online_s in online.items()}
             row[way] = {
                 "best_fixed": best,
                 "best_s": fixed[best],
-                "online_over_best": seconds["online"] / fixed[best],
+                "online_over_best": over_best.get("online"),
+                "over_best": over_best,  # online and its variants (time_to_target --online-variant)
             }
         rows.append(row)
     return rows
+
+
+def _ratios(over_best: dict[str, float]) -> str:
+    """``0.84`` for online alone; ``online 0.84, online-ema1 0.80`` beside its variants."""
+    if list(over_best) == ["online"]:
+        return f"{over_best['online']:.2f}"
+    return ", ".join(f"{name} {ratio:.2f}" for name, ratio in sorted(over_best.items()))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['tokens'][n] / 1e6:12.3f}" if row["tokens"][n] is not None else f"{'-':>12}" for n in names
         )
         ratios = "; ".join(
-            f"{way} {row[way]['online_over_best']:.2f} ({row[way]['best_fixed']} {row[way]['best_s']:.1f} s)"
+            f"{way} {_ratios(row[way]['over_best'])} ({row[way]['best_fixed']} {row[way]['best_s']:.1f} s)"
             for way in ("interpolated", "first_eval")
             if row[way] is not None
         )

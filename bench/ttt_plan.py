@@ -188,11 +188,40 @@ def free_port_base() -> int:
 
 
 def run_names(args: argparse.Namespace) -> list[str]:
-    """Every run this set-up can make, in the default order: online, then the smallest and largest fixed gbs
-    (they bound the result if the budget runs out before the middle ones), the middle ones, the ramp."""
+    """Every run this set-up can make, in the default order: online and its variants, then the smallest and
+    largest fixed gbs (they bound the result if the budget runs out before the middle ones), the middle
+    ones, the ramp."""
     fixed = sorted(args.fixed_gbs)
     order = [fixed[0], fixed[-1], *fixed[1:-1]] if len(fixed) > 1 else fixed
-    return ["online", *(f"fixed-gbs{gbs}" for gbs in order), "ramp"]
+    variants = [f"{ONLINE_VARIANT_PREFIX}{name}" for name in getattr(args, "online_variants", {})]
+    return ["online", *variants, *(f"fixed-gbs{gbs}" for gbs in order), "ramp"]
+
+
+ONLINE_VARIANT_PREFIX = "online-"
+"""``--online-variant NAME ...`` adds the run ``online-NAME``: online mode with config keys set."""
+
+
+def online_variants(given: list[list[str]] | None) -> dict[str, list[str]]:
+    """``--online-variant NAME SECTION.KEY=VALUE ...`` (repeatable) as ``{NAME: [override, ...]}``: each
+    override is one ``cona train --set`` (e.g. ``training.fallback_ema_alpha=1``), so policy settings can be
+    compared with online mode's defaults in one call, on one machine."""
+    from cona.config_overrides import parse_override
+    from cona.errors import UsageError
+
+    variants: dict[str, list[str]] = {}
+    for name, *overrides in given or []:
+        if not name.replace("_", "").isalnum() or name in variants or not overrides:
+            raise SystemExit(
+                f"--online-variant {name}: give a new name (letters, digits, _) and one or more "
+                "SECTION.KEY=VALUE"
+            )
+        for text in overrides:
+            try:
+                parse_override(text)
+            except UsageError as error:
+                raise SystemExit(f"--online-variant {name}: {error}") from None
+        variants[name] = overrides
+    return variants
 
 
 def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan:
@@ -203,7 +232,7 @@ def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) ->
     eval_gbs = int(name.removeprefix("fixed-gbs")) if name.startswith("fixed-gbs") else args.initial_gbs
     config.write_text(json.dumps(conaconfig(preset, args, eval_gbs=eval_gbs, root=root)))
     common = ["--gpus", "1", "--quiet"]
-    if name == "online":
+    if name == "online" or name.startswith(ONLINE_VARIANT_PREFIX):
         extra = [
             "--system",
             args.system,
@@ -214,6 +243,8 @@ def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) ->
         ]
         extra += ["--target-ppl", f"{args.target_ppl:g}", "--total-tokens", str(args.total_tokens)]
         extra += [] if args.botorch else ["--no-botorch"]
+        variant = name.removeprefix(ONLINE_VARIANT_PREFIX) if name != "online" else None
+        extra += _checked_overrides(config, getattr(args, "online_variants", {}).get(variant))
         return _plan(name, "online", root, config, [*common, *extra], args.online_cap_s)
     if name == "ramp":
         gbs_steps = [args.initial_gbs * 2**k for k in range(len(args.ramp_tokens) + 1)]
@@ -250,6 +281,21 @@ def plan_warmup(preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan
     )
     extra = ["--chain", str(root / "chain.json"), "--gpus", "1", "--quiet"]
     return _plan(WARMUP_RUN, "warmup", root, config, extra, args.fixed_cap_s)
+
+
+def _checked_overrides(config: Path, overrides: list[str] | None) -> list[str]:
+    """The ``--set`` flags of a variant, once the config loads with them (an unknown key or a bad value is
+    refused here, before any run starts, not on the device minutes later)."""
+    if not overrides:
+        return []
+    from cona.config_file import load_config
+    from cona.errors import ConaError
+
+    try:
+        load_config(config, overrides=overrides)
+    except ConaError as error:
+        raise SystemExit(f"--online-variant: {error}") from None
+    return [flag for text in overrides for flag in ("--set", text)]
 
 
 def _checked_mbs(config: Path, args: argparse.Namespace, preset: Preset, gbs: int) -> int:

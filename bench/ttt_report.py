@@ -204,7 +204,8 @@ def summary(
     """Best and worst fixed run by time to target from launch (a run that did not reach it is slower than
     any that did), the online run's time over each, and the same from the first step at every level."""
     fixed = [r for r in rows if r["kind"] == "fixed"]
-    online = next((r for r in rows if r["kind"] == "online"), None)
+    onlines = [r for r in rows if r["kind"] == "online"]  # online and its variants (--online-variant)
+    online = next((r for r in onlines if r["run"] == "online"), onlines[0] if onlines else None)
     result: dict[str, Any] = {"fixed_tried": [r["run"] for r in fixed]}
     if not rows:
         return {**result, "ladder": {}, "main_level": None}
@@ -219,6 +220,12 @@ def summary(
                 result[f"online_over_{label}_fixed"] = round(
                     online["time_to_target_s"] / row["time_to_target_s"], 3
                 )
+        if len(onlines) > 1 and ordered[0]["reached"]:
+            result["over_best_fixed_by_run"] = {
+                r["run"]: round(r["time_to_target_s"] / ordered[0]["time_to_target_s"], 3)
+                for r in onlines
+                if r["reached"]
+            }
     result["main_level_rule"] = f"hardest level a fixed run reached, if it took >= {min_training_s:g} s"
     return result
 
@@ -227,8 +234,9 @@ def format_table(rows: list[dict[str, Any]], target_ppl: float) -> str:
     def number(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    width = max([14, *(len(row["run"]) for row in rows)])  # an online variant's name may be longer
     header = (
-        f"{'run':<14} {'to P=' + format(target_ppl, 'g') + ' s':>11} {'1st step':>9} {'tokens':>11} "
+        f"{'run':<{width}} {'to P=' + format(target_ppl, 'g') + ' s':>11} {'1st step':>9} {'tokens':>11} "
         f"{'startup s':>9} {'switch gaps s':>14} {'eval every s':>12} {'final ppl':>9} {'tok/s':>9}  "
         "stages (switches)"
     )
@@ -237,7 +245,7 @@ def format_table(rows: list[dict[str, Any]], target_ppl: float) -> str:
         ttt = number(row["time_to_target_s"], ".1f") if row["reached"] else f">{row['wall_s']:.0f}"
         gaps = "+".join(f"{gap:.0f}" for gap in row["switch_gaps_s"]) or "-"
         lines.append(
-            f"{row['run']:<14} {ttt:>11} {number(row['time_to_target_from_first_step_s'], '.1f'):>9} "
+            f"{row['run']:<{width}} {ttt:>11} {number(row['time_to_target_from_first_step_s'], '.1f'):>9} "
             f"{number(row['tokens_to_target'], ','):>11} {number(row['startup_s'], '.1f'):>9} {gaps:>14} "
             f"{number(row['eval_spacing_s'], '.1f'):>12} {number(row['final_ppl'], '.1f'):>9} "
             f"{number(row['mean_tokens_per_s'], ','):>9}  "

@@ -263,3 +263,45 @@ def test_a_gpu_comparison_warms_up_with_a_short_eager_run_that_is_not_reported(t
     (step,) = json.loads((plan.root / "chain.json").read_text())["steps"]
     assert plan.kind == "warmup" and not config["training"]["compile"]
     assert (step["gbs"], step["train_iters"]) == (args.initial_gbs, ttt.WARMUP_ITERATIONS)
+
+
+def test_an_online_variant_runs_online_with_config_keys_set_and_bad_ones_are_refused_before_any_run(
+    ttt, tmp_path
+):
+    corpus = fake_corpus(tmp_path)
+    (tmp_path / "gpt2-vocab.json").write_text(json.dumps({"a": 0, "b": 1}))  # a config that loads
+    (tmp_path / "gpt2-merges.txt").write_text("#version: 0.2\n")
+    variant = ["--online-variant", "windowed", "training.fallback_ema_alpha=1"]
+    args, preset = ttt.parse_args(["--model", "125m", *variant, *corpus])
+    assert args.runs[:2] == ["online", "online-windowed"]
+    assert args.online_variants == {"windowed": ["training.fallback_ema_alpha=1"]}
+    plain = ttt.plan_run("online", preset, args, tmp_path / "work")
+    windowed = ttt.plan_run("online-windowed", preset, args, tmp_path / "work")
+    assert windowed.kind == "online" and "--set" not in plain.command
+    at = windowed.command.index("--set")
+    assert windowed.command[at:] == ["--set", "training.fallback_ema_alpha=1"]
+    assert len(windowed.command[:at]) == len(plain.command)  # otherwise the same flags
+    # A key the config does not have is refused when the run is planned, naming it.
+    typo = ["--online-variant", "typo", "training.fallback_ema=1"]
+    args, preset = ttt.parse_args(["--model", "125m", *typo, *corpus])
+    with pytest.raises(SystemExit, match="fallback_ema"):
+        ttt.plan_run("online-typo", preset, args, tmp_path / "work2")
+    for bad in (["x", "fallback_ema_alpha=1"], ["x"], ["no-dash", "training.seed=1"]):
+        with pytest.raises(SystemExit, match="--online-variant"):
+            ttt.parse_args(["--online-variant", *bad, *corpus])
+
+
+def test_the_summary_gives_every_online_run_over_the_best_fixed_one(ttt):
+    def reached(name: str, kind: str, seconds: float, level_s: float) -> dict:
+        base = row(name, kind, startup=20.0, levels={"50": level_s})
+        return {**base, "reached": True, "time_to_target_s": seconds}
+
+    rows = [
+        reached("fixed-gbs8", "fixed", 80.0, 60.0),
+        reached("online-windowed", "online", 60.0, 40.0),
+        reached("online", "online", 70.0, 50.0),
+    ]
+    result = ttt.summary(rows, ["50"], min_training_s=0.0)
+    assert result["online_over_best_fixed"] == 0.875  # the run named online, not the first online one
+    assert result["over_best_fixed_by_run"] == {"online-windowed": 0.75, "online": 0.875}
+    assert result["ladder"]["50"]["over_best_fixed"] == {"online-windowed": 0.667, "online": 0.833}

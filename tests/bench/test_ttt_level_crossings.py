@@ -39,3 +39,17 @@ def test_a_crossing_lies_between_the_evaluations_around_the_level_in_log_perplex
     rows = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert "interpolated" not in rows["27.5"]  # neither run reached it
     assert "interpolated 1.00" in rows["50"] and "first_eval 1.00" in rows["50"]  # both at line 4
+
+
+def test_each_online_variant_gets_its_ratio_beside_online(crossings_module, tmp_path, capsys) -> None:
+    write_run(tmp_path, "fixed-gbs8", lines([(8, 4, 0.1)], first_step_s=1.0, ppl_at={2: 200.0, 4: 50.0}))
+    write_run(tmp_path, "online", lines([(8, 4, 0.1)], first_step_s=1.0, ppl_at={2: 200.0, 4: 50.0}))
+    # The variant steps in 0.2 s: line 2 ends at 1.0 + 0.6 + 0.8 s against 1.0 + 0.3 + 0.4 s.
+    write_run(tmp_path, "online-x", lines([(8, 4, 0.2)], first_step_s=1.0, ppl_at={2: 200.0, 4: 50.0}))
+    runs = dict(crossings_module.measured_runs(tmp_path))
+    (row,) = crossings_module.level_rows(runs, [200.0])
+    ratios = row["first_eval"]["over_best"]
+    assert ratios["online"] == pytest.approx(1.0) and ratios["online-x"] == pytest.approx(2.4 / 1.7)
+    assert row["first_eval"]["online_over_best"] == pytest.approx(1.0)
+    crossings_module.main(["--work-dir", str(tmp_path), "--target-ppl", "200"])
+    assert "first_eval online 1.00, online-x 1.41" in capsys.readouterr().out
