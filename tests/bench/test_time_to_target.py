@@ -213,6 +213,8 @@ def test_the_flags_give_doubling_fixed_runs_a_run_selection_and_one_line_errors(
     assert args.runs == ["online", "fixed-gbs8", "fixed-gbs64", "fixed-gbs16", "fixed-gbs32", "ramp"]
     args, _ = ttt.parse_args(["--runs", "ramp,fixed-gbs16", "--no-compile", *fake_corpus(tmp_path)])
     assert args.runs == ["ramp", "fixed-gbs16"] and not args.compile
+    with pytest.raises(SystemExit, match="--stop-behind: 0.8 would stop a fixed run"):
+        ttt.parse_args(["--stop-behind", "0.8", *fake_corpus(tmp_path)])
     with pytest.raises(SystemExit, match="--runs: unknown fixed-gbs12"):
         ttt.parse_args(["--runs", "fixed-gbs12", *fake_corpus(tmp_path)])
     with pytest.raises(SystemExit, match="--data-dir/--data-prefix"):
