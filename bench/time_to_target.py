@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     )
     parser.add_argument(
         "--stop-behind", type=float, default=1.3,
-        help="cap a fixed or ramp run at this (>= 1) x the best fixed run's time to target from launch (0: off)",
+        help="cap a fixed or ramp run at this (>= 1) x the best fixed time to target from launch (0: off)",
     )  # fmt: skip
     parser.add_argument(
         "--known-best-s", type=float, default=None,
@@ -159,8 +159,8 @@ def _resolve(args: argparse.Namespace, preset: Preset) -> None:
         raise SystemExit(f"--ladder: {args.ladder!r} is not a comma list of numbers") from None
     if 0 < args.stop_behind < 1:
         raise SystemExit(
-            f"--stop-behind: {args.stop_behind:g} would stop a fixed run that can still beat the best fixed run "
-            "so far; give 0 (off) or at least 1"
+            f"--stop-behind: {args.stop_behind:g} would stop a fixed run that can still beat the best "
+            "fixed run so far; give 0 (off) or at least 1"
         )
     args.online_variants = online_variants(args.online_variant)
     names = run_names(args)
