@@ -202,7 +202,9 @@ def summary(
     rows: list[dict[str, Any]], levels: list[str] | None = None, min_training_s: float = 40.0
 ) -> dict[str, Any]:
     """Best and worst fixed run by time to target from launch (a run that did not reach it is slower than
-    any that did), the online run's time over each, and the same from the first step at every level."""
+    any that did), the online run's time over each, and the same from the first step at every level.
+    ``fixed_stopped_before_best`` names the fixed runs stopped (capped) before the best one's time: while
+    it is not empty, the best fixed run is not established."""
     fixed = [r for r in rows if r["kind"] == "fixed"]
     onlines = [r for r in rows if r["kind"] == "online"]  # online and its variants (--online-variant)
     online = next((r for r in onlines if r["run"] == "online"), onlines[0] if onlines else None)
@@ -220,6 +222,11 @@ def summary(
                 result[f"online_over_{label}_fixed"] = round(
                     online["time_to_target_s"] / row["time_to_target_s"], 3
                 )
+        if ordered[0]["reached"]:
+            # A fixed run stopped short of the target before the best one reached it might have beaten it.
+            result["fixed_stopped_before_best"] = [
+                r["run"] for r in fixed if not r["reached"] and r["wall_s"] < ordered[0]["time_to_target_s"]
+            ]
         if len(onlines) > 1 and ordered[0]["reached"]:
             result["over_best_fixed_by_run"] = {
                 r["run"]: round(r["time_to_target_s"] / ordered[0]["time_to_target_s"], 3)
