@@ -168,6 +168,11 @@ class TrainingConfig:
     """Weight of a new noise-scale measurement in the fallback EMA, in (0, 1]."""
     fallback_patience: int = 3
     """Consecutive evaluations of a dropping noise scale before falling back (an in-place trial: one)."""
+    noise_scale_agreement: bool = False
+    """Decide on both noise-scale estimates: switch to a larger gbs only where the windowed estimate and its
+    EMA both say it pays, fall back (or leave a trial) only where both say it does not. Off: switches follow
+    the windowed estimate, fall-backs the EMA, so one high windowed reading can move a run up early and a
+    lagging EMA can end a trial that the windowed estimate backs."""
     lr_decay_tokens: int | None = None
     """Tokens of the cosine decay; the planned tokens of the run when omitted."""
     lr_warmup_frac: float = 0.01

@@ -208,11 +208,14 @@ def decide(
         left = measurement.remaining_tokens
         why = f"training ends within {ENDING_INTERVALS} evaluations ({left:,.0f} tokens left): no switch"
         return _decision("stay", None, why, record, state)
-    state, fallback = _fallback_check(state, measured, settings, record)
+    state, fallback = _fallback_check(state, measured, noise, settings, record)
     if fallback is not None:
         return fallback
     if candidate is None:
         return _decision("stay", None, f"no frontier beyond gbs {current.gbs} can win", record, state)
+    if settings.noise_scale_agreement and state.noise_ema < noise:
+        noise = record["noise_scale_for_switch"] = state.noise_ema
+        current_progress = progress_per_second(measured, current.gbs, noise, settings.base_gbs)
     return _compare(state, candidate, current_progress, remaining_s, noise, settings, record)
 
 
@@ -306,21 +309,28 @@ def _with_ema(state: PolicyState, noise: float, settings: PolicySettings) -> Pol
 
 
 def _fallback_check(
-    state: PolicyState, measured_tokens_per_s: float, settings: PolicySettings, record: dict[str, Any]
+    state: PolicyState,
+    measured_tokens_per_s: float,
+    noise: float,
+    settings: PolicySettings,
+    record: dict[str, Any],
 ) -> tuple[PolicyState, Decision | None]:
-    """Count evaluations with the EMA below the break-even point; a fallback decision after ``patience``."""
+    """Count evaluations with the EMA (with ``noise_scale_agreement``, the higher of it and the windowed
+    ``noise``) below the break-even point; a fallback decision after ``patience``."""
     if not (settings.fallback or state.current.trial) or not state.earlier or state.noise_ema is None:
         return state, None
     previous = state.earlier[-1]
     break_even = break_even_noise_scale(previous, state.current.strategy.gbs, measured_tokens_per_s)
-    below = state.below_break_even + 1 if state.noise_ema * (1.0 + settings.hysteresis) < break_even else 0
+    judged = max(noise, state.noise_ema) if settings.noise_scale_agreement else state.noise_ema
+    below = state.below_break_even + 1 if judged * (1.0 + settings.hysteresis) < break_even else 0
     # None stands for "never breaks even" (JSON has no infinity).
     record.update(fallback_break_even_noise_scale=break_even if math.isfinite(break_even) else None)
     record["below_break_even"] = below
     if below < _patience(state, settings):
         return dataclasses.replace(state, below_break_even=below), None
+    label = "noise scale (the higher estimate)" if settings.noise_scale_agreement else "smoothed noise scale"
     why = (
-        f"smoothed noise scale {state.noise_ema:.4g} below the break-even {break_even:.4g} of gbs "
+        f"{label} {judged:.4g} below the break-even {break_even:.4g} of gbs "
         f"{previous.strategy.gbs} vs {state.current.strategy.gbs} for {below} evaluations"
     )
     record["fallback_candidate"] = {

@@ -62,6 +62,9 @@ class PolicySettings:
     fallback: bool = False
     fallback_ema_alpha: float = 0.1
     fallback_patience: int = 3
+    noise_scale_agreement: bool = False
+    """Up-switches judged at the lower of the windowed noise scale and its EMA, fall-backs at the higher
+    (``training.noise_scale_agreement``)."""
 
     def __post_init__(self) -> None:
         if self.base_gbs < 1 or self.max_gbs < 1:
@@ -85,6 +88,7 @@ class PolicySettings:
             "fallback": training.fallback,
             "fallback_ema_alpha": training.fallback_ema_alpha,
             "fallback_patience": training.fallback_patience,
+            "noise_scale_agreement": training.noise_scale_agreement,
         }
         values.update(overrides)
         return cls(**values)
