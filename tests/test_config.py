@@ -169,3 +169,17 @@ def test_config_naming_a_directory_says_so(tmp_path):
     assert "is a directory, not a .conaconfig file" in message and "does not exist" not in message
     write(tmp_path)
     assert error_of(tmp_path).endswith(f"did you mean {tmp_path / '.conaconfig'}?")
+
+
+def test_a_run_is_identified_by_the_keys_that_differ_from_their_defaults(tmp_path):
+    """A key written at its default, or one a later CONA adds at its default, leaves the identity (the run
+    directory's config digest) as it was; a changed value does not."""
+    plain = load_config(write(tmp_path, training={"base_gbs": 8}))
+    spelled = load_config(write(tmp_path, training={"base_gbs": 8, "fallback": False}))
+    changed = load_config(write(tmp_path, training={"base_gbs": 8, "fallback": True}))
+    assert plain.identity_dict() == spelled.identity_dict() != changed.identity_dict()
+    # log_root is resolved against the file's folder, so it is always spelled out.
+    assert set(plain.identity_dict()["training"]) == {"base_gbs", "log_root"}
+    assert set(changed.identity_dict()["training"]) == {"base_gbs", "log_root", "fallback"}
+    assert MODEL.items() <= plain.identity_dict()["model"].items()
+    assert "noise_scale_agreement" in plain.to_dict()["training"]

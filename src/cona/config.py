@@ -270,12 +270,25 @@ class ConaConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"model": _section_dict(self.model), "training": _section_dict(self.training)}
 
+    def identity_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` without the keys at their defaults: what a run directory is made for. A key that a
+        later CONA adds at its default then leaves a run started before it resumable after the upgrade."""
+        return {"model": _explicit_dict(self.model), "training": _explicit_dict(self.training)}
+
 
 _TRAINING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
 
 
 def _section_dict(section: Any) -> dict[str, Any]:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+def _explicit_dict(section: Any) -> dict[str, Any]:
+    return {
+        f.name: getattr(section, f.name)
+        for f in dataclasses.fields(section)
+        if f.default is dataclasses.MISSING or getattr(section, f.name) != f.default
+    }
 
 
 def parse_config(raw: Any, *, source: Path | None = None, where: str | None = None) -> ConaConfig:

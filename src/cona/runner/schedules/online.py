@@ -158,7 +158,7 @@ class OnlineSchedule:
                 state,
                 run_dir=run_dir,
                 chain_digest=run.identity(),
-                config_digest=content_digest(run.config.to_dict()),
+                config_digest=content_digest(run.config.identity_dict()),
                 world_size=run.world_size,
                 workdir=run.workdir,
             )
@@ -192,7 +192,7 @@ class OnlineSchedule:
         state = RunState(
             chain_path=ONLINE_CHAIN,
             chain_digest=run.identity(),
-            config_digest=content_digest(run.config.to_dict()),
+            config_digest=content_digest(run.config.identity_dict()),
             world_size=run.world_size,
             stages=(StageState(step_num=1),),
             workdir=str(Path(run.workdir).resolve()),

@@ -135,7 +135,7 @@ class ChainSchedule:
         state, first_line = open_run(
             run.run_dir,
             chain=self.chain,
-            config_digest=content_digest(run.config.to_dict()),
+            config_digest=content_digest(run.config.identity_dict()),
             world_size=run.world_size,
             fresh=run.fresh,
             resume_folders=[
