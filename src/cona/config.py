@@ -168,6 +168,10 @@ class TrainingConfig:
     """Weight of a new noise-scale measurement in the fallback EMA, in (0, 1]."""
     fallback_patience: int = 3
     """Consecutive evaluations of a dropping noise scale before falling back (an in-place trial: one)."""
+    trial_prediction_error: float = 0.15
+    """How far above its fitted prediction an untried layout-keeping gbs's throughput may turn out before
+    online mode tries it in place for a few steps (a trial); 0 makes such trials only where the fitted
+    prediction itself pays."""
     noise_scale_agreement: bool = False
     """Decide on both noise-scale estimates: switch to a larger gbs only where the windowed estimate and its
     EMA both say it pays, fall back (or leave a trial) only where both say it does not. Off: switches follow

@@ -89,6 +89,7 @@ class PolicySettings:
             "fallback_ema_alpha": training.fallback_ema_alpha,
             "fallback_patience": training.fallback_patience,
             "noise_scale_agreement": training.noise_scale_agreement,
+            "trial_prediction_error": training.trial_prediction_error,
         }
         values.update(overrides)
         return cls(**values)
