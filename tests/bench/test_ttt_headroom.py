@@ -67,3 +67,6 @@ def test_headroom_is_the_best_fixed_time_over_the_quickest_start_plus_fewest_tok
     assert result["chain_s"] == pytest.approx(chain_s)
     assert result["headroom"] == pytest.approx((2.0 + 3.9) / chain_s)
     assert f"at most {result['headroom']:.2f}x faster" in out
+    # After the first step: online 3.1 s (31 steps of 0.1 s) against fixed gbs 4's 3.9 s.
+    assert headroom_module.after_first_step(list(runs.values())) == pytest.approx({"online": 3.1 / 3.9})
+    assert "after the first step, over the best fixed run after its own: online 0.79" in out
