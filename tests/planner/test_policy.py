@@ -188,10 +188,13 @@ def test_the_decision_record_is_one_json_line_with_the_numbers():
 
 
 def test_settings_from_training_and_refused_values():
-    training = TrainingConfig(base_gbs=8, fallback=True, fallback_patience=5, trial_prediction_error=0.05)
+    training = TrainingConfig(
+        base_gbs=8, fallback=True, fallback_patience=5, trial_prediction_error=0.05,
+        measure_before_commit=True,
+    )  # fmt: skip
     settings = PolicySettings.from_training(training, max_gbs=128, hysteresis=0.1)
     assert (settings.base_gbs, settings.fallback_patience, settings.hysteresis) == (8, 5, 0.1)
-    assert settings.trial_prediction_error == 0.05
+    assert settings.trial_prediction_error == 0.05 and settings.measure_before_commit
     with pytest.raises(PlanError, match="factor"):
         PolicySettings(base_gbs=8, max_gbs=64, gbs_factor=1)
 

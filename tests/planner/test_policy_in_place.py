@@ -226,3 +226,28 @@ def test_on_a_predicted_current_rate_a_switch_that_pays_is_made_only_as_an_in_pl
     two_gpus = Strategy(dp=2, tp=1, pp=1, mbs=8, gbs=32)
     other_layout = Candidate(strategy=two_gpus, predicted_tokens_per_s=1800.0)
     assert decide(state, predicted, other_layout, IN_PLACE).action == "stay"
+
+
+def test_with_measure_before_commit_a_switch_on_a_predicted_rate_is_a_trial_left_if_its_rate_does_not_pay():
+    """``training.measure_before_commit``: the fitted predictions of gbs 32 on the H200 ran 4-10% above what
+    it measured eager, and a switch made on one stayed for good (fallback off)."""
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    candidate = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1800.0)  # pays at noise scale 20
+    measurement = measure(20.0, tokens_per_s=1000.0, remaining=1e6)
+    assert not decide(state, measurement, candidate, IN_PLACE).target.trial  # committed on the prediction
+    settings = dataclasses.replace(IN_PLACE, measure_before_commit=True)
+    tried = decide(state, measurement, candidate, settings)
+    assert tried.action == "switch" and tried.target.trial and "its rate is only predicted" in tried.reason
+    # A measured candidate, or one behind a checkpoint, is switched to as before.
+    known = dataclasses.replace(candidate, throughput_source="measured")
+    assert not decide(state, measurement, known, settings).target.trial
+    elsewhere = Candidate(strategy=Strategy(dp=2, tp=1, pp=1, mbs=8, gbs=32), predicted_tokens_per_s=1800.0)
+    checkpointed = decide(state, measurement, elsewhere, settings)
+    assert checkpointed.action == "switch" and not checkpointed.target.trial
+    # Measured at 1200 tokens/s the larger batch breaks even only at noise scale 64: left again.
+    state = after_switch(
+        tried.state, new=tried.target, old_measured_tokens_per_s=1000.0, switch_cost_s=0.5, in_place=True
+    )
+    judged = decide(state, measure(20.0, tokens_per_s=1200.0, remaining=1e6), None, settings)
+    assert judged.action == "fallback" and judged.target.strategy == ONE_GPU_8
+    assert decide(state, measure(20.0, tokens_per_s=1800.0, remaining=1e6), None, settings).action == "stay"

@@ -249,6 +249,12 @@ def _compare(
     pays = saved_s > cost_s * (1.0 + settings.hysteresis) and candidate_progress > current_progress
     if pays and record["current"]["rate_measured"]:
         why = f"{ratio}; saves {saved_s:.1f} s over the remaining {remaining_s:.1f} s, more than {margin}"
+        if settings.measure_before_commit and in_place and candidate.throughput_source == "predicted":
+            record["trial"] = (
+                "trial in place: its rate is only predicted; left again if its measured rate does not pay"
+            )
+            candidate = dataclasses.replace(candidate, trial=True)
+            why = f"{why}; {record['trial']}"
         return _decision("switch", candidate, why, record, state)
     why = (
         f"{ratio}; would save {saved_s:.1f} s over the remaining {remaining_s:.1f} s, not more than {margin}"

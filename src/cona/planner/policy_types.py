@@ -62,6 +62,9 @@ class PolicySettings:
     fallback: bool = False
     fallback_ema_alpha: float = 0.1
     fallback_patience: int = 3
+    measure_before_commit: bool = False
+    """With ``in_place``: a switch to a layout-keeping candidate of predicted throughput that pays is made
+    as a trial too, judged at its measured rate (``training.measure_before_commit``)."""
     noise_scale_agreement: bool = False
     """Up-switches judged at the lower of the windowed noise scale and its EMA, fall-backs at the higher
     (``training.noise_scale_agreement``)."""
@@ -89,6 +92,7 @@ class PolicySettings:
             "fallback_ema_alpha": training.fallback_ema_alpha,
             "fallback_patience": training.fallback_patience,
             "noise_scale_agreement": training.noise_scale_agreement,
+            "measure_before_commit": training.measure_before_commit,
             "trial_prediction_error": training.trial_prediction_error,
         }
         values.update(overrides)
