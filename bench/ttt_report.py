@@ -119,6 +119,7 @@ def summarize_run(
         "best_ppl": min(all_evals) if all_evals else None,
         "realized_chain": json.loads(realized.read_text()) if realized.is_file() else None,
         "wall_s": round(supervised.ended_at - launched, 2),
+        "last_line_s": _elapsed(records[-1] if records else None, launched),
         "stop": supervised.stop,
         "exit_code": supervised.exit_code,
         "time_to_level_s": {level: _elapsed(r, launched) for level, r in reached.items()},
@@ -225,7 +226,9 @@ def summary(
         if ordered[0]["reached"]:
             # A fixed run stopped short of the target before the best one reached it might have beaten it.
             result["fixed_stopped_before_best"] = [
-                r["run"] for r in fixed if not r["reached"] and r["wall_s"] < ordered[0]["time_to_target_s"]
+                r["run"]
+                for r in fixed
+                if not r["reached"] and _trained_until(r) < ordered[0]["time_to_target_s"]
             ]
         if len(onlines) > 1 and ordered[0]["reached"]:
             result["over_best_fixed_by_run"] = {
@@ -235,6 +238,11 @@ def summary(
             }
     result["main_level_rule"] = f"hardest level a fixed run reached, if it took >= {min_training_s:g} s"
     return result
+
+
+def _trained_until(row: dict[str, Any]) -> float:
+    """Seconds from launch to the run's last metrics line (its exit in reports written before the field)."""
+    return float((row["last_line_s"] if "last_line_s" in row else row["wall_s"]) or 0.0)
 
 
 def format_table(rows: list[dict[str, Any]], target_ppl: float) -> str:

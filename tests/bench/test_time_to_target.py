@@ -80,8 +80,11 @@ def test_a_run_that_misses_the_target_has_no_time_and_counts_as_the_worst_fixed(
     result = ttt.summary(rows)
     assert result["best_fixed"] == "fixed-gbs4" and result["worst_fixed"] == "fixed-gbs16"
     assert result["online_over_best_fixed"] == 2.0 and "online_over_worst_fixed" not in result
-    assert result["fixed_stopped_before_best"] == []  # gbs 16 ran 60 s, past gbs 4's 12 s
-    capped = {**rows[3], "wall_s": 11.0}  # stopped at 11 s: it could still have beaten gbs 4's 12 s
+    # gbs 16's last line came at 5 s, before gbs 4 reached the target at 12 s: it might have beaten it.
+    assert rows[3]["last_line_s"] == 5.0 and result["fixed_stopped_before_best"] == ["fixed-gbs16"]
+    trained_on = {**rows[3], "last_line_s": 13.0}  # its last line after gbs 4's 12 s: no longer named
+    assert ttt.summary([rows[0], rows[1], trained_on])["fixed_stopped_before_best"] == []
+    capped = {**rows[3], "last_line_s": 11.0, "wall_s": 20.0}  # the time it trained to, not its exit
     assert ttt.summary([rows[0], rows[1], capped])["fixed_stopped_before_best"] == ["fixed-gbs16"]
     table = ttt.format_table(rows, 50.0).splitlines()
     assert len(table) == 2 + len(rows) and table[-1].split()[:2] == ["fixed-gbs16", ">60"]
