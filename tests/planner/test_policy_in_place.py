@@ -216,7 +216,8 @@ def test_on_a_predicted_current_rate_a_switch_that_pays_is_made_only_as_an_in_pl
     candidate = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1800.0)
     measured = measure(1000.0, tokens_per_s=1000.0)
     predicted = dataclasses.replace(measured, rate_measured=False)
-    plain = decide(state, measured, candidate, IN_PLACE)
+    committing = dataclasses.replace(IN_PLACE, measure_before_commit=False)
+    plain = decide(state, measured, candidate, committing)
     assert plain.action == "switch" and not plain.target.trial  # it pays: measured, a plain switch
     tried = decide(state, predicted, candidate, IN_PLACE)
     assert tried.action == "switch" and tried.target.trial and "trial in place" in tried.reason
@@ -229,13 +230,15 @@ def test_on_a_predicted_current_rate_a_switch_that_pays_is_made_only_as_an_in_pl
 
 
 def test_with_measure_before_commit_a_switch_on_a_predicted_rate_is_a_trial_left_if_its_rate_does_not_pay():
-    """``training.measure_before_commit``: the fitted predictions of gbs 32 on the H200 ran 4-10% above what
-    it measured eager, and a switch made on one stayed for good (fallback off)."""
+    """``training.measure_before_commit`` (on by default): the fitted predictions of gbs 32 on the H200 ran
+    4-10% above what it measured eager, and a switch made on one stayed for good (fallback off)."""
     state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
     candidate = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1800.0)  # pays at noise scale 20
     measurement = measure(20.0, tokens_per_s=1000.0, remaining=1e6)
-    assert not decide(state, measurement, candidate, IN_PLACE).target.trial  # committed on the prediction
-    settings = dataclasses.replace(IN_PLACE, measure_before_commit=True)
+    committing = dataclasses.replace(IN_PLACE, measure_before_commit=False)
+    assert not decide(state, measurement, candidate, committing).target.trial  # committed on the prediction
+    settings = IN_PLACE
+    assert settings.measure_before_commit
     tried = decide(state, measurement, candidate, settings)
     assert tried.action == "switch" and tried.target.trial and "its rate is only predicted" in tried.reason
     # A measured candidate, or one behind a checkpoint, is switched to as before.

@@ -62,7 +62,7 @@ class PolicySettings:
     fallback: bool = False
     fallback_ema_alpha: float = 0.1
     fallback_patience: int = 3
-    measure_before_commit: bool = False
+    measure_before_commit: bool = True
     """With ``in_place``: a switch to a layout-keeping candidate of predicted throughput that pays is made
     as a trial too, judged at its measured rate (``training.measure_before_commit``)."""
     noise_scale_agreement: bool = False
