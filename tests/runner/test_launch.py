@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from cona.config import parse_config
 from cona.config_file import load_config
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
+from cona.runner import launch
 from cona.runner.launch import (
     ANY_FREE_PORT,
     DEFAULT_MASTER_PORT_BASE,
@@ -42,6 +45,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_watched_stage_is_seen_to_end_as_it_exits_not_at_the_next_watch():
+    """The console watches a stage about twice a second; the runner must not wait out the interval after
+    torchrun exits, since a switch through a checkpoint starts the next stage only then."""
+    watched: list[float] = []
+    started = time.monotonic()
+    process = subprocess.Popen(["/bin/sh", "-c", "sleep 0.1; exit 3"])
+    assert launch._wait(process, lambda: watched.append(time.monotonic())) == 3
+    assert watched and time.monotonic() - started < 0.8 * launch._WATCH_INTERVAL_S
 
 
 def test_torchrun_command_names_topology_and_worker(tmp_path):

@@ -14,6 +14,7 @@ the run's processes are alive.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -259,11 +260,14 @@ def record_exit(path: Path, returncode: int | None) -> None:
 
 
 def _wait(process: subprocess.Popen, watch: Callable[[], None] | None) -> int:
-    """Wait for torchrun, calling ``watch`` meanwhile; stop torchrun (it stops its workers) if it raises."""
+    """Wait for torchrun, calling ``watch`` about twice a second meanwhile; stop torchrun (it stops its
+    workers) if it raises. Returns as torchrun exits, not at the next watch: a switch through a checkpoint
+    waits for the stage's end before the next stage starts."""
     try:
         while watch is not None and process.poll() is None:
             watch()
-            time.sleep(_WATCH_INTERVAL_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=_WATCH_INTERVAL_S)
         return process.wait()
     except BaseException:
         stop_process(process)
