@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from chain_fakes import write_tiny_config
+from test_online import append, decisions, make_search, metrics_record
 
 from cona.config_file import load_config
 from cona.planner.efficiency import NoiseScaleTracker
@@ -249,3 +250,32 @@ def append_lines(run_dir: Path, records: list[dict]) -> None:
     with open(run_dir / "metrics.jsonl", "a") as handle:
         for record in records:
             handle.write(json.dumps(record) + "\n")
+
+
+def test_the_search_measures_a_stage_after_a_warm_up_that_outlasts_its_first_line(tmp_path):
+    """Compiled, a new shape can run slow for more than the stage's first line: that line and the warm-up
+    after it stay out of the measured rate (and out of the stage summary's)."""
+    search = make_search(tmp_path, predicted=1e9)
+    rates = [100.0, 300.0, 1000.0, 1100.0]
+    for iteration, rate in enumerate(rates, start=1):
+        append(tmp_path, [metrics_record(iteration, 2, noise_scale=1.0, tokens_per_s=rate)])
+        search.poll()
+    assert search.measured_tokens_per_s() == pytest.approx(1050.0)  # the median of 1000 and 1100
+    measured = [d["current"]["measured_tokens_per_s"] for d in decisions(tmp_path)]
+    assert measured == [None, 300.0, 1000.0, 1050.0]
+
+
+def test_the_search_takes_no_rate_from_a_line_that_warmed_up_a_shape(tmp_path):
+    """Under CUDA graphs a run's second line records the whole micro-batch's graph (its first line measured
+    the noise on pieces): the trainer flags it, and the search waits for the next line."""
+    search = make_search(tmp_path, predicted=1e9)
+    lines = [(100.0, 8), (300.0, 1), (1000.0, None)]
+    for iteration, (rate, warmup) in enumerate(lines, start=1):
+        extra = {"warmup_steps": warmup} if warmup else {}
+        append(tmp_path, [metrics_record(iteration, 2, noise_scale=1.0, tokens_per_s=rate, **extra)])
+        search.poll()
+        if iteration == 2:
+            assert search.measured_tokens_per_s() is None
+    assert search.measured_tokens_per_s() == pytest.approx(1000.0)
+    measured = [d["current"]["measured_tokens_per_s"] for d in decisions(tmp_path)]
+    assert measured == [None, None, 1000.0]
