@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -80,8 +79,7 @@ def run_chain_once(chain: Path, workdir: Path, flags: tuple[str, ...]) -> dict[s
     command = [
         sys.executable, "-m", "cona", "train", "--chain", str(chain), "--config", str(CONFIG),
         "--gpus", "2", "--workdir", str(workdir), "--run-name", "gaps", "--quiet",
-        "--set", f"training.log_root={workdir / 'logs'}",
-        "--master-port-base", str(free_port_base(3)), *flags,
+        "--set", f"training.log_root={workdir / 'logs'}", *flags,
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -98,25 +96,6 @@ def run_chain_once(chain: Path, workdir: Path, flags: tuple[str, ...]) -> dict[s
         gaps[f"gap {name}"] = sum(value for key, value in cost.items() if key != "first_step_s")
         gaps[f"first step {name}"] = cost.get("first_step_s", 0.0)
     return gaps
-
-
-def free_port_base(stages: int) -> int:
-    """A base port whose stage ports (base + 1 ... base + stages) are free right now."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1] - 1
-        if base + stages <= 65535 and all(_port_free(base + stage) for stage in range(1, stages + 1)):
-            return base
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def print_summary(runs: dict[str, list[dict[str, float]]]) -> None:
