@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,8 @@ def three_stage_chain(gbs: int, iters: int) -> dict:
 
 
 def run_chain_once(chain: Path, workdir: Path, flags: tuple[str, ...]) -> dict[str, float]:
-    """One ``cona train --chain`` run; returns the gap of each switch and the first steps after them."""
+    """One ``cona train --chain`` run; returns the gap of each switch, the first steps after them and the
+    command's wall time."""
     workdir.mkdir(parents=True)
     command = [
         sys.executable, "-m", "cona", "train", "--chain", str(chain), "--config", str(CONFIG),
@@ -85,7 +87,9 @@ def run_chain_once(chain: Path, workdir: Path, flags: tuple[str, ...]) -> dict[s
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
     }
+    began = time.perf_counter()
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    wall_s = time.perf_counter() - began
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     state = json.loads((workdir / "logs" / "gaps" / "runner_state.json").read_text())
@@ -95,6 +99,7 @@ def run_chain_once(chain: Path, workdir: Path, flags: tuple[str, ...]) -> dict[s
         name = f"{stage['step_num'] - 1}->{stage['step_num']}"
         gaps[f"gap {name}"] = sum(value for key, value in cost.items() if key != "first_step_s")
         gaps[f"first step {name}"] = cost.get("first_step_s", 0.0)
+    gaps["whole run"] = wall_s
     return gaps
 
 

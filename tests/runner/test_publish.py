@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from chain_fakes import write_tiny_config
+from chain_fakes import FakeEngine, chain_run, seed_shaped_chain, write_tiny_config
 
 from cona.config_file import load_config
 from cona.engine.checkpoint import load_model_tensors, resolve_checkpoint, save_checkpoint
@@ -18,6 +21,7 @@ from cona.errors import CheckpointError
 from cona.runner import publish as publish_module
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.schedules.chain import PruneRule
+from cona.runner.schedules.sequence import run_chain
 from cona.strategy import Strategy
 
 LAYOUT = "checkpoints/tiny/z1/fp32/tp1_pp1_dp1_sp1"
@@ -166,3 +170,34 @@ def test_keep_latest_without_a_marker_removes_nothing(tmp_path, caplog):
         prune(PruneRule(stage=1, ckpt_dir="checkpoints/none", mode="delete-all"), tmp_path / "none").removed
         == ()
     )
+
+
+def test_the_checkpoint_reader_is_imported_in_a_thread_of_its_own():
+    """The runner starts without torch; the thread brings in what the first publish verifies with."""
+    script = (
+        "import sys\n"
+        "from cona.runner.publish import import_checkpoint_reader_in_background\n"
+        "assert 'torch' not in sys.modules\n"
+        "thread = import_checkpoint_reader_in_background()\n"
+        "thread.join(timeout=120)\n"
+        "assert 'torch.distributed.checkpoint' in sys.modules and not thread.daemon\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("convert", [True, False])
+def test_a_run_prepares_its_publisher_only_where_a_stage_may_publish(tmp_path, convert):
+    chain = seed_shaped_chain(1)
+    for step in chain["steps"]:
+        step["convert"] = convert and step["step_num"] < len(chain["steps"])
+    write_tiny_config(tmp_path)
+    (tmp_path / "chain.json").write_text(json.dumps(chain))
+    prepared: list[bool] = []
+    run_chain(
+        chain_run(tmp_path, tmp_path / "chain.json"),
+        launcher=FakeEngine(),
+        out=lambda line: None,
+        prepare_publisher=lambda: prepared.append(True),
+    )
+    assert prepared == ([True] if convert else [])

@@ -5,7 +5,8 @@ cover it, every shard file is there at least as long as the metadata says, and C
 
 The runner imports this module at its start, where torch is not otherwise needed (importing
 ``torch.distributed.checkpoint`` took 3-4 s of the runner's start on the H200 host): DCP is imported when a
-checkpoint's metadata is read.
+checkpoint's metadata is read, or before, in a thread of its own, while the first stage of a run that may
+publish trains (:func:`cona.runner.publish.import_checkpoint_reader_in_background`).
 """
 
 from __future__ import annotations

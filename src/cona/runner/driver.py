@@ -41,7 +41,7 @@ from cona.errors import CheckpointError
 from cona.runner.in_place import replay_in_place
 from cona.runner.launch import stage_master_port
 from cona.runner.nodes.across_nodes import node_topology, run_across_nodes
-from cona.runner.publish import publish
+from cona.runner.publish import import_checkpoint_reader_in_background, publish
 from cona.runner.run_lock import lock_directory, run_locks
 from cona.runner.schedules.chain_options import ChainRun
 from cona.runner.schedules.online_options import OnlineRun
@@ -92,6 +92,8 @@ class Schedule(Protocol):
     """A token budget that stops every stage (None: none)."""
     reports_switch_cost: bool
     """Print the split of each switch's cost when a stage is done."""
+    may_publish: bool
+    """Whether a stage may publish its checkpoint (a later stage may load it under another layout)."""
     first_iteration: int
     """The iteration the first stage starts at (0, or that of a checkpoint it is given to load)."""
 
@@ -153,11 +155,13 @@ def drive(
     launcher: Launcher,
     out: Callable[[str], None],
     publisher: Publisher = publish,
+    prepare_publisher: Callable[[], object] | None = import_checkpoint_reader_in_background,
     remote_command: Sequence[str] = (),
 ) -> RunState:
     """Run (or resume) ``run`` to its end with the schedule ``schedule_of(launcher)`` makes; returns the
     final run state. Across nodes node 0 drives and announces every stage, the other nodes run their share
-    of each (``remote_command``: the command node 0 starts them with over ssh)."""
+    of each (``remote_command``: the command node 0 starts them with over ssh). ``prepare_publisher`` runs
+    once before the first stage of a run that may publish."""
     with run_locks():  # whatever the run locked is free again when it ends
 
         def drive_with(stage_launcher: Launcher) -> RunState:
@@ -168,7 +172,7 @@ def drive(
                 publisher=publisher,
                 out=out,
             )
-            return driver.drive()
+            return driver.drive(prepare_publisher)
 
         if run.nodes.num_nodes == 1:
             return drive_with(launcher)
@@ -205,11 +209,13 @@ class StageDriver:
         self.handed_over: int | None = None
         """The stage whose state the session's workers hold in memory for the next stage."""
 
-    def drive(self) -> RunState:
+    def drive(self, prepare_publisher: Callable[[], object] | None = None) -> RunState:
         # before the run state is read: one runner at a time
         lock_directory(self.run.run_dir, "run directory")
         state = self.schedule.open()
         if state.current is not None:
+            if prepare_publisher is not None and self.schedule.may_publish:
+                prepare_publisher()
             with RunTracker.open(self.run.config.training, self.run.run_dir.name, self.out) as tracker:
                 self.schedule.run_tracker = tracker  # decisions and switches for TensorBoard / W&B
                 while (current := state.current) is not None:

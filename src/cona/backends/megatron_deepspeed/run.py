@@ -63,7 +63,7 @@ def run_mds_online(
         out=out,
     )
     try:
-        return run_online(run, launcher=backend, publisher=backend.publish, out=out)
+        return run_online(run, launcher=backend, publisher=backend.publish, prepare_publisher=None, out=out)
     finally:
         backend.close()
 
@@ -132,7 +132,7 @@ def run_mds_chain(
         out=out,
     )
     try:
-        return run_chain(run, launcher=backend, publisher=backend.publish, out=out)
+        return run_chain(run, launcher=backend, publisher=backend.publish, prepare_publisher=None, out=out)
     finally:
         backend.close()
 

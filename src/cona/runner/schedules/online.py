@@ -34,7 +34,7 @@ from cona.planner.policy import Candidate
 from cona.planner.systems import load_system
 from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
 from cona.runner.nodes.multinode import cona_command
-from cona.runner.publish import publish
+from cona.runner.publish import import_checkpoint_reader_in_background, publish
 from cona.runner.run_dir import point_latest
 from cona.runner.schedules.chain import content_digest
 from cona.runner.schedules.online_memory import Memory, resumed_memory, tracker_at_resume
@@ -72,9 +72,11 @@ def run_online(
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
     publisher: Publisher = publish,
+    prepare_publisher: Callable[[], object] | None = import_checkpoint_reader_in_background,
 ) -> RunState:
     """Run (or resume) an online run to its end; writes realized_chain.json and prints the summary.
-    ``launcher`` and ``publisher``: the backend's (the Megatron-DeepSpeed backend passes its own).
+    ``launcher``, ``publisher`` and ``prepare_publisher``: the backend's (the Megatron-DeepSpeed backend
+    passes its own).
 
     Across nodes node 0 searches, decides and announces every stage; the other nodes run their share of
     each (:mod:`cona.runner.nodes.across_nodes`)."""
@@ -98,6 +100,7 @@ def run_online(
         launcher=launcher,
         out=out,
         publisher=publisher,
+        prepare_publisher=prepare_publisher,
         remote_command=remote_command if run.nodes.num_nodes > 1 else (),
     )
 
@@ -133,6 +136,7 @@ class OnlineSchedule:
         self.records = StageRecords(run.run_dir)
         self.in_place = in_place
         """Whether a switch that keeps the layout can keep the state in the workers (a session)."""
+        self.may_publish = not in_place or run.world_size > 1  # one GPU in a session: always in place
         self.in_place_mbs = in_place_mbs
         """Whether such a switch may also change mbs (the backend's launcher says)."""
         self.run_tracker = RunTracker.off()

@@ -27,7 +27,7 @@ from cona.engine.checkpoint_paths import layout_dir, resume_folders
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError, UsageError
 from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
-from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
+from cona.runner.publish import LATEST_UNIVERSAL, import_checkpoint_reader_in_background, prune, publish
 from cona.runner.run_dir import point_latest
 from cona.runner.run_lock import lock_directory
 from cona.runner.schedules.chain import (
@@ -53,9 +53,11 @@ def run_chain(
     launcher: Launcher = torchrun_launcher,
     out: Callable[[str], None] = print,
     publisher: Publisher = publish,
+    prepare_publisher: Callable[[], object] | None = import_checkpoint_reader_in_background,
 ) -> RunState:
-    """Run (or resume) a chain to its end; returns the final run state. ``launcher`` and ``publisher`` are
-    the backend's (the native engine's by default; :mod:`cona.backends.megatron_deepspeed` has its own)."""
+    """Run (or resume) a chain to its end; returns the final run state. ``launcher``, ``publisher`` and
+    ``prepare_publisher`` are the backend's (the native engine's by default;
+    :mod:`cona.backends.megatron_deepspeed` has its own)."""
     dtype = checkpoint_dtype(run.config.training, run.device_type)
     chain = load_chain(  # every node validates the chain
         run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
@@ -72,6 +74,7 @@ def run_chain(
         launcher=launcher,
         out=out,
         publisher=publisher,
+        prepare_publisher=prepare_publisher,
         remote_command=runner_command(run) if run.nodes.num_nodes > 1 else (),
     )
 
@@ -109,6 +112,7 @@ class ChainSchedule:
         self.dtype = checkpoint_dtype(run.config.training, run.device_type)
         self.planned_tokens = planned_tokens(chain, run.config.model.seq)
         self.first_iteration = chain.start_iteration
+        self.may_publish = any(step.convert for step in chain.steps)
         self.finished_before = False
         self.run_tracker = RunTracker.off()
 
