@@ -7,8 +7,8 @@ continues stage 1 in the workers' memory) and once without (every switch goes th
 alternating order so a slow period of the machine falls on both. A switch's *gap* is what the runner records
 in ``runner_state.json`` for it without the first step at the new shape, which every switch pays: save,
 publish, process start, load and verification for a checkpointed switch, the hand-over for one in place.
-It prints each run's gaps, then the medians and the ratio of the in-place gap to the layout switch's gap of
-the same runs (the issue's target: at most 0.25)::
+It prints each run's gaps and the whole command's wall time, then the medians and the ratio of the in-place
+gap to the layout switch's gap of the same runs (the issue's target: at most 0.25)::
 
     bash scripts/install.sh   # the demo data
     .venv/bin/python bench/switch_gaps.py --rounds 3
