@@ -125,8 +125,7 @@ def _demo(args: argparse.Namespace) -> int:
         raise UsageError(f"cona demo --gpus: must be at least 1, got {processes}")
     data_dir = _demo_data_dir(args.data)
     _ensure_demo_data(data_dir)
-    run_root = (args.out / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")).resolve()
-    run_root.mkdir(parents=True, exist_ok=False)
+    run_root = new_run_root(args.out, datetime.now(UTC))
     config_path = run_root / ".conaconfig"
     config_path.write_text(json.dumps(demo_config(data_dir, run_root, device=device), indent=1) + "\n")
     print(
@@ -142,6 +141,26 @@ def _demo(args: argparse.Namespace) -> int:
         run_online(run, launcher=console.launcher(launcher), out=console.message)  # measured values only
     print(f"cona demo: done; run directory, checkpoints and realized_chain.json under {run_root}")
     return 0
+
+
+def new_run_root(out: Path, now: datetime) -> Path:
+    """A directory of its own under ``out`` for this demo, named by the UTC time; a second demo started in
+    the same second gets ``-2`` (then ``-3``, ...): creating it is the claim, so two demos never share one."""
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    if out.exists() and not out.is_dir():
+        raise ConaError(f"cona demo --out: {out} is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, 1000):
+            run_root = (out / (stamp if attempt == 1 else f"{stamp}-{attempt}")).resolve()
+            try:
+                run_root.mkdir()
+            except FileExistsError:
+                continue
+            return run_root
+    except OSError as err:
+        raise ConaError(f"cona demo --out: cannot create a run directory in {out}: {err.strerror}") from None
+    raise ConaError(f"cona demo --out: {out} already holds 999 runs started at {stamp}")
 
 
 def demo_system(gpu_name: str | None) -> str:
