@@ -63,7 +63,9 @@ def test_an_online_run_switches_and_the_realized_chain_replays_it(tmp_path, monk
     assert switch[0]["current"]["strategy"]["tp"] == 2 and switch[0]["candidate"]["strategy"]["dp"] == 2
     assert switch[0]["measured_noise_scale"] is not None and switch[0]["time_saved_s"] > 0
     assert any(line.startswith("stage 1 -> 2: switch to dp2/tp1/pp1") for line in lines)
-    assert any("online run online" in line for line in lines), "the summary table"
+    summary = next(line for line in lines if "pred/meas" in line)  # the summary table, a line of its own
+    why = {row.split()[3]: row for row in summary.splitlines() if len(row.split()) > 3}  # column "why"
+    assert " prior " in why["initial"] and " fit on 1 " in why["switch"], summary  # what each rested on
     # What the workers trained on across the switch, and the LR they applied (sqrt rule, base_gbs 8;
     # the schedule's horizon is --total-iters at the initial gbs).
     trained = assert_each_sample_once_in_order(run.run_dir, total_samples=state.stages[-1].consumed_samples)

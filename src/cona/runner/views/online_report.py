@@ -65,12 +65,24 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
                 "wall_s": wall,
                 "tokens_per_s": statistics.fmean(rates) if rates else None,
                 "predicted_tokens_per_s": stages[stage.step_num - 1].get("predicted_tokens_per_s"),
+                "prediction_basis": prediction_basis(stages[stage.step_num - 1]),
                 "eval_ppl": evals[-1] if evals else None,
                 "action": stages[stage.step_num - 1]["action"],
             }
         )
         previous_iteration, previous_tokens = stage.last_iteration, stage.consumed_tokens or 0
     return rows
+
+
+def prediction_basis(stage: dict[str, Any]) -> str:
+    """What the tokens/s a stage was chosen on rested on: the rate it had measured before (a fall-back, a
+    stage returned to), the model fitted on N measured strategies, or the raw model's prior where nothing
+    was measured yet (the first stage: on a CPU, whose system file is a rough description, it can be off
+    by 10x or more)."""
+    if stage.get("throughput_source") == "measured":
+        return "measured"
+    fitted_on = stage.get("fitted_on") or 0
+    return f"fit on {fitted_on}" if fitted_on else "prior"
 
 
 def time_to_target(run_dir: Path, target_ppl: float) -> tuple[float, int] | None:
@@ -103,9 +115,9 @@ def print_summary(
 
     table = Table(title=f"online run {run_dir.name}")
     columns = ("stage", "why", "strategy", "iterations", "tokens", "wall s", "tokens/s", "predicted",
-               "pred/meas", "eval ppl")  # fmt: skip
+               "from", "pred/meas", "eval ppl")  # fmt: skip
     for column in columns:
-        table.add_column(column, justify="left" if column in ("why", "strategy") else "right")
+        table.add_column(column, justify="left" if column in ("why", "strategy", "from") else "right")
     for row in stage_rows(run_dir, state, stages):
         measured, predicted = row["tokens_per_s"], row["predicted_tokens_per_s"]
         table.add_row(
@@ -117,11 +129,12 @@ def print_summary(
             "-" if row["wall_s"] is None else f"{row['wall_s']:.1f}",
             "-" if measured is None else f"{measured:,.0f}",
             "-" if predicted is None else f"{predicted:,.0f}",
+            "-" if predicted is None else row["prediction_basis"],
             "-" if measured is None or predicted is None else f"{predicted / measured:.2f}",
             "-" if row["eval_ppl"] is None else f"{row['eval_ppl']:.1f}",
         )
     buffer = StringIO()
-    Console(file=buffer, width=130, force_terminal=False).print(table)
+    Console(file=buffer, width=140, force_terminal=False).print(table)
     out(buffer.getvalue().rstrip())
     if target_ppl is not None:
         reached = time_to_target(run_dir, target_ppl)
