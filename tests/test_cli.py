@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cona.cli import COMMAND_MODULES, build_parser, main
+from cona.cli import COMMAND_MODULES, main
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -25,15 +25,6 @@ def test_each_subcommand_has_help(name, capsys):
         main([name, "--help"])
     assert info.value.code == 0
     assert "usage: cona " + name in capsys.readouterr().out
-
-
-def test_unbuilt_subcommands_say_which_issue_adds_them(capsys):
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if a.dest == "command")
-    for name, sub in subparsers.choices.items():
-        if "not available yet" in (sub.description or ""):
-            assert main([name]) == 2
-            assert "is not available yet (issue" in capsys.readouterr().err
 
 
 def test_console_script_entry_point_runs():
