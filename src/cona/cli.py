@@ -55,9 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConaError as err:
         print(f"cona: error: {err}", file=sys.stderr)
         return USAGE_EXIT if isinstance(err, UsageError) else FAILURE_EXIT
+    except OSError as err:
+        if err.filename is None:
+            raise  # not about a path the user gave: a bug, with its traceback
+        print(f"cona: error: {os_error_text(err)}", file=sys.stderr)
+        return FAILURE_EXIT
     except KeyboardInterrupt as err:
         print(f"cona: {err}" if str(err) else "cona: interrupted", file=sys.stderr)
         return int(getattr(err, "exit_code", 130))
+
+
+def os_error_text(err: OSError) -> str:
+    """``path: reason`` of a failed file operation (both paths of a rename or link)."""
+    where = str(err.filename) if err.filename2 is None else f"{err.filename} -> {err.filename2}"
+    return f"{where}: {err.strerror or type(err).__name__}"
 
 
 if __name__ == "__main__":

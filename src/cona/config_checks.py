@@ -90,6 +90,8 @@ def _check_training(model: Any, training: Any, where: str) -> None:
         value = getattr(training, key)
         if value is not None and value < 0:
             fail(f"training.{key}", "must be non-negative")
+    if not 0 <= training.seed < 2**63:  # numpy seeds take non-negative integers, torch's at most 64 bits
+        fail("training.seed", f"must be from 0 to 2**63 - 1, got {training.seed}")
     if training.weight_decay < 0.0:
         fail("training.weight_decay", "must be non-negative")
     for key in ("adam_beta1", "adam_beta2"):

@@ -2,8 +2,20 @@
 
 The CLI prints these as one line (``cona: error: ...``) with no traceback and exits 2 for a
 :class:`UsageError` (flags that do not go together, as argparse's own usage errors) and 1 for every other
-(a config, data, checkpoint or launch failure); anything else that escapes is a bug and keeps its traceback.
+(a config, data, checkpoint or launch failure). A file operation that fails on a path (an ``OSError`` that
+names its file: a directory where a file should be, no permission, a full disk) is printed the same way,
+``cona: error: PATH: reason``, exit 1; anything else that escapes is a bug and keeps its traceback.
 """
+
+from pathlib import Path
+
+
+def not_found(path: object, kind: str = "file") -> str:
+    """Why ``path``, which should be a ``kind`` ("file" or "directory"), cannot be used as one: for a
+    message naming it (``--system: {path} {not_found(path)}``)."""
+    other = "directory" if kind == "file" else "file"
+    exists = Path(str(path)).exists()
+    return f"is a {other}, not a {kind}" if exists else "does not exist"
 
 
 class ConaError(ValueError):

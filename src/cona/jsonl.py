@@ -52,6 +52,13 @@ def _decode(raw: bytes, number: int, unterminated: bool) -> JsonlLine | None:
         return JsonlLine(number=number, value=None, error=err, unterminated=unterminated)
 
 
+def read_json(path: Path) -> Any:
+    """A whole JSON file (a run's state, a stage's records), its bytes decoded leniently as :func:`read_lines`
+    does: a damaged file then fails as JSON that does not parse (``json.JSONDecodeError``), which the caller
+    words for its file, never as a ``UnicodeDecodeError``. A missing file raises ``FileNotFoundError``."""
+    return json.loads(Path(path).read_bytes().decode("utf-8", errors="replace"))
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of ``path``, in file order; every other line (torn, not an object) is skipped."""
     return [line.value for line in read_lines(path) if isinstance(line.value, dict)]

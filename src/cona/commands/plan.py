@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from cona.commands.config_flags import add_config_flags
+from cona.commands.flag_types import finite_float, positive_int
 from cona.commands.search_flags import add_search_flags, botorch_choice
 from cona.config import ConaConfig
 from cona.config_file import load_config
@@ -48,29 +49,37 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--system", required=True, help="system name (cona systems lists them) or system JSON file"
     )
-    parser.add_argument("--gpus", type=int, default=None, help="GPU count (default: the trace's)")
-    parser.add_argument("--initial-gbs", type=int, default=None, help="first gbs (default: the trace's)")
-    parser.add_argument("--max-gbs", type=int, required=True, help="largest gbs the frontier may reach")
+    parser.add_argument("--gpus", type=positive_int, default=None, help="GPU count (default: the trace's)")
+    parser.add_argument(
+        "--initial-gbs", type=positive_int, default=None, help="first gbs (default: the trace's)"
+    )
+    parser.add_argument(
+        "--max-gbs", type=positive_int, required=True, help="largest gbs the frontier may reach"
+    )
     goal = parser.add_mutually_exclusive_group()
     goal.add_argument(
-        "--total-tokens", type=float, default=None, help="train as far as the trace did in T tokens"
+        "--total-tokens", type=finite_float, default=None, help="train as far as the trace did in T tokens"
     )
     goal.add_argument(
-        "--total-iters", type=int, default=None, help="as --total-tokens, I x initial gbs x seq"
+        "--total-iters", type=positive_int, default=None, help="as --total-tokens, I x initial gbs x seq"
     )
-    goal.add_argument("--target-loss", type=float, default=None, help="train to the trace's loss L")
-    goal.add_argument("--target-ppl", type=float, default=None, help="train to the perplexity P (loss ln P)")
+    goal.add_argument("--target-loss", type=finite_float, default=None, help="train to the trace's loss L")
+    goal.add_argument(
+        "--target-ppl", type=finite_float, default=None, help="train to the perplexity P (loss ln P)"
+    )
     parser.add_argument(
         "--switch-cost-s",
-        type=float,
+        type=finite_float,
         default=None,
         help="seconds a switch costs (default: the mean measured at the trace's stage changes)",
     )
     add_search_flags(parser)
-    parser.add_argument("--hysteresis", type=float, default=DEFAULT_HYSTERESIS, help="switch margin (0.05)")
+    parser.add_argument(
+        "--hysteresis", type=finite_float, default=DEFAULT_HYSTERESIS, help="switch margin (0.05)"
+    )
     parser.add_argument(
         "--segments",
-        type=int,
+        type=positive_int,
         default=DEFAULT_SEGMENTS,
         help=f"evaluations over the run ({DEFAULT_SEGMENTS})",
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cona.commands.config_flags import add_config_flags
+from cona.commands.flag_types import seed_value
 from cona.commands.search_flags import add_search_flags, botorch_choice
 from cona.config_file import load_config
 from cona.errors import UsageError
@@ -54,7 +55,7 @@ def register(subparsers) -> None:
     parser.add_argument("--top", type=int, default=10, help="how many strategies to show (default 10)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     add_search_flags(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the Bayesian search (default 0)")
+    parser.add_argument("--seed", type=seed_value, default=0, help="seed of the Bayesian search (default 0)")
     parser.add_argument(
         "--zero-stages", default="0,1,2,3", help="comma-separated ZeRO stages to consider (default 0,1,2,3)"
     )

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cona.commands.config_flags import add_config_flags
+from cona.commands.flag_types import finite_float
 from cona.commands.search_flags import add_search_flags
 from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
 from cona.errors import UsageError
@@ -160,7 +161,10 @@ def _add_online_flags(parser: argparse.ArgumentParser) -> None:
     online.add_argument("--total-iters", type=int, default=None, help="stop after this many iterations")
     online.add_argument("--total-tokens", type=int, default=None, help="stop after this many tokens")
     online.add_argument(
-        "--target-ppl", type=float, default=None, help="stop at the first evaluation with perplexity <= this"
+        "--target-ppl",
+        type=finite_float,
+        default=None,
+        help="stop at the first evaluation with perplexity <= this",
     )
     add_search_flags(online)
 

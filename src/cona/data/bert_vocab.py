@@ -16,7 +16,7 @@ import tokenizers
 
 from cona.atomic_files import write_atomic
 from cona.data.tokenizer import WORDPIECE_SPECIAL_TOKENS
-from cona.errors import DataError
+from cona.errors import DataError, not_found
 
 VOCAB_NAME = "vocab.txt"
 MIN_VOCAB_SIZE = len(WORDPIECE_SPECIAL_TOKENS) + 1
@@ -31,7 +31,7 @@ class BertVocab:
 
 def jsonl_texts(path: Path, key: str) -> Iterator[str]:
     """The string under ``key`` of every non-blank line; a bad line raises DataError naming file and line."""
-    with open(path, encoding="utf-8") as source:
+    with open(path, "rb") as source:  # bytes: a line that is not UTF-8 is named as such, as preprocess does
         for line_no, line in enumerate(source, start=1):
             if not line.strip():
                 continue
@@ -39,6 +39,8 @@ def jsonl_texts(path: Path, key: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}, line {line_no}: not valid JSON ({err.msg})") from None
+            except UnicodeDecodeError:
+                raise DataError(f"{path}, line {line_no}: not valid UTF-8") from None
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
                 raise DataError(f"{path}, line {line_no}: no string under key {key!r} (--json-key)")
             yield record[key]
@@ -62,7 +64,7 @@ def train_bert_vocab(corpus: Path, out_dir: Path, *, vocab_size: int, json_key: 
     """Train a WordPiece vocabulary of at most ``vocab_size`` entries on ``corpus``; write
     ``out_dir/vocab.txt``."""
     if not corpus.is_file():
-        raise DataError(f"--corpus: {corpus} does not exist")
+        raise DataError(f"--corpus: {corpus} {not_found(corpus)}")
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"--vocab-size: must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
     texts = CountedTexts(corpus, json_key)

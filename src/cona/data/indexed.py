@@ -192,6 +192,9 @@ class IndexedDatasetWriter:
         self._code = dtype_code(self.dtype)
         self.idx_path = index_path(prefix)
         self.bin_path = data_path(prefix)
+        for path in (self.bin_path, self.idx_path):  # found now, not after the .bin was replaced
+            if path.is_dir():
+                raise DataError(f"{path} is a directory; the dataset's output prefix must name files")
         self._tmp_suffix = f".tmp{os.getpid()}"
         self._bin_tmp = Path(f"{self.bin_path}{self._tmp_suffix}")
         self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 -- closed by finalize/abort
@@ -225,15 +228,20 @@ class IndexedDatasetWriter:
         np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
         idx_tmp = Path(f"{self.idx_path}{self._tmp_suffix}")
-        with open(idx_tmp, "wb") as out:
-            out.write(HEADER.pack(MAGIC, VERSION, self._code, len(sizes), len(doc_idx)))
-            out.write(sizes.astype("<i4").tobytes())
-            out.write(pointers.astype("<i8").tobytes())
-            out.write(doc_idx.astype("<i8").tobytes())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(self._bin_tmp, self.bin_path)
-        os.replace(idx_tmp, self.idx_path)
+        try:
+            with open(idx_tmp, "wb") as out:
+                out.write(HEADER.pack(MAGIC, VERSION, self._code, len(sizes), len(doc_idx)))
+                out.write(sizes.astype("<i4").tobytes())
+                out.write(pointers.astype("<i8").tobytes())
+                out.write(doc_idx.astype("<i8").tobytes())
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(self._bin_tmp, self.bin_path)
+            os.replace(idx_tmp, self.idx_path)
+        except BaseException:
+            idx_tmp.unlink(missing_ok=True)  # no temporary file left behind (the .bin's: abort, or here)
+            self._bin_tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(self.idx_path.parent)
 
     def abort(self) -> None:

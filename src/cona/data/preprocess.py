@@ -30,7 +30,7 @@ import numpy as np
 from cona.data.indexed import IndexedDatasetWriter, token_dtype
 from cona.data.progress import ByteProgress
 from cona.data.tokenizer import GPT2_BPE, cached_tokenizer, files_fingerprint, tokenizer_files
-from cona.errors import DataError
+from cona.errors import DataError, not_found
 
 CHUNK_BYTES = 1 << 18  # small enough to spread 10 MB over workers, large enough to amortise pickling
 CHUNKS_IN_FLIGHT_PER_WORKER = 4  # bounds memory: the reader never runs far ahead of the writer
@@ -180,7 +180,7 @@ def _worker_pool(workers: int) -> Pool:
 def preprocess(options: PreprocessOptions, *, show_progress: bool = True) -> PreprocessResult:
     """Tokenize ``options.input`` into one indexed dataset per JSON key; see the module docstring."""
     if not options.input.is_file():
-        raise DataError(f"--input: {options.input} does not exist")
+        raise DataError(f"--input: {options.input} {not_found(options.input)}")
     if options.workers < 1:
         raise DataError(f"--workers: must be at least 1, got {options.workers}")
     if not options.json_keys:

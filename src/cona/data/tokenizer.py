@@ -25,7 +25,7 @@ import tiktoken.load
 import tokenizers
 from tiktoken_ext.openai_public import r50k_pat_str as GPT2_PATTERN
 
-from cona.errors import DataError
+from cona.errors import DataError, not_found
 
 END_OF_TEXT = "<|endoftext|>"
 GPT2_BPE = "GPT2BPETokenizer"
@@ -57,7 +57,7 @@ def _sha256(path: Path) -> str:
 def _check_exist(vocab_file: Path, merge_file: Path) -> None:
     for what, path in (("vocab file", vocab_file), ("merge file", merge_file)):
         if not path.is_file():
-            raise DataError(f"{path}: {what} does not exist")
+            raise DataError(f"{path}: {what} {not_found(path)}")
 
 
 def load_gpt2_tokenizer(vocab_file: str | Path, merge_file: str | Path) -> GPT2Tokenizer:
@@ -139,7 +139,7 @@ def load_wordpiece_tokenizer(vocab_file: str | Path) -> WordPieceTokenizer:
     """BERT's uncased WordPiece over ``vocab_file``; a missing file or special token raises DataError."""
     path = Path(vocab_file)
     if not path.is_file():
-        raise DataError(f"{path}: vocab file does not exist")
+        raise DataError(f"{path}: vocab file {not_found(path)}")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:

@@ -113,10 +113,19 @@ def read_checkpoint_info(path: Path) -> CheckpointInfo:
         path=checkpoint,
         trainer_state=trainer_state,
         config=config,
-        strategy=Strategy(**strategy) if strategy is not None else None,
+        strategy=_strategy(checkpoint, strategy),
         manifest=manifest,
         probe=probe,
     )
+
+
+def _strategy(checkpoint: Path, raw: dict | None) -> Strategy | None:
+    if raw is None:
+        return None
+    try:
+        return Strategy(**raw)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{checkpoint / STRATEGY_FILE}: not a strategy ({err})") from None
 
 
 def _read_json(directory: Path, name: str, *, optional: bool = False) -> dict | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from cona.errors import PlanError
+from cona.errors import PlanError, not_found
 
 SYSTEMS_PACKAGE = "cona.planner"
 SYSTEMS_DIR = "systems"
@@ -107,8 +107,9 @@ def load_system(name_or_path: str) -> System:
     if name_or_path.endswith(".json") or "/" in name_or_path:
         path = Path(name_or_path)
         if not path.is_file():
-            raise PlanError(f"--system: system file {path} does not exist")
-        return parse_system(_read_json(path.read_text(), str(path)), source=str(path))
+            raise PlanError(f"--system: system file {path} {not_found(path)}")
+        text = path.read_bytes().decode("utf-8", errors="replace")  # a non-UTF-8 file: "not valid JSON"
+        return parse_system(_read_json(text, str(path)), source=str(path))
     if name_or_path not in available_systems():
         raise PlanError(
             f"--system: unknown system '{name_or_path}'; available: {', '.join(available_systems())}"

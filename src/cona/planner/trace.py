@@ -19,7 +19,7 @@ import numpy as np
 
 from cona import run_files
 from cona.config import TrainingConfig
-from cona.errors import PlanError
+from cona.errors import PlanError, not_found
 from cona.jsonl import read_lines
 from cona.metrics_record import MetricsRecord
 from cona.planner.calibration import measurements_from_metrics
@@ -124,7 +124,7 @@ def read_trace(path: str | Path, *, training: TrainingConfig, min_samples: int =
 
 def _read_rows(path: Path) -> list[tuple[int, MetricsRecord]]:
     if not path.is_file():
-        raise PlanError(f"--trace: {path} does not exist (give a run directory or its metrics.jsonl)")
+        raise PlanError(f"--trace: {path} {not_found(path)} (give a run directory or its metrics.jsonl)")
     rows = []
     for line in read_lines(path):
         if line.error is not None:

@@ -35,12 +35,14 @@ from cona.engine.checkpoint_info import LATEST, read_checkpoint_info
 from cona.engine.checkpoint_paths import RUN_KEY, tmp_owner
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
+from cona.jsonl import read_json
 from cona.runner.schedules.chain import ChainConfig
 
 STATE_NAME = run_files.RUNNER_STATE
 ONLINE_CHAIN = "online"
 """The ``chain_path`` of an online run's state: its stages come from the search, not from a file."""
 STATE_VERSION = 1
+START_OVER = "rerun with --fresh to start over"
 Status = Literal["pending", "running", "trained", "published", "pruned", "done"]
 STATUSES: tuple[Status, ...] = ("pending", "running", "trained", "published", "pruned", "done")
 
@@ -175,17 +177,20 @@ def load_state(run_dir: Path) -> RunState | None:
     """The saved state, or None when the run directory has none yet."""
     path = state_path(run_dir)
     try:
-        raw = json.loads(path.read_text())
+        raw = read_json(path)
     except FileNotFoundError:
         return None
     except json.JSONDecodeError as err:
-        raise ChainError(
-            f"{path}: unreadable run state ({err.msg}); rerun with --fresh to start over"
-        ) from None
+        raise ChainError(f"{path}: unreadable run state ({err.msg}); {START_OVER}") from None
+    if not isinstance(raw, dict):
+        raise ChainError(f"{path}: damaged run state (not a JSON object); {START_OVER}")
     if raw.pop("version", None) != STATE_VERSION:
-        raise ChainError(f"{path}: run state from another cona version; rerun with --fresh to start over")
-    stages = tuple(StageState(**{**stage, "pruned": tuple(stage["pruned"])}) for stage in raw.pop("stages"))
-    return RunState(**raw | {"step_digests": tuple(raw.get("step_digests", ()))}, stages=stages)
+        raise ChainError(f"{path}: run state from another cona version; {START_OVER}")
+    try:
+        stages = tuple(StageState(**one | {"pruned": tuple(one["pruned"])}) for one in raw.pop("stages"))
+        return RunState(**raw | {"step_digests": tuple(raw.get("step_digests", ()))}, stages=stages)
+    except (TypeError, KeyError) as err:  # a key missing or of the wrong kind: written by hand, or damaged
+        raise ChainError(f"{path}: damaged run state ({type(err).__name__}: {err}); {START_OVER}") from None
 
 
 def open_run(

@@ -62,9 +62,11 @@ class NodePlacement:
 def parse_hostfile(path: Path) -> tuple[tuple[str, int], ...]:
     """``(host, slots)`` per host line, in file order; malformed lines and duplicate hosts are errors."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise LaunchError(f"--hostfile {path}: cannot read it ({err.strerror})") from None
+    except UnicodeDecodeError:
+        raise LaunchError(f"--hostfile {path}: not a text file (not valid UTF-8)") from None
     hosts: dict[str, tuple[int, int]] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()

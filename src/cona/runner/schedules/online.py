@@ -166,7 +166,7 @@ class OnlineSchedule:
                 world_size=run.world_size,
                 workdir=run.workdir,
             )
-            self.records.load()
+            self.records.load(len(state.stages))
             self.out(f"resuming online run {run_dir.name} at stage {len(state.stages)} ({run_dir})")
         else:
             state = self._start()

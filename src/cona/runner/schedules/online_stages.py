@@ -15,7 +15,10 @@ from typing import Any
 
 from cona import run_files
 from cona.atomic_files import write_json_atomic
+from cona.errors import ChainError
+from cona.jsonl import read_json
 from cona.planner.policy import Candidate
+from cona.runner.state import START_OVER
 from cona.strategy import Strategy
 
 
@@ -26,8 +29,22 @@ class StageRecords:
         self.path = Path(run_dir) / run_files.ONLINE_STAGES
         self.entries: list[dict[str, Any]] = []
 
-    def load(self) -> None:
-        self.entries = json.loads(self.path.read_text())
+    def load(self, stages: int) -> None:
+        """Read the records of a run whose state holds ``stages`` stages (each record is written before the
+        state that adds its stage, so there are at least as many); a damaged file is refused naming it."""
+        try:
+            entries = read_json(self.path)
+            if not isinstance(entries, list):
+                raise TypeError("not a JSON list")
+            for entry in entries:
+                Strategy(**entry["strategy"])
+        except FileNotFoundError:
+            entries = []
+        except (json.JSONDecodeError, TypeError, KeyError) as err:
+            raise ChainError(f"{self.path}: damaged stage records ({err}); {START_OVER}") from None
+        if len(entries) < stages:
+            raise ChainError(f"{self.path}: {len(entries)} stage records for {stages} stages; {START_OVER}")
+        self.entries = entries
 
     def add(self, candidate: Candidate, *, action: str, reason: str, in_place: bool = False) -> None:
         self.entries.append(

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from cona import run_files
-from cona.errors import ChainError, ConaError
-from cona.jsonl import is_number, read_json_lines
+from cona.errors import ChainError, ConaError, not_found
+from cona.jsonl import is_number, read_json, read_json_lines
 from cona.metrics_record import MetricsRecord
 from cona.planner.efficiency import NoiseScaleTracker, statistical_efficiency
 from cona.runner.state import RunState, durations, load_state, switch_cost
@@ -126,7 +126,7 @@ def load_run(run_dir: Path) -> RunData:
     """Read a run directory (finished or running). Raises :class:`ConaError` only when it is not one."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ConaError(f"run directory {run_dir} does not exist")
+        raise ConaError(f"run directory {run_dir} {not_found(run_dir, 'directory')}")
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.exists() and not run_files.stages_path(run_dir).is_dir():
         raise ConaError(f"{run_dir} is not a run directory: it has no {METRICS_FILE} and no stages/")
@@ -138,7 +138,7 @@ def load_run(run_dir: Path) -> RunData:
     state = None
     try:
         state = load_state(run_dir)
-    except (ChainError, TypeError, KeyError) as err:
+    except (ChainError, OSError) as err:
         warnings.append(
             f"{run_files.runner_state_path(run_dir)}: unreadable ({err}); switch costs from stage results"
         )
@@ -162,7 +162,7 @@ def _read_stage_files(run_dir: Path, name: str, warnings: list[str]) -> dict[int
         if not path.parent.name.isdigit():
             continue
         try:
-            document = json.loads(path.read_text())
+            document = read_json(path)
         except (OSError, json.JSONDecodeError) as err:
             warnings.append(f"{path}: unreadable ({err}); ignored")
             continue

@@ -123,7 +123,7 @@ def collect_status(run_dir: Path, *, now: float | None = None, proc_root: Path =
 
 def _stage_position(run: RunData) -> tuple[int | None, int | None, str, int | None]:
     """(stage number, stages in the run, its state, its target iteration)."""
-    if run.state is not None:
+    if run.state is not None and run.state.stages:  # a state of no stages says nothing of where it is
         current = run.state.current
         total = len(run.state.stages)
         if current is None:

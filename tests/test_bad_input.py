@@ -1,0 +1,149 @@
+"""Bad input found by a sweep of the CLI (2026-12-05): each case was a traceback, a hang or a wrong exit 0;
+each now gets one line that names the file, key or flag."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cona.cli import main
+from cona.config import parse_config
+from cona.data.bert_vocab import jsonl_texts
+from cona.data.indexed import IndexedDatasetWriter
+from cona.errors import ChainError, ConfigError, DataError, LaunchError, PlanError
+from cona.planner.systems import load_system
+from cona.runner.nodes.multinode import parse_hostfile
+from cona.runner.schedules.online_stages import StageRecords
+from cona.runner.state import load_state
+
+FIXTURE = Path(__file__).parent / "runner" / "fixtures" / "run_chain_small"
+NOT_UTF8 = b"\xff\xfe{}\n"
+TINY_MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32}
+
+
+def one_line_error(capsys, argv: list[str]) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return code, err
+
+
+def test_a_failed_file_operation_is_one_line_naming_the_path(tmp_path, capsys):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    code, err = one_line_error(capsys, ["data", "demo", "--out", str(taken / "demo")])
+    assert code == 1 and err.startswith(f"cona: error: {taken / 'demo'}: "), err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--initial-gbs", "0"],  # was an endless loop in the frontier
+        ["plan", "--max-gbs", "-2"],
+        ["plan", "--switch-cost-s", "nan"],
+        ["plan", "--hysteresis", "inf"],
+        ["plan", "--target-ppl", "nan"],
+        ["train", "--target-ppl", "nan"],
+        ["strategies", "--seed", "-1"],
+        ["strategies", "--seed", str(2**64)],
+    ],
+)
+def test_numeric_flags_refuse_what_no_run_can_use(argv, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    flag = next(word for word in argv[1:] if word.startswith("--"))
+    assert f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_a_seed_out_of_range_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"training\.seed: must be from 0 to 2\*\*63 - 1, got -1"):
+        parse_config({"model": TINY_MODEL, "training": {"seed": -1}})
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        [],
+        {"version": 1, "stages": "x"},
+        {"version": 1, "stages": [5]},
+        {"version": 1, "stages": [{}]},
+        NOT_UTF8,
+    ],
+)
+def test_a_damaged_run_state_is_refused_naming_the_file(tmp_path, damage):
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE, run_dir)
+    state = run_dir / "runner_state.json"
+    state.write_bytes(damage if isinstance(damage, bytes) else json.dumps(damage).encode())
+    with pytest.raises(ChainError, match=rf"{state}: .*rerun with --fresh to start over"):
+        load_state(run_dir)
+
+
+@pytest.mark.parametrize("damage", [b"[", b"{}", b"[5]", b'[{"strategy": {"dp": 1}}]', NOT_UTF8])
+def test_damaged_online_stage_records_are_refused_naming_the_file(tmp_path, damage):
+    records = StageRecords(tmp_path)
+    records.path.write_bytes(damage)
+    with pytest.raises(ChainError, match=rf"{records.path}: .*rerun with --fresh"):
+        records.load(0)
+
+
+def test_fewer_online_stage_records_than_stages_are_refused(tmp_path):
+    records = StageRecords(tmp_path)
+    records.path.write_text("[]")
+    with pytest.raises(ChainError, match=r"0 stage records for 2 stages"):
+        records.load(2)
+
+
+def test_status_of_a_run_state_with_no_stages_answers(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE, run_dir)
+    state = json.loads((run_dir / "runner_state.json").read_text())
+    (run_dir / "runner_state.json").write_text(json.dumps(state | {"stages": []}))
+    assert main(["status", str(run_dir)]) == 0, capsys.readouterr().err
+
+
+def test_a_run_directory_that_is_a_file_is_named_as_one(tmp_path, capsys):
+    (tmp_path / "run").write_text("")
+    code, err = one_line_error(capsys, ["report", str(tmp_path / "run")])
+    assert code == 1 and "is a file, not a directory" in err
+
+
+def test_a_dataset_prefix_whose_index_is_a_directory_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "data.idx").mkdir()
+    (tmp_path / "data.bin").write_bytes(b"old")
+    with pytest.raises(DataError, match=r"data\.idx is a directory"):
+        IndexedDatasetWriter(tmp_path / "data", np.uint16)
+    assert (tmp_path / "data.bin").read_bytes() == b"old"  # the old pair is left as it was
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data.bin", "data.idx"]
+
+
+def test_a_dataset_whose_publish_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    writer = IndexedDatasetWriter(tmp_path / "data", np.uint16)
+    writer.add_document([1, 2, 3])
+
+    def fail(*args):
+        raise OSError(28, "No space left on device", str(args[1]))
+
+    monkeypatch.setattr("cona.data.indexed.os.replace", fail)
+    with pytest.raises(OSError, match="No space left"):
+        writer.finalize()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_text_inputs_that_are_not_utf8_are_named(tmp_path):
+    corpus, hostfile, system = tmp_path / "corpus.jsonl", tmp_path / "hosts", tmp_path / "system.json"
+    for path in (corpus, hostfile, system):
+        path.write_bytes(NOT_UTF8)
+    with pytest.raises(DataError, match=rf"{corpus}, line 1: not valid UTF-8"):
+        list(jsonl_texts(corpus, "text"))
+    with pytest.raises(LaunchError, match=rf"--hostfile {hostfile}: not a text file"):
+        parse_hostfile(hostfile)
+    with pytest.raises(PlanError, match=rf"system {system}: not valid JSON"):
+        load_system(str(system))
+    with pytest.raises(PlanError, match=rf"--system: system file {tmp_path} is a directory, not a file"):
+        load_system(f"{tmp_path}/")
