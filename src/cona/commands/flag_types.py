@@ -34,3 +34,11 @@ def seed_value(text: str) -> int:
     if not 0 <= value < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"a seed is from 0 to 2**63 - 1, got {text}")
     return value
+
+
+def port_base(text: str) -> int:
+    """``--master-port-base``: stage N rendezvous on BASE+N, so BASE+1 must be an unprivileged port."""
+    value = int(text)
+    if not 1023 <= value <= 65534:
+        raise argparse.ArgumentTypeError(f"stage N uses port BASE+N: BASE is from 1023 to 65534, got {text}")
+    return value

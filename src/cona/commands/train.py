@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cona.commands.config_flags import add_config_flags
-from cona.commands.flag_types import finite_float
+from cona.commands.flag_types import finite_float, port_base
 from cona.commands.search_flags import add_search_flags
 from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
 from cona.errors import UsageError
@@ -85,7 +85,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--master-port-base",
-        type=int,
+        type=port_base,
         default=None,
         help="stage N rendezvous on port BASE+N (default: on one node torchrun picks a free port for every "
         f"stage; across nodes {DEFAULT_MASTER_PORT_BASE})",
