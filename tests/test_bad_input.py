@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,13 @@ def test_text_inputs_that_are_not_utf8_are_named(tmp_path):
         load_system(str(system))
     with pytest.raises(PlanError, match=rf"--system: system file {tmp_path} is a directory, not a file"):
         load_system(f"{tmp_path}/")
+
+
+def test_a_system_whose_reserved_memory_leaves_nothing_is_refused_naming_the_key(tmp_path):
+    shipped = resources.files("cona.planner").joinpath("systems", "h200_141g.json")
+    system = json.loads(shipped.read_text())
+    system["gpu"]["reserved_gib"] = system["gpu"]["memory_gib"] + 1
+    path = tmp_path / "big_reserve.json"
+    path.write_text(json.dumps(system))
+    with pytest.raises(PlanError, match=r"gpu\.reserved_gib: leaves nothing of gpu\.memory_gib"):
+        load_system(str(path))

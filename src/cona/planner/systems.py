@@ -154,6 +154,8 @@ def parse_system(raw: Any, *, source: str) -> System:
         memory_efficiency=reader.curve(gpu_raw, "gpu.memory_efficiency"),
         reserved_gib=reader.positive(gpu_raw, "gpu.reserved_gib", allow_zero=True),
     )
+    if gpu.reserved_gib >= gpu.memory_gib:
+        raise reader.fail("gpu.reserved_gib", f"leaves nothing of gpu.memory_gib ({gpu.memory_gib:g})")
     if set(gpu.vector_tflops) != set(gpu.matrix_tflops):
         raise reader.fail(
             "gpu.vector_tflops", "needs a rate for each dtype of gpu.matrix_tflops, and no other"
