@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -11,10 +12,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 20000
+
+
+def free_port_block(size: int = 1) -> int:
+    """The first of ``size`` consecutive ports that are all free now, drawn at random below the kernel's
+    ephemeral range. A port from that range (what binding port 0 gives) is the kernel's to hand to any
+    outgoing connection, gloo's between the workers of another stage say, before the test's run binds it:
+    a multi-node test failed once in ~20 runs, and a port taken that way would make it so."""
+    try:
+        first_ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768  # Linux's default
+    draw = random.SystemRandom()
+    for _ in range(1000):
+        first = draw.randrange(LOWEST_PORT, max(first_ephemeral - size, LOWEST_PORT + 1))
+        if all(_bindable(port) for port in range(first, first + size)):
+            return first
+    raise RuntimeError(f"no {size} consecutive free ports from {LOWEST_PORT} to {first_ephemeral}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    return free_port_block(1)
 
 
 def run_torchrun(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
+from tests.torchrun_util import free_port_block
 
 from cona.data.indexed import IndexedDatasetWriter
 
@@ -89,21 +89,7 @@ def config_path(tmp_path_factory) -> Path:
 
 def free_port_base(stages: int) -> int:
     """A base port whose stage ports (base + 1 ... base + stages) are all free right now."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1] - 1
-        if base + stages <= 65535 and all(_port_free(base + stage) for stage in range(1, stages + 1)):
-            return base
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+    return free_port_block(stages + 1)
 
 
 def cona_train(config: Path, workdir: Path, run_name: str, *args: str, stages: int = 1) -> str:

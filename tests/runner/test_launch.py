@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from tests.torchrun_util import free_port
 
 from cona.config import parse_config
 from cona.config_file import load_config
@@ -39,12 +40,6 @@ from cona.runner.run_dir import (
     stage_dir,
 )
 from cona.strategy import Strategy
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_watched_stage_is_seen_to_end_as_it_exits_not_at_the_next_watch():

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.torchrun_util import free_port_block
 
 from cona.cli import main
 from cona.data.indexed import IndexedDatasetWriter
@@ -37,19 +37,10 @@ METRIC_FIELDS = {
 }
 
 
-def free_port_base() -> int:
-    """A base port that is free right now, as is its stage-1 port (base + 1): a run across nodes hosts
-    the runners' store on the base itself."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1] - 1
-        with socket.socket() as sock:
-            try:
-                sock.bind(("", base))
-            except OSError:
-                continue
-        return base
+def free_port_base(stages: int = 7) -> int:
+    """A base port that is free right now, as are its stages' ports (base + 1 ... base + stages): a run
+    across nodes hosts the runners' store on the base itself."""
+    return free_port_block(stages + 1)
 
 
 def write_tiny_setup(directory: Path) -> Path:
