@@ -51,6 +51,8 @@ def test_a_failed_file_operation_is_one_line_naming_the_path(tmp_path, capsys):
         ["train", "--target-ppl", "nan"],
         ["train", "--master-port-base", "0"],  # was refused only once stage 1 had started
         ["train", "--master-port-base", "70000"],
+        ["train", "--num-nodes", "0"],  # was refused after the run directory was made
+        ["train", "--gpus-per-node", "-1"],
         ["strategies", "--seed", "-1"],
         ["strategies", "--seed", str(2**64)],
     ],

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cona.commands.config_flags import add_config_flags
-from cona.commands.flag_types import finite_float, port_base
+from cona.commands.flag_types import finite_float, port_base, positive_int
 from cona.commands.search_flags import add_search_flags
 from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
 from cona.errors import UsageError
@@ -171,8 +171,10 @@ def _add_online_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
     nodes = parser.add_argument_group("multi-node (any mode; run the same command on every node)")
-    nodes.add_argument("--num-nodes", type=int, default=None, help="nodes (with --gpus-per-node)")
-    nodes.add_argument("--gpus-per-node", type=int, default=None, help="GPUs (or CPU workers) per node")
+    nodes.add_argument("--num-nodes", type=positive_int, default=None, help="nodes (with --gpus-per-node)")
+    nodes.add_argument(
+        "--gpus-per-node", type=positive_int, default=None, help="GPUs (or CPU workers) per node"
+    )
     nodes.add_argument(
         "--hostfile", default=None, help="DeepSpeed hostfile: '<host> slots=<gpus-per-node>' per line"
     )
