@@ -226,3 +226,28 @@ def test_the_planned_optimum_on_a_small_synthetic_trace_is_the_brute_force_one()
     times = segment_times(profile, candidates, 4)
     assert result.optimum.time_s == pytest.approx(brute_force_time(times, 50.0), rel=1e-12)
     assert result.optimum.switches >= 1 and result.online.time_s >= result.optimum.time_s
+
+
+def test_online_decides_no_more_often_than_a_run_logs():
+    """A run decides at its metrics lines. On a short trace the segments are fractions of an iteration;
+    deciding at each made 1-iteration stages, each paying a checkpointed switch (cona plan on the demo's
+    trace: gbs 2, 4 and 8 for one iteration each)."""
+    candidates = (
+        *HAND_CANDIDATES,
+        Candidate(strategy=Strategy(dp=4, tp=1, pp=1, mbs=4, gbs=16), predicted_tokens_per_s=320.0),
+    )
+    profile = constant_profile(1e4, segments=80, progress=4 * 8 * 20)  # a quarter iteration at gbs 4
+    every_segment, every_third = (
+        simulate(
+            candidates,
+            profile,
+            policy=PolicySettings(base_gbs=4, max_gbs=16, decision_interval=interval),
+            switch_cost_s=0.0,
+            seq=8,
+        )
+        for interval in (1, 3)
+    )
+    assert [stage.iterations for stage in every_segment.online.stages[:-1]] == [1, 1]
+    decided = [record["iteration"] for record in every_third.decisions]
+    assert len(decided) == 2 and decided[0] >= 3 and decided[1] - decided[0] >= 3, decided
+    assert all(stage.iterations >= 3 for stage in every_third.online.stages[:-1])

@@ -195,24 +195,27 @@ def online_assignment(
     believed: tuple[Candidate, ...] | None = None,
     measure: Callable[[int, int], float] | None = None,
 ) -> tuple[np.ndarray, tuple[dict, ...]]:
-    """CONA's chain: :func:`decide` at every segment boundary on what is known there, starting at the first
-    candidate; the frontier is :func:`next_frontier` over the candidates (in increasing gbs order).
-    ``candidates`` hold the true throughputs (what the running strategy is measured at); ``believed`` the
-    same strategies with the throughputs the policy is told for the frontier (default: the true ones), to
-    test a model's error; ``measure(segment, index)`` what the running candidate is measured at (default:
-    its throughput in ``candidates``, exactly).
-    Returns the assignment and the records of the switch and fallback decisions."""
+    """CONA's chain: :func:`decide` at a segment boundary on what is known there, starting at the first
+    candidate, once ``settings.decision_interval`` iterations have run since the last decision (as a run
+    decides at its metrics lines: a short trace's segments are fractions of an iteration); the frontier
+    is :func:`next_frontier` over the candidates (in increasing gbs order). ``candidates`` hold the true
+    throughputs (what the running strategy is measured at); ``believed`` the same strategies with the
+    throughputs the policy is told for the frontier (default: the true ones), to test a model's error;
+    ``measure(segment, index)`` what the running candidate is measured at (default: its throughput in
+    ``candidates``, exactly). Returns the assignment and the records of the switch and fallback
+    decisions."""
     believed = believed or candidates
     times = segment_times(profile, candidates, settings.base_gbs)
     tokens = raw_tokens(profile, candidates, settings.base_gbs)
     index_of = {candidate.strategy: index for index, candidate in enumerate(candidates)}
     by_gbs = {candidate.strategy.gbs: candidate for candidate in believed}
     current, state = 0, initial_state(believed[0])
-    clock, consumed, iteration = 0.0, 0.0, 0.0
+    clock, consumed, iteration, decided_at = 0.0, 0.0, 0.0, 0.0
     assignment = np.empty(len(profile.estimates), dtype=np.int64)
     decisions = []
     for k in range(len(profile.estimates)):
-        if k > 0:
+        if k > 0 and iteration - decided_at >= settings.decision_interval:
+            decided_at = iteration
             running = candidates[current]
             measured = running.predicted_tokens_per_s if measure is None else measure(k, current)
             measurement = Measurement(

@@ -68,6 +68,9 @@ class PolicySettings:
     noise_scale_agreement: bool = False
     """Up-switches judged at the lower of the windowed noise scale and its EMA, fall-backs at the higher
     (``training.noise_scale_agreement``)."""
+    decision_interval: int = 1
+    """Iterations between two decisions: a run decides at its metrics lines (``training.log_interval``),
+    so an offline simulation (:func:`cona.planner.plan.online_assignment`) may not decide more often."""
 
     def __post_init__(self) -> None:
         if self.base_gbs < 1 or self.max_gbs < 1:
@@ -80,6 +83,8 @@ class PolicySettings:
             raise PlanError("hysteresis and switch cost must be non-negative")
         if self.trial_prediction_error < 0:
             raise PlanError(f"trial_prediction_error must be non-negative, got {self.trial_prediction_error}")
+        if self.decision_interval < 1:
+            raise PlanError(f"decision_interval must be at least 1, got {self.decision_interval}")
         if not 0.0 < self.fallback_ema_alpha <= 1.0 or self.fallback_patience < 1:
             raise PlanError("fallback_ema_alpha must be in (0, 1] and fallback_patience at least 1")
 
@@ -94,6 +99,7 @@ class PolicySettings:
             "noise_scale_agreement": training.noise_scale_agreement,
             "measure_before_commit": training.measure_before_commit,
             "trial_prediction_error": training.trial_prediction_error,
+            "decision_interval": training.log_interval,
         }
         values.update(overrides)
         return cls(**values)
