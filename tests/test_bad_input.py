@@ -4,6 +4,7 @@ each now gets one line that names the file, key or flag."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -15,7 +16,7 @@ from cona.cli import main
 from cona.config import parse_config
 from cona.data.bert_vocab import jsonl_texts
 from cona.data.indexed import IndexedDatasetWriter
-from cona.errors import ChainError, ConfigError, DataError, LaunchError, PlanError
+from cona.errors import ChainError, ConfigError, DataError, LaunchError, PlanError, not_found
 from cona.planner.systems import load_system
 from cona.runner.nodes.multinode import parse_hostfile
 from cona.runner.schedules.online_stages import StageRecords
@@ -85,7 +86,7 @@ def test_a_damaged_run_state_is_refused_naming_the_file(tmp_path, damage):
     shutil.copytree(FIXTURE, run_dir)
     state = run_dir / "runner_state.json"
     state.write_bytes(damage if isinstance(damage, bytes) else json.dumps(damage).encode())
-    with pytest.raises(ChainError, match=rf"{state}: .*rerun with --fresh to start over"):
+    with pytest.raises(ChainError, match=rf"{re.escape(str(state))}: .*rerun with --fresh to start over"):
         load_state(run_dir)
 
 
@@ -93,7 +94,7 @@ def test_a_damaged_run_state_is_refused_naming_the_file(tmp_path, damage):
 def test_damaged_online_stage_records_are_refused_naming_the_file(tmp_path, damage):
     records = StageRecords(tmp_path)
     records.path.write_bytes(damage)
-    with pytest.raises(ChainError, match=rf"{records.path}: .*rerun with --fresh"):
+    with pytest.raises(ChainError, match=rf"{re.escape(str(records.path))}: .*rerun with --fresh"):
         records.load(0)
 
 
@@ -102,6 +103,32 @@ def test_fewer_online_stage_records_than_stages_are_refused(tmp_path):
     records.path.write_text("[]")
     with pytest.raises(ChainError, match=r"0 stage records for 2 stages"):
         records.load(2)
+
+
+def test_the_record_of_a_switch_killed_before_its_state_was_saved_is_dropped_on_resume(tmp_path):
+    """The resumed run requests that switch again and records it anew: kept, the old record would stand
+    where the new one belongs, and the stage after it would train the strategy before."""
+    strategies = [{"dp": 1, "tp": 1, "pp": 1, "mbs": gbs, "gbs": gbs} for gbs in (1, 2, 4)]
+    records = StageRecords(tmp_path)
+    records.path.write_text(json.dumps([{"strategy": strategy} for strategy in strategies]))
+    records.load(2)
+    assert [records.strategy(step).gbs for step in (1, 2)] == [1, 2] and len(records.entries) == 2
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path):
+    assert not_found(tmp_path / "missing") == "does not exist"
+    assert not_found(tmp_path) == "is a directory, not a file"
+    assert not_found("/dev/null") == "is not a regular file"
+    (tmp_path / "file").write_text("")
+    assert not_found(tmp_path / "file", "directory") == "is a file, not a directory"
+
+
+def test_a_failed_file_operation_keeps_its_traceback_when_asked(tmp_path, monkeypatch):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    monkeypatch.setenv("CONA_TRACEBACK", "1")
+    with pytest.raises(OSError):
+        main(["data", "demo", "--out", str(taken / "demo")])
 
 
 def test_status_of_a_run_state_with_no_stages_answers(tmp_path, capsys):
@@ -144,13 +171,15 @@ def test_text_inputs_that_are_not_utf8_are_named(tmp_path):
     corpus, hostfile, system = tmp_path / "corpus.jsonl", tmp_path / "hosts", tmp_path / "system.json"
     for path in (corpus, hostfile, system):
         path.write_bytes(NOT_UTF8)
-    with pytest.raises(DataError, match=rf"{corpus}, line 1: not valid UTF-8"):
+    with pytest.raises(DataError, match=rf"{re.escape(str(corpus))}, line 1: not valid UTF-8"):
         list(jsonl_texts(corpus, "text"))
-    with pytest.raises(LaunchError, match=rf"--hostfile {hostfile}: not a text file"):
+    with pytest.raises(LaunchError, match=rf"--hostfile {re.escape(str(hostfile))}: not a text file"):
         parse_hostfile(hostfile)
-    with pytest.raises(PlanError, match=rf"system {system}: not valid JSON"):
+    with pytest.raises(PlanError, match=rf"system {re.escape(str(system))}: not valid JSON"):
         load_system(str(system))
-    with pytest.raises(PlanError, match=rf"--system: system file {tmp_path} is a directory, not a file"):
+    with pytest.raises(
+        PlanError, match=rf"--system: system file {re.escape(str(tmp_path))} is a directory, not a file"
+    ):
         load_system(f"{tmp_path}/")
 
 

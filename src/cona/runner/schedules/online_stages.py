@@ -30,8 +30,11 @@ class StageRecords:
         self.entries: list[dict[str, Any]] = []
 
     def load(self, stages: int) -> None:
-        """Read the records of a run whose state holds ``stages`` stages (each record is written before the
-        state that adds its stage, so there are at least as many); a damaged file is refused naming it."""
+        """Read the records of a run whose state holds ``stages`` stages; a damaged file is refused naming
+        it. Each record is written before the state that adds its stage, so there are at least as many; one
+        more is a switch killed between the two writes, which the resumed run requests and records again, so
+        it is dropped (kept, it would stand where that new record should, and the stage after it would train
+        the strategy before)."""
         try:
             entries = read_json(self.path)
             if not isinstance(entries, list):
@@ -44,7 +47,7 @@ class StageRecords:
             raise ChainError(f"{self.path}: damaged stage records ({err}); {START_OVER}") from None
         if len(entries) < stages:
             raise ChainError(f"{self.path}: {len(entries)} stage records for {stages} stages; {START_OVER}")
-        self.entries = entries
+        self.entries = entries[:stages]
 
     def add(self, candidate: Candidate, *, action: str, reason: str, in_place: bool = False) -> None:
         self.entries.append(
