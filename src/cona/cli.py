@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from cona import __version__
@@ -12,6 +13,8 @@ from cona.errors import ConaError, UsageError
 
 USAGE_EXIT = 2
 """A command line that does not go together: argparse's own status for a usage error."""
+TRACEBACK_ENV = "CONA_TRACEBACK"
+"""Set (to anything) to see a failed file operation's traceback, not only its one line."""
 FAILURE_EXIT = 1
 """Anything else CONA refuses or that fails at run time: a bad config, data, checkpoint, a failed stage."""
 
@@ -56,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cona: error: {err}", file=sys.stderr)
         return USAGE_EXIT if isinstance(err, UsageError) else FAILURE_EXIT
     except OSError as err:
-        if err.filename is None:
-            raise  # not about a path the user gave: a bug, with its traceback
+        if err.filename is None or os.environ.get(TRACEBACK_ENV):
+            raise  # not about a path the user gave (a bug), or asked for: with its traceback
         print(f"cona: error: {os_error_text(err)}", file=sys.stderr)
         return FAILURE_EXIT
     except KeyboardInterrupt as err:

@@ -4,7 +4,8 @@ The CLI prints these as one line (``cona: error: ...``) with no traceback and ex
 :class:`UsageError` (flags that do not go together, as argparse's own usage errors) and 1 for every other
 (a config, data, checkpoint or launch failure). A file operation that fails on a path (an ``OSError`` that
 names its file: a directory where a file should be, no permission, a full disk) is printed the same way,
-``cona: error: PATH: reason``, exit 1; anything else that escapes is a bug and keeps its traceback.
+``cona: error: PATH: reason``, exit 1 (``CONA_TRACEBACK=1`` shows its traceback too); anything else that
+escapes is a bug and keeps its traceback.
 """
 
 from pathlib import Path
@@ -13,9 +14,12 @@ from pathlib import Path
 def not_found(path: object, kind: str = "file") -> str:
     """Why ``path``, which should be a ``kind`` ("file" or "directory"), cannot be used as one: for a
     message naming it (``--system: {path} {not_found(path)}``)."""
-    other = "directory" if kind == "file" else "file"
-    exists = Path(str(path)).exists()
-    return f"is a {other}, not a {kind}" if exists else "does not exist"
+    path = Path(str(path))
+    if not path.exists():
+        return "does not exist"
+    if kind == "file":
+        return "is a directory, not a file" if path.is_dir() else "is not a regular file"
+    return "is a file, not a directory" if path.is_file() else "is not a directory"
 
 
 class ConaError(ValueError):

@@ -37,8 +37,10 @@ def seed_value(text: str) -> int:
 
 
 def port_base(text: str) -> int:
-    """``--master-port-base``: stage N rendezvous on BASE+N, so BASE+1 must be an unprivileged port."""
+    """``--master-port-base``: stage N rendezvous on BASE+N and, across nodes, the runners' store on BASE
+    itself: an unprivileged port with room for a stage above it. A stage past 65535 is refused when it
+    starts (the chain's length is not known here)."""
     value = int(text)
-    if not 1023 <= value <= 65534:
-        raise argparse.ArgumentTypeError(f"stage N uses port BASE+N: BASE is from 1023 to 65534, got {text}")
+    if not 1024 <= value <= 65534:
+        raise argparse.ArgumentTypeError(f"stage N uses port BASE+N: BASE is from 1024 to 65534, got {text}")
     return value
