@@ -11,7 +11,8 @@ one the tracker reported at its start (what an online policy could know), and st
 Compared over the same candidates (the best strategy of each gbs of the frontier, by predicted iteration
 time): every static strategy (the paper's baselines), the hindsight optimum (dynamic programming over
 (segment, candidate) with the switch cost on every change, starting from any candidate), and CONA's online
-chain (:func:`policy.decide` at every segment boundary, seeing only the past, from the initial gbs).
+chain (:func:`policy.decide` at segment boundaries at most once per log interval, as a run decides at its
+metrics lines, seeing only the past, from the initial gbs).
 Throughputs are the trace's measured ones where it trained a candidate, else the model's corrected in shape on
 those measurements (:mod:`cona.planner.throughput`, as online mode does), for all of them.
 """
