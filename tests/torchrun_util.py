@@ -14,23 +14,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_PORT = 20000
+ROOM = 1000
+"""Ports a range outside the ephemeral one needs to be drawn from; with less, the whole unprivileged range."""
 
 
 def free_port_block(size: int = 1) -> int:
-    """The first of ``size`` consecutive ports that are all free now, drawn at random below the kernel's
-    ephemeral range. A port from that range (what binding port 0 gives) is the kernel's to hand to any
-    outgoing connection, gloo's between the workers of another stage say, before the test's run binds it:
-    a multi-node test failed once in ~20 runs, and a port taken that way would make it so."""
+    """The first of ``size`` consecutive ports that are all free now, drawn at random outside the kernel's
+    ephemeral range where it leaves room. A port from that range (what binding port 0 gives) is the
+    kernel's to hand to any outgoing connection, gloo's between the workers of another stage say, before
+    the test's run binds it: a multi-node test failed once in ~20 runs, and a port taken that way would make
+    it so."""
     try:
-        first_ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        first_ephemeral = 32768  # Linux's default
+        low, high = (int(value) for value in EPHEMERAL_RANGE.read_text().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    ranges = [(LOWEST_PORT, low - size), (high + 1, 65536 - size)]
+    start, stop = next(((a, b) for a, b in ranges if b - a >= ROOM), (1024, 65536 - size))
     draw = random.SystemRandom()
     for _ in range(1000):
-        first = draw.randrange(LOWEST_PORT, max(first_ephemeral - size, LOWEST_PORT + 1))
+        first = draw.randrange(start, stop)
         if all(_bindable(port) for port in range(first, first + size)):
             return first
-    raise RuntimeError(f"no {size} consecutive free ports from {LOWEST_PORT} to {first_ephemeral}")
+    raise RuntimeError(f"no {size} consecutive free ports from {start} to {stop + size - 1}")
 
 
 def _bindable(port: int) -> bool:

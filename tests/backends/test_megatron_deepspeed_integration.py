@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.torchrun_util import free_port_block
 
 from cona.backends.megatron_deepspeed.commands import (
     CheckpointLoad,
@@ -41,8 +42,7 @@ from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.config_file import load_config
 from cona.data.preprocess import PreprocessOptions, preprocess
 from cona.engine.optim import lr_schedule
-from cona.errors import ChainError, CheckpointError, LaunchError
-from cona.runner.launch import check_port_free
+from cona.errors import ChainError, CheckpointError
 from cona.runner.run_dir import resolve_log_root
 from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.state import RunState, load_state
@@ -121,16 +121,7 @@ def _setup(directory: Path, data_prefix: Path, steps: list[dict], **training_key
 
 def _free_port_base(stages: int = len(CHAIN)) -> int:
     """A base whose stage ports (base + 1 ...) are free now (other test runs may be launching)."""
-    rng = np.random.default_rng()
-    for _ in range(100):
-        base = int(rng.integers(20000, 60000))
-        try:
-            for port in range(base + 1, base + stages + 1):
-                check_port_free(port)
-        except LaunchError:
-            continue
-        return base
-    raise AssertionError("no free port range found")
+    return free_port_block(stages + 1)
 
 
 def test_every_generated_flag_exists_in_the_checkout(env, tmp_path):

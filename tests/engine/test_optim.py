@@ -170,12 +170,20 @@ def test_cosine_matches_closed_form_everywhere() -> None:
 )
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
 def test_initialised_state_is_what_adams_first_step_creates(
-    amsgrad: bool, implementation: str, default_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    amsgrad: bool, implementation: str, default_dtype: torch.dtype
 ) -> None:
     """The state a checkpoint loads into: the same entries, shapes, dtypes and devices as AdamW's own lazy
     initialisation (here made by a step on zero gradients with lr 0, as DCP would), with step 0. Under a
     float64 default the step counter is float64, except fused AdamW's, which stays float32."""
-    monkeypatch.setattr(torch, "get_default_dtype", lambda: default_dtype)  # what Adam and we both read
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)  # what Adam and initialise_state both read
+    try:
+        _check_initialised_state(amsgrad, implementation)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _check_initialised_state(amsgrad: bool, implementation: str) -> None:
     device = "cuda" if implementation == "fused" and torch.cuda.is_available() else "cpu"
     model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)).to(device)
     flags = {implementation: True, "amsgrad": amsgrad}

@@ -4,13 +4,13 @@ command line. Everything here runs in one process; tests/runner/test_multinode_e
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 from pathlib import Path
 
 import pytest
 from chain_fakes import chain_run, write_tiny_config
 from test_train_cli import write_tiny_setup
+from tests.torchrun_util import free_port
 
 from cona.cli import main
 from cona.config_file import load_config
@@ -238,9 +238,7 @@ FOLLOWER = NodePlacement(num_nodes=2, gpus_per_node=2, node_rank=1, hosts=("h0",
 @pytest.fixture
 def port() -> int:
     """A port for the runners' store, free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()
 
 
 class Follower(threading.Thread):

@@ -39,7 +39,8 @@ METRIC_FIELDS = {
 
 def free_port_base(stages: int = 7) -> int:
     """A base port that is free right now, as are its stages' ports (base + 1 ... base + stages): a run
-    across nodes hosts the runners' store on the base itself."""
+    across nodes hosts the runners' store on the base itself. Seven stages cover every chain of these
+    tests."""
     return free_port_block(stages + 1)
 
 
