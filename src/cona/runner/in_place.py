@@ -52,6 +52,9 @@ def replay_in_place(
         )
         spec_path = spec.write(spec.stage_dir / run_files.REPLAY_SPEC)
         spec.result_path.unlink(missing_ok=True)
+        # A request left by the killed run (its stage was recorded, or never ended) would stop the
+        # retraining at its first step: a retraining ends where the stage ended, on no request.
+        spec.switch_request_path.unlink(missing_ok=True)
         launch(spec, spec_path, number)
         result = StageResult.read(spec.result_path)
         if not result.handed_over or result.last_iteration != stage.last_iteration:

@@ -267,14 +267,16 @@ class OnlineSchedule:
     def after_training(self, state: RunState, stage: StageState) -> RunState:
         """Record the next stage when the stage ended on a switch request (read back from the request
         file, which stays until the next stage is recorded, so this survives a kill)."""
-        if len(state.stages) > stage.step_num:
-            return state  # recorded before a kill
         request_path = run_files.switch_request_path(self.run.run_dir)
+        if len(state.stages) > stage.step_num:  # recorded before a kill; its request may be left
+            request_path.unlink(missing_ok=True)
+            return state
         result = StageResult.read(run_files.stage_result_path(self.run.run_dir, stage.step_num))
         if result.reason not in ("switch_requested", "switch_in_place") or not request_path.is_file():
             if request_path.is_file():  # decided after the workers' last boundary check: they completed
-                self._note_unrealized(stage, json.loads(request_path.read_text()))
-            request_path.unlink(missing_ok=True)
+                request = json.loads(request_path.read_text())
+                request_path.unlink()  # first: a kill between the two then loses the note, not repeats it
+                self._note_unrealized(stage, request)
             return state
         request = json.loads(request_path.read_text())
         if request["action"] in ("switch", "fallback"):

@@ -1,0 +1,117 @@
+"""Kills between two of the runner's writes, where a rerun of the same command failed (found by a review of
+the runner's write orders, 2026-12-05). A kill is stood in for by an exception the runner does not catch,
+raised at the point between the writes; the rerun must finish, each sample trained once, in order."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from test_chain_e2e import free_port_base as chain_port_base
+from test_train_cli import free_port_base, write_tiny_setup
+from tests.observed import TRACE_ENV, assert_each_sample_once_in_order
+from tiny_chain import write_chain, write_config_and_data
+
+from cona import run_files
+from cona.cli import main
+from cona.config_file import load_config
+from cona.runner import driver as driver_module
+from cona.runner.run_dir import resolve_log_root
+from cona.runner.schedules.online import OnlineRun, run_online
+from cona.runner.state import load_state
+from cona.runner.views import run_tracker as run_tracker_module
+from cona.runner.worker_session import WorkerSession
+
+
+class Killed(BaseException):
+    """The stand-in for a SIGKILL of the runner: nothing after the point it is raised at runs."""
+
+
+@pytest.fixture(autouse=True)
+def step_trace(monkeypatch):
+    for name, value in TRACE_ENV.items():  # the workers record what they train on
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_an_online_run_killed_after_recording_an_in_place_switch_reruns_to_the_end(tmp_path, monkeypatch):
+    """The state names the new stage, the switch request is still on disk: the rerun's retraining of the
+    stage before (to rebuild what the in-place switch kept in memory) read that request at its first step
+    and stopped there, and every rerun failed so ("the retraining did not end at ...")."""
+    config_path = write_tiny_setup(tmp_path)
+    raw = json.loads(config_path.read_text())
+    raw["training"].update(log_interval=1, eval_interval=100, lr_decay_tokens=100_000)
+    raw["model"].update(hidden=128, seq=64)
+    config_path.write_text(json.dumps(raw))
+    run = OnlineRun(
+        config=resolve_log_root(load_config(config_path)),
+        workdir=tmp_path / "work",
+        run_dir=tmp_path / "logs" / "inplace",
+        world_size=1,  # every strategy has the same layout: gbs 2 -> 4 is in place
+        device_type="cpu",
+        system="cpu_gloo",
+        initial_gbs=2,
+        max_gbs=4,
+        total_iters=40,
+        botorch=False,
+        base_port=free_port_base(),
+        quiet=True,
+        noise_scale_floor=1000.0,
+        policy_overrides={
+            "predicted_switch_cost_s": 0.0,
+            "predicted_in_place_cost_s": 0.0,
+            "measure_before_commit": False,
+        },
+    )
+
+    def killed(self, **kwargs):  # after the state that adds the stage is saved, before the request goes
+        raise Killed
+
+    monkeypatch.setattr(run_tracker_module.RunTracker, "switch", killed)
+    with pytest.raises(Killed), WorkerSession() as session:
+        run_online(run, launcher=session, out=lambda line: None)
+    monkeypatch.undo()
+    for name, value in TRACE_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert run_files.switch_request_path(run.run_dir).is_file()
+    assert [stage.status for stage in load_state(run.run_dir).stages] == ["trained", "pending"]
+
+    with WorkerSession() as session:  # the same command again
+        state = run_online(dataclasses.replace(run, base_port=free_port_base()), launcher=session, out=print)
+    assert state.stages[-1].last_iteration == 40
+    assert_each_sample_once_in_order(run.run_dir, total_samples=state.stages[-1].consumed_samples)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_chain_killed_before_recording_a_handed_over_stage_reruns_to_the_end(tmp_path, monkeypatch):
+    """Stage 1 wrote its result (handed over in place) and the runner died before recording it: the rerun
+    took that result as handed over by workers that were gone, and stage 2 failed ("no earlier stage's
+    state is in memory"); a second rerun was needed."""
+    config = write_config_and_data(tmp_path)
+    steps = [
+        {"dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 4, "train_iters": 3, "is_initial": True},
+        {"dp": 2, "tp": 1, "pp": 1, "gbs": 16, "mbs": 4, "extra_iters": 3},
+    ]
+    chain = write_chain(tmp_path / "chain.json", steps)
+    argv = ["train", "--chain", str(chain), "--config", str(config), "--gpus", "2", "--quiet"]
+    argv += ["--workdir", str(tmp_path / "work"), "--run-name", "in-place", "--switch-in-place"]
+    original = driver_module.trained
+
+    def killed(stage, result, launched):  # the result is on disk, the runner dies before recording it
+        if stage.step_num == 1:
+            raise Killed
+        return original(stage, result, launched)
+
+    monkeypatch.setattr(driver_module, "trained", killed)
+    with pytest.raises(Killed):
+        main([*argv, "--master-port-base", str(chain_port_base(len(steps)))])
+    monkeypatch.setattr(driver_module, "trained", original)
+
+    assert main([*argv, "--master-port-base", str(chain_port_base(len(steps)))]) == 0
+    run_dir = tmp_path / "logs" / "in-place"
+    state = load_state(run_dir)
+    assert state.stages[-1].last_iteration == 6 and state.stages[-1].consumed_samples == 3 * 8 + 3 * 16
+    assert_each_sample_once_in_order(run_dir, total_samples=3 * 8 + 3 * 16)
