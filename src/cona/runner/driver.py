@@ -290,7 +290,8 @@ class StageDriver:
         if result is None:
             state, launched = self._launch(state, spec, number)
             result = StageResult.read(spec.result_path)
-        self.handed_over = number if result.handed_over else None
+        # Only workers this runner launched hold a state: a result recorded before a kill names gone ones.
+        self.handed_over = number if result.handed_over and launched is not None else None
         self.schedule.check_result(stage, result, spec)
         stage = trained(state.stage(number), result, launched)
         line = switch_check_line(stage)
