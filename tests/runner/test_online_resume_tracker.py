@@ -12,7 +12,7 @@ from chain_fakes import write_tiny_config
 
 from cona.config_file import load_config
 from cona.engine.checkpoint import save_checkpoint
-from cona.planner.policy import Candidate
+from cona.planner.policy import Candidate, after_switch, initial_state
 from cona.runner.noise_history import noise_tracker
 from cona.runner.schedules.online_memory import resumed_memory, tracker_at_resume
 from cona.runner.schedules.online_stages import StageRecords
@@ -76,4 +76,43 @@ def test_a_resumed_search_keeps_the_largest_miss_of_the_earlier_stages_fitted_pr
     )
     memory = resumed_memory(run, state, records, in_place=True)
     assert memory.policy_state.largest_prediction_miss == pytest.approx(0.4)
-    assert [stage.measured_tokens_per_s for stage in memory.policy_state.earlier] == [1000.0, 1400.0]
+    assert memory.policy_state.earlier == ()  # the fall-back returned to stage 1: it is current again
+
+
+def test_a_resumed_search_remembers_the_stages_the_uninterrupted_one_does(tmp_path):
+    """8 -> 16 -> 32 -> fall-back to 16: the search in the killed run remembered stage 1 only (the fall-back
+    dropped gbs 16, current again, and never kept gbs 32); the resumed one must not remember gbs 32 as a
+    stage to fall back to."""
+    config = load_config(write_tiny_config(tmp_path))
+    sizes, rates = (8, 16, 32, 16), (1000.0, 1500.0, 1800.0)
+    strategies = [Strategy(dp=1, tp=1, pp=1, mbs=gbs, gbs=gbs) for gbs in sizes]
+    records = StageRecords(tmp_path)
+    for number, strategy in enumerate(strategies):
+        action = ("initial", "switch", "switch", "fallback")[number]
+        records.add(Candidate(strategy=strategy, predicted_tokens_per_s=1000.0), action=action, reason="")
+    lines = [
+        {"iteration": i, "stage": 1 + (i - 1) // 4, "tokens_per_s": rates[(i - 1) // 4]} for i in range(1, 13)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    stages = tuple(
+        StageState(
+            step_num=n, status="done", start_iteration=4 * (n - 1), last_iteration=4 * n, consumed_tokens=n
+        )
+        for n in (1, 2, 3)
+    ) + (StageState(step_num=4, status="running", start_iteration=12),)
+    state = RunState(chain_path="", chain_digest="", config_digest="", world_size=1, stages=stages)
+    run = types.SimpleNamespace(
+        run_dir=tmp_path, config=config, max_gbs=32, policy_overrides={}, nodes=None, backend="native"
+    )
+    resumed = resumed_memory(run, state, records, in_place=True).policy_state.earlier
+
+    uninterrupted = initial_state(records.candidate(1))
+    for number in (2, 3, 4):
+        uninterrupted = after_switch(
+            uninterrupted,
+            new=records.candidate(number),
+            old_measured_tokens_per_s=rates[number - 2],
+            switch_cost_s=None,
+        )
+    assert resumed == uninterrupted.earlier
+    assert [stage.strategy.gbs for stage in resumed] == [8]

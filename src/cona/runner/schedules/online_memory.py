@@ -46,22 +46,35 @@ def resumed_memory(
     policy_state = _with_switch_costs(initial_state(records.candidate(len(state.stages))), state, records)
     earlier = len(state.stages) - 1
     if earlier:
-        rates = stage_rows(run.run_dir, state, records.entries)
-        finished = tuple(
-            FinishedStage(
-                strategy=records.strategy(row["stage"]),
-                measured_tokens_per_s=row["tokens_per_s"] or 0.0,
-                trial=records.candidate(row["stage"]).trial,
-            )
-            for row in rates[:earlier]
+        rates = stage_rows(run.run_dir, state, records.entries)[:earlier]
+        miss = max(prediction_miss(records.candidate(row["stage"]), row["tokens_per_s"]) for row in rates)
+        policy_state = dataclasses.replace(
+            policy_state, earlier=_earlier_stages(rates, records), largest_prediction_miss=miss
         )
-        miss = max(
-            prediction_miss(records.candidate(row["stage"]), row["tokens_per_s"]) for row in rates[:earlier]
-        )
-        policy_state = dataclasses.replace(policy_state, earlier=finished, largest_prediction_miss=miss)
     overrides = {"in_place": in_place, "in_place_mbs": in_place_mbs, **run.policy_overrides}
     settings = PolicySettings.from_training(training, max_gbs=run.max_gbs, **overrides)
     return Memory(settings=settings, policy_state=policy_state, tracker=tracker)
+
+
+def _earlier_stages(rates: list[dict], records: StageRecords) -> tuple[FinishedStage, ...]:
+    """The stages the policy remembers, as :func:`after_switch` left them in the run that was killed: each
+    stage left for a larger batch is kept; a fall-back drops the stage it returns to (it is current
+    again), and the stage it left is not kept."""
+    earlier: tuple[FinishedStage, ...] = ()
+    for row in rates:
+        left, entered = records.strategy(row["stage"]), records.strategy(row["stage"] + 1)
+        if entered.gbs < left.gbs:
+            earlier = earlier[:-1]
+            continue
+        candidate = records.candidate(row["stage"])
+        finished = FinishedStage(  # a stage without a steady line: the rate it was chosen on, as in-process
+            strategy=left,
+            measured_tokens_per_s=row["tokens_per_s"] or candidate.predicted_tokens_per_s,
+            trial=candidate.trial,
+            rate_measured=row["tokens_per_s"] is not None,
+        )
+        earlier = (*earlier, finished)
+    return earlier
 
 
 def _with_switch_costs(policy_state: PolicyState, state: RunState, records: StageRecords) -> PolicyState:
