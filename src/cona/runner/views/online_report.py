@@ -50,7 +50,8 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
     for stage in state.stages:
         if stage.last_iteration is None:
             continue
-        own = [r for r in records if r.stage == stage.step_num and (r.iteration or 0) > previous_iteration]
+        span = range(previous_iteration + 1, stage.last_iteration + 1)  # not a killed attempt's lines past it
+        own = [r for r in records if r.stage == stage.step_num and (r.iteration or 0) in span]
         rates = steady_rates(stage_rates(own))
         evals = [r.eval_ppl for r in own if r.eval_ppl is not None]
         result_path = run_files.stage_result_path(run_dir, stage.step_num)
