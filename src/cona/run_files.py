@@ -38,6 +38,7 @@ STAGES = "stages"
 
 SPEC = "spec.json"
 REPLAY_SPEC = "replay_spec.json"
+REPLAY_RESULT = "replay_result.json"
 STAGE_RESULT = "stage_result.json"
 STAGE_PLAN = "plan.json"
 SWITCH_CHECK = "switch_check.json"

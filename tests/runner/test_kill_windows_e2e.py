@@ -77,11 +77,16 @@ def test_an_online_run_killed_after_recording_an_in_place_switch_reruns_to_the_e
         monkeypatch.setenv(name, value)
     assert run_files.switch_request_path(run.run_dir).is_file()
     assert [stage.status for stage in load_state(run.run_dir).stages] == ["trained", "pending"]
+    first_result = run_files.stage_result_path(run.run_dir, 1)
+    as_trained = first_result.read_bytes()
 
     with WorkerSession() as session:  # the same command again
         state = run_online(dataclasses.replace(run, base_port=free_port_base()), launcher=session, out=print)
     assert state.stages[-1].last_iteration == 40
     assert_each_sample_once_in_order(run.run_dir, total_samples=state.stages[-1].consumed_samples)
+    # The retraining's result has a file of its own: stage 1's (its timings, for the summary) is kept.
+    assert first_result.read_bytes() == as_trained
+    assert (first_result.parent / run_files.REPLAY_RESULT).is_file()
 
 
 @pytest.mark.slow

@@ -73,6 +73,9 @@ class StageSpec:
     """At the stop rule, neither save nor drop the state: the session's next stage continues it in place
     (a chain step whose next step switches in place, or a stage retrained up to an in-place switch that a
     kill interrupted)."""
+    retraining: bool = False
+    """A retraining that rebuilds the state an in-place switch kept in memory (after a kill): its result
+    goes to its own file, and the stage's ``stage_result.json`` stays the stage's."""
 
     def __post_init__(self) -> None:
         if self.stage < 1:
@@ -112,7 +115,7 @@ class StageSpec:
 
     @property
     def result_path(self) -> Path:
-        return self.stage_dir / run_files.STAGE_RESULT
+        return self.stage_dir / (run_files.REPLAY_RESULT if self.retraining else run_files.STAGE_RESULT)
 
     def resolved_eval_interval(self) -> int:
         """``eval_interval`` of the stage, else of the config, or its ``eval_every_tokens`` at this gbs."""

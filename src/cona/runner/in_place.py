@@ -45,6 +45,7 @@ def replay_in_place(
             save_interval=None,  # its state is rebuilt, not new: nothing to keep of it
             save_interval_minutes=None,
             hand_over_in_place=True,
+            retraining=True,
         )
         out(
             f"stage {number}: retraining iterations {stage.start_iteration}..{stage.last_iteration} to "
