@@ -31,7 +31,7 @@ from cona import run_files
 from cona.atomic_files import write_json_atomic
 from cona.engine.spec import LAUNCH_TIME_ENV, RUNNER_PID_ENV, WORKER_CONSOLE_ENV
 from cona.errors import LaunchError
-from cona.runner.run_lock import held_fds
+from cona.runner.run_lock import popen_holding_locks
 
 DEFAULT_MASTER_PORT_BASE = 29400
 """The port base of a run across nodes without ``--master-port-base`` (every node must know the ports before
@@ -230,8 +230,7 @@ def start_torchrun(
     torchrun_log.write(" ".join(command) + "\n")
     torchrun_log.flush()
     stdout = torchrun_log if quiet else None
-    # torchrun keeps the run's locks (cona.runner.run_lock) until its workers are gone, even if we die first
-    return subprocess.Popen(command, env=env, stdout=stdout, stderr=torchrun_log, pass_fds=held_fds())
+    return popen_holding_locks(command, env=env, stdout=stdout, stderr=torchrun_log)
 
 
 def record_pids(path: Path, topology: Topology, torchrun_pid: int, **extra: object) -> Path:

@@ -17,10 +17,12 @@ import fcntl
 import json
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from cona.errors import ConaError
 from cona.processes import running
@@ -82,6 +84,13 @@ def locking() -> bool:
 def held_fds() -> tuple[int, ...]:
     """The descriptors of every lock this process holds (for torchrun to inherit)."""
     return tuple(fd for scope in _scopes for fd in scope.values())
+
+
+def popen_holding_locks(command: list[str], **options: Any) -> subprocess.Popen:
+    """Start a launcher (torchrun, DeepSpeed's) that keeps this run's locks for as long as it lives: it
+    inherits their descriptors, so a rerun is refused while it and its workers may still train or save,
+    even after the runner was killed."""
+    return subprocess.Popen(command, pass_fds=held_fds(), **options)
 
 
 def _write_holder(fd: int) -> None:

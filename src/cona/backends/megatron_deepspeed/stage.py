@@ -68,6 +68,7 @@ from cona.engine.spec import StageSpec
 from cona.engine.switch_check import Verdict, write_verdict
 from cona.engine.trainer import gns_steps_per_line
 from cona.errors import LaunchError
+from cona.runner.run_lock import popen_holding_locks
 from cona.runner.stage_run import StageLaunch, checkpoint_dtype
 from cona.strategy import Strategy
 
@@ -192,7 +193,7 @@ class MdsBackend:
         env = self._hook_env(launch, training=not args.skip_train)
 
         def start() -> subprocess.Popen:
-            return subprocess.Popen(
+            return popen_holding_locks(
                 command,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
