@@ -5,20 +5,18 @@ raised at the point between the writes; the rerun must finish, each sample train
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 from test_chain_e2e import free_port_base as chain_port_base
-from test_train_cli import free_port_base, write_tiny_setup
+from test_online_e2e import in_place_run
+from test_train_cli import free_port_base
 from tests.observed import TRACE_ENV, assert_each_sample_once_in_order
 from tiny_chain import write_chain, write_config_and_data
 
 from cona import run_files
 from cona.cli import main
-from cona.config_file import load_config
 from cona.runner import driver as driver_module
-from cona.runner.run_dir import resolve_log_root
-from cona.runner.schedules.online import OnlineRun, run_online
+from cona.runner.schedules.online import run_online
 from cona.runner.state import load_state
 from cona.runner.views import run_tracker as run_tracker_module
 from cona.runner.worker_session import WorkerSession
@@ -40,31 +38,7 @@ def test_an_online_run_killed_after_recording_an_in_place_switch_reruns_to_the_e
     """The state names the new stage, the switch request is still on disk: the rerun's retraining of the
     stage before (to rebuild what the in-place switch kept in memory) read that request at its first step
     and stopped there, and every rerun failed so ("the retraining did not end at ...")."""
-    config_path = write_tiny_setup(tmp_path)
-    raw = json.loads(config_path.read_text())
-    raw["training"].update(log_interval=1, eval_interval=100, lr_decay_tokens=100_000)
-    raw["model"].update(hidden=128, seq=64)
-    config_path.write_text(json.dumps(raw))
-    run = OnlineRun(
-        config=resolve_log_root(load_config(config_path)),
-        workdir=tmp_path / "work",
-        run_dir=tmp_path / "logs" / "inplace",
-        world_size=1,  # every strategy has the same layout: gbs 2 -> 4 is in place
-        device_type="cpu",
-        system="cpu_gloo",
-        initial_gbs=2,
-        max_gbs=4,
-        total_iters=40,
-        botorch=False,
-        base_port=free_port_base(),
-        quiet=True,
-        noise_scale_floor=1000.0,
-        policy_overrides={
-            "predicted_switch_cost_s": 0.0,
-            "predicted_in_place_cost_s": 0.0,
-            "measure_before_commit": False,
-        },
-    )
+    run, _ = in_place_run(tmp_path, total_iters=40)
 
     def killed(self, **kwargs):  # after the state that adds the stage is saved, before the request goes
         raise Killed

@@ -97,36 +97,8 @@ def _losses(run_dir) -> dict[int, float]:
 def test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switch(tmp_path, monkeypatch):
     for name, value in TRACE_ENV.items():
         monkeypatch.setenv(name, value)
-    config_path = write_tiny_setup(tmp_path)
-    raw = json.loads(config_path.read_text())
-    # One LR horizon for both runs (without it online mode ends the cosine at --total-iters x the initial
-    # gbs, the replayed chain at its own tokens): the losses compared must differ only by the switch.
-    raw["training"].update(log_interval=1, eval_interval=100, lr_decay_tokens=100_000)
-    raw["model"].update(hidden=128, seq=64)  # steps of milliseconds, not microseconds
-    config_path.write_text(json.dumps(raw))
-    run = OnlineRun(
-        config=resolve_log_root(load_config(config_path)),
-        workdir=tmp_path / "work",
-        run_dir=tmp_path / "logs" / "inplace",
-        world_size=1,  # one process: every strategy has the same layout, so gbs 2 -> 4 is in place
-        device_type="cpu",
-        system="cpu_gloo",
-        initial_gbs=2,  # mbs 2: a measured step's halves give the noise scale at the same parameters
-        max_gbs=4,
-        total_iters=IN_PLACE_ITERS,
-        botorch=False,
-        base_port=free_port_base(),
-        quiet=True,
-        noise_scale_floor=1000.0,
-        # A committed switch, not a trial: a trial is judged on the CPU's measured rate, and on a busy
-        # machine the rerun below left it for gbs 2 (378 samples against 384), which is online mode's
-        # right but not what this test compares.
-        policy_overrides={
-            "predicted_switch_cost_s": 0.0,
-            "predicted_in_place_cost_s": 0.0,
-            "measure_before_commit": False,
-        },
-    )
+    run, raw = in_place_run(tmp_path, total_iters=IN_PLACE_ITERS)
+    config_path = tmp_path / ".conaconfig"
     lines: list[str] = []
     with WorkerSession() as session:
         state = run_online(run, launcher=session, out=lines.append)
@@ -180,3 +152,39 @@ def test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switc
     assert state.stages[-1].consumed_samples == total
     assert_each_sample_once_in_order(run.run_dir, total_samples=total)
     assert list(_losses(run.run_dir).values()) == pytest.approx(list(in_place_losses.values()), rel=1e-6)
+
+
+def in_place_run(tmp_path, *, total_iters: int) -> tuple[OnlineRun, dict]:
+    """An online run on one process, gbs 2 -> 4 (every strategy has the same layout: in place), committing
+    its switch; with the config it wrote to ``tmp_path/.conaconfig``."""
+    config_path = write_tiny_setup(tmp_path)
+    raw = json.loads(config_path.read_text())
+    # One LR horizon whatever the gbs (without it online mode ends the cosine at --total-iters x the initial
+    # gbs, a replayed chain at its own tokens): the losses compared must differ only by the switch.
+    raw["training"].update(log_interval=1, eval_interval=100, lr_decay_tokens=100_000)
+    raw["model"].update(hidden=128, seq=64)  # steps of milliseconds, not microseconds
+    config_path.write_text(json.dumps(raw))
+    run = OnlineRun(
+        config=resolve_log_root(load_config(config_path)),
+        workdir=tmp_path / "work",
+        run_dir=tmp_path / "logs" / "inplace",
+        world_size=1,
+        device_type="cpu",
+        system="cpu_gloo",
+        initial_gbs=2,  # mbs 2: a measured step's halves give the noise scale at the same parameters
+        max_gbs=4,
+        total_iters=total_iters,
+        botorch=False,
+        base_port=free_port_base(),
+        quiet=True,
+        noise_scale_floor=1000.0,
+        # A committed switch, not a trial: a trial is judged on the CPU's measured rate, and on a busy
+        # machine a rerun left it for gbs 2 (378 samples against 384), which is online mode's right but
+        # not what these tests compare.
+        policy_overrides={
+            "predicted_switch_cost_s": 0.0,
+            "predicted_in_place_cost_s": 0.0,
+            "measure_before_commit": False,
+        },
+    )
+    return run, raw
