@@ -60,6 +60,11 @@ class MetricsRecord:
     it had more than one (``gns_small_sqr`` and ``gns_big_sqr`` are their means): each is one measurement
     for the noise-scale tracker."""
     steps_in_interval: int | None = None
+    first_step_s: float | None = None
+    """Wall seconds of the stage's first step (the device synchronised after it), written only on the line
+    that holds it: the line's other steps took ``step_time_s * steps_in_interval - first_step_s``. The first
+    step holds the start-up (allocations, eager kernels' first run, a compile), so the rest of that line is
+    the stage's first steady measurement; on the run's first line its steps measured the noise scale."""
     warmup_steps: int | None = None
     """Steps of the interval that still warmed up a forward shape (:mod:`cona.engine.shape_warmup`),
     written only where there were any: such a line is no steady rate."""
@@ -131,12 +136,13 @@ ALWAYS_WRITTEN = (
     "time",
 )
 """The keys of every line the trainer and the log parser write (null where unknown)."""
-WRITTEN_WHEN_SET = ("gns_steps", "warmup_steps", "eval_loss", "eval_ppl", "eval_ppl_tokens")
+WRITTEN_WHEN_SET = ("gns_steps", "first_step_s", "warmup_steps", "eval_loss", "eval_ppl", "eval_ppl_tokens")
 
 _NUMBER, _TEXT, _PAIRS = "number", "text", "pairs"
 _FIELD_KINDS = {name: _NUMBER for name in ALWAYS_WRITTEN} | {
     "backend": _TEXT,
     "gns_steps": _PAIRS,
+    "first_step_s": _NUMBER,
     "warmup_steps": _NUMBER,
     "eval_loss": _NUMBER,
     "eval_ppl": _NUMBER,

@@ -189,6 +189,9 @@ def test_the_steps_before_the_first_line_are_measured_and_listed(tmp_path):
     assert steps.shape == (3, 2) and np.all(steps > 0)
     assert steps.mean(axis=0) == pytest.approx([lines[0]["gns_small_sqr"], lines[0]["gns_big_sqr"]])
     assert "gns_steps" not in lines[1] and lines[1]["gns_small_sqr"] > 0
+    # The first step's seconds are on the line that holds it, and within that line's time.
+    assert 0 < lines[0]["first_step_s"] < lines[0]["step_time_s"] * lines[0]["steps_in_interval"]
+    assert "first_step_s" not in lines[1]
 
 
 @pytest.mark.multiproc

@@ -34,6 +34,8 @@ class IntervalSums:
     warmup_steps: int = 0
     """Steps that still warmed up a forward shape (:mod:`cona.engine.shape_warmup`)."""
     started: float = field(default_factory=time.perf_counter)
+    first_step_s: float | None = None
+    """Seconds of the stage's first step, on the interval that holds it (see MetricsRecord.first_step_s)."""
 
     @property
     def steps(self) -> int:

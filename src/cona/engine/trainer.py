@@ -134,6 +134,7 @@ def _train_steps(ctx: StageContext, progress: Progress) -> str:
         if "first_step_done" not in ctx.timings:
             out.loss.item()  # once per stage: the milestone is the first step finished on the device
             ctx.timings["first_step_done"] = time.time()
+            interval.first_step_s = time.perf_counter() - interval.started
         boundary = step_boundary(spec.switch_request_path, ctx.control_group, ctx.runner_watch, ctx.periodic)
         switch = boundary.switch
         if switch == RUNNER_GONE:
@@ -337,6 +338,7 @@ def _record(
         gns_big_batch=last.gns_big_batch,
         gns_steps=means["gns_steps"] if len(means["gns_steps"]) > 1 else None,
         steps_in_interval=interval.steps,
+        first_step_s=interval.first_step_s,
         warmup_steps=interval.warmup_steps or None,
         skipped_steps=means["skipped_steps"],
         time=time.time(),
