@@ -107,6 +107,23 @@ class MetricsRecord:
         )
 
     @property
+    def after_first_step_s(self) -> float | None:
+        """Seconds per step of this line's steps after the stage's first (None: the line does not hold the
+        first step, or holds no other step)."""
+        steps, step_s, first_s = self.steps_in_interval, self.step_time_s, self.first_step_s
+        if first_s is None or step_s is None or steps is None or steps < 2:
+            return None
+        rest_s = (step_s * steps - first_s) / (steps - 1)
+        return rest_s if rest_s > 0 else None
+
+    @property
+    def measured_steps(self) -> int:
+        """Steps of the line that measured the noise-scale inputs."""
+        if self.gns_steps is not None:
+            return len(self.gns_steps)
+        return int(self.gns_small_sqr is not None and math.isfinite(self.gns_small_sqr))
+
+    @property
     def has_strategy(self) -> bool:
         return None not in (self.dp, self.tp, self.pp)
 

@@ -61,6 +61,17 @@ class Strategy:
         return replace(other, gbs=self.gbs, mbs=other.mbs if keep_mbs else self.mbs) == self
 
 
+def noise_step_pieces(strategy: Strategy) -> int:
+    """Equal pieces the native engine cuts each rank's micro-batch into on a step that measures the noise
+    scale (1: not cut): the smallest factor > 1 of ``mbs`` where a rank has a single micro-batch a step and
+    pp = 1 (a pipeline's schedule is built for one micro-batch count and shape). Equal pieces keep one
+    small-batch size per step, which the estimator needs. The engine cuts by it
+    (:mod:`cona.engine.step_noise`); the online search models those steps' time by it."""
+    if strategy.micro_batches != 1 or strategy.pp != 1:
+        return 1
+    return next((factor for factor in range(2, strategy.mbs + 1) if strategy.mbs % factor == 0), 1)
+
+
 def configured_strategy(training: Any, *, dp: int, tp: int, pp: int, mbs: int, gbs: int) -> Strategy:
     """These degrees and batch sizes, run as the config's ``training`` section says (ZeRO stage, recompute,
     sequence parallelism, pipeline schedule and virtual stages): what a flag set or a chain step means."""

@@ -11,6 +11,8 @@ from cona.runner.views.online_report import prediction_basis, stage_rows
 def test_a_prediction_names_what_it_rested_on():
     assert prediction_basis({"throughput_source": "predicted", "fitted_on": 0}) == "prior"
     assert prediction_basis({"throughput_source": "predicted", "fitted_on": 3}) == "fit on 3"
+    first_line = {"throughput_source": "predicted", "fitted_on": 0, "on_first_line": True}
+    assert prediction_basis(first_line) == "first line"
     assert prediction_basis({"throughput_source": "measured", "fitted_on": 3}) == "measured"
     assert prediction_basis({"throughput_source": "predicted"}) == "prior"  # a record from before fitted_on
     fallback = {"throughput_source": "predicted", "fitted_on": 0, "action": "fallback"}

@@ -15,7 +15,7 @@ from torch import nn
 
 from cona.engine import gns
 from cona.engine.step_output import PendingStepOutput
-from cona.strategy import Strategy
+from cona.strategy import Strategy, noise_step_pieces
 
 
 def local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -67,8 +67,7 @@ class NoiseInputs:
         # schedule is built for one micro-batch count and shape). Under CUDA graphs too: the pieces replay
         # the graph (HeldPieceGradients), since pairing consecutive replays measured two parameter points
         # (H200, GPT-125M: noise scales of 482-5,222 where the split steps gave 6-50).
-        splits = strategy.micro_batches == 1 and strategy.pp == 1
-        self.pieces = smallest_factor(strategy.mbs) if splits else 1
+        self.pieces = noise_step_pieces(strategy)
         several = strategy.dp * strategy.micro_batches > 1
         # Hooks stay on where every step has several small batches. Where only the pieces of measured
         # steps give them (dp = 1, so never FSDP), they are put on for those steps only: an unmeasured step
@@ -223,12 +222,6 @@ class HeldPieceGradients:
             raise RuntimeError("add_to without a held piece")
         torch._foreach_add_([param.grad for param in params], self._buffers)
         self._pieces = 0
-
-
-def smallest_factor(rows: int) -> int:
-    """The smallest factor > 1 of ``rows`` (2 for an even micro-batch), 1 for a single row: equal pieces keep
-    one small-batch size per step, which the estimator needs."""
-    return next((factor for factor in range(2, rows + 1) if rows % factor == 0), 1)
 
 
 def split_rows(

@@ -236,6 +236,7 @@ def _compare(
         "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
         "throughput_source": candidate.throughput_source,
         "fitted_on": candidate.fitted_on,
+        "on_first_line": candidate.on_first_line,
         "efficiency": _efficiency(gbs, noise, settings),
         "progress_per_s": candidate_progress,
     }

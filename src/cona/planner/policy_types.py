@@ -115,6 +115,8 @@ class Candidate:
     """``measured`` when the run already trained this strategy and the number is what it measured."""
     fitted_on: int = 0
     """Predicted: the measured strategies the throughput model's shape was fitted on (0: the raw model)."""
+    on_first_line: bool = False
+    """Predicted by the model fitted on the run's first line only (a proxy of the strategy's steps)."""
     trial: bool = False
     """Switched to in place to measure it (its predicted throughput did not pay, a perfect scaling would):
     the policy falls back from it when the measurement says it does not pay, fallback setting or not."""

@@ -54,6 +54,11 @@ class Point:
     source: str = ""
     """Where it was measured (e.g. ``stage 2``): a new measurement from the same source replaces the old one,
     one from another source is kept beside it."""
+    proxy: bool = False
+    """Measured on steps shaped like ``strategy`` in place of a strategy's own steps (a run's first line,
+    whose steps measured the noise scale as pieces of the micro-batch): it enters the fit until the run
+    has measured a strategy's own steps, then it is dropped, and it never answers for ``strategy`` as
+    measured."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,7 +69,10 @@ class Estimate:
     model_tokens_per_s: float
     """The raw model's throughput, for the record."""
     fitted_on: int = 0
-    """Predicted: the measured strategies the shape was fitted on (one fixes only a scale, not a shape)."""
+    """Predicted: the measured strategies the shape was fitted on (one fixes only a scale, not a shape);
+    proxy points are not counted."""
+    on_first_line: bool = False
+    """Predicted by a shape fitted only on proxy points (the run's first line, :attr:`Point.proxy`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +99,8 @@ class ThroughputEstimator:
                 raise PlanError(f"a measured point needs positive throughput and model time, got {point}")
             key = (point.strategy, point.source)
             points = (*(p for p in points if (p.strategy, p.source) != key), point)
+        if any(not p.proxy for p in points):
+            points = tuple(p for p in points if not p.proxy)
         if not points:
             return self  # nothing measured: the raw model
         strategies = list(dict.fromkeys(p.strategy for p in points))
@@ -100,9 +110,10 @@ class ThroughputEstimator:
 
     def measured_tokens_per_s(self, strategy: Strategy) -> float | None:
         """Tokens over seconds of every interval the strategy was measured in (None: never measured)."""
-        if not any(p.strategy == strategy for p in self.points):
+        own = [p for p in self.points if not p.proxy]
+        if not any(p.strategy == strategy for p in own):
             return None
-        return strategy.gbs * self.seq / self._measured_s(self.points, strategy)
+        return strategy.gbs * self.seq / self._measured_s(own, strategy)
 
     def predicted_tokens_per_s(self, strategy: Strategy, model: StepParts) -> float:
         """The corrected model's throughput of ``strategy`` (``model``: its raw step in parts, one row)."""
@@ -122,7 +133,8 @@ class ThroughputEstimator:
             tokens_per_s=predicted,
             source="predicted",
             model_tokens_per_s=model_rate,
-            fitted_on=len({p.strategy for p in self.points}),
+            fitted_on=len({p.strategy for p in self.points if not p.proxy}),
+            on_first_line=bool(self.points) and not self.has_own_measurement,
         )
 
     def ranked(self, strategies: Sequence[Strategy], models: StepParts) -> list[Estimate]:
@@ -135,7 +147,14 @@ class ThroughputEstimator:
 
     def record(self) -> dict:
         """The fit for decisions.jsonl."""
-        return {**self.shape.record(), "measured_strategies": len({p.strategy for p in self.points})}
+        record = {**self.shape.record(), "measured_strategies": len({p.strategy for p in self.points})}
+        proxies = [p.source for p in self.points if p.proxy]
+        return record | ({"proxy_points": proxies} if proxies else {})
+
+    @property
+    def has_own_measurement(self) -> bool:
+        """Whether any point measured a strategy's own steps (not a proxy's)."""
+        return any(not p.proxy for p in self.points)
 
     def _measured_s(self, points: Sequence[Point], strategy: Strategy) -> float:
         """Mean step seconds over the strategy's intervals (each point's median weighted by its intervals)."""

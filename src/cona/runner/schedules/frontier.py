@@ -4,15 +4,18 @@ engine-valid: :mod:`cona.layout_rules`) and the throughput the decisions should 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cona.config import ConaConfig
 from cona.errors import PlanError
+from cona.metrics_record import MetricsRecord
 from cona.planner.plan import space_options
 from cona.planner.policy import Candidate
 from cona.planner.profiles import run_profile
 from cona.planner.search_choice import search_strategies
 from cona.planner.systems import System
 from cona.planner.throughput import Point, StepParts, ThroughputEstimator, fitted_forms, model_step_parts
-from cona.strategy import Strategy
+from cona.strategy import Strategy, noise_step_pieces
 
 
 class FrontierSearch:
@@ -41,18 +44,44 @@ class FrontierSearch:
         self._cache: dict[int, tuple[list[Strategy], StepParts | None]] = {}
 
     def add_measurement(
-        self, strategy: Strategy, tokens_per_s: float, *, intervals: int = 1, source: str = ""
+        self,
+        strategy: Strategy,
+        tokens_per_s: float,
+        *,
+        intervals: int = 1,
+        source: str = "",
+        proxy: bool = False,
     ) -> None:
         """A measured throughput (``intervals`` log intervals; one from the same ``source`` replaces the
-        last) joins the estimator, which refits its shape on every point."""
+        last) joins the estimator, which refits its shape on every point (``proxy``: see
+        :attr:`cona.planner.throughput.Point.proxy`)."""
         point = Point(
             strategy=strategy,
             tokens_per_s=tokens_per_s,
             model=self.model_step(strategy),
             intervals=intervals,
             source=source,
+            proxy=proxy,
         )
         self.estimator = self.estimator.with_point(point)
+
+    def add_first_line(self, record: MetricsRecord, strategy: Strategy, *, source: str) -> bool:
+        """The steps of a stage's first line after its first step as a proxy point (the line the first
+        decision is made at, before any steady line): where they measured the noise scale as pieces of the
+        micro-batch, as the step of ``pieces`` micro-batches of ``mbs / pieces``. Those steps show this
+        host's speed, which the prior cannot know: steady eager GPT-125M gbs-16 steps took 29-50 ms on
+        H200 hosts of one type, the prior says 29.8 (issue 16). Returns whether a point was added (not
+        where the line mixes pieces and whole steps, or the backend does not cut steps in pieces)."""
+        rest_s = record.after_first_step_s
+        if rest_s is None or self.profile.name != "native":
+            return False
+        pieces = noise_step_pieces(strategy)
+        if pieces > 1 and record.measured_steps != (record.steps_in_interval or 0) - 1:
+            return False  # some steps whole, some in pieces: no one step shape
+        shape = replace(strategy, mbs=strategy.mbs // pieces)
+        tokens_per_s = strategy.gbs * self.config.model.seq / rest_s
+        self.add_measurement(shape, tokens_per_s, source=source, proxy=True)
+        return True
 
     def model_steps(self, strategies: list[Strategy]) -> StepParts:
         """The raw model's steps of ``strategies`` in the parts the estimator corrects."""
@@ -81,6 +110,7 @@ class FrontierSearch:
             predicted_tokens_per_s=best.tokens_per_s,
             throughput_source=best.source,
             fitted_on=best.fitted_on,
+            on_first_line=best.on_first_line,
         )
 
     def _search(self, gbs: int) -> tuple[list[Strategy], StepParts | None]:

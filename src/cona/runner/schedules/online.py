@@ -298,6 +298,7 @@ class OnlineSchedule:
             predicted_tokens_per_s=request["predicted_tokens_per_s"],
             throughput_source=request.get("throughput_source", "predicted"),
             fitted_on=request.get("fitted_on", 0),
+            on_first_line=request.get("on_first_line", False),
             trial=request.get("trial", False),
         )
         in_place = request.get("in_place") is True and result.handed_over

@@ -260,20 +260,22 @@ class StageSearch:
         return decision
 
     def _current_rate(self) -> tuple[float | None, bool]:
-        """The running strategy's rate and whether it was measured. Until the run has measured any
-        throughput (no steady line in any stage yet: its first line holds the start-up) it is the
-        estimator's prediction, so that the first decision comes at the first line, not the second (on
-        the H200, eager GPT-125M at gbs 8, 0.65 s later, when fixed gbs 16 reaches the ladder's easiest
-        levels 4.4-7.4 s after its first step: issue 16). ``decide`` then switches only as a trial."""
+        """The running strategy's rate and whether it was measured. Until the run has a steady line (its
+        first holds the start-up) it is the estimator's, fitted on that first line's steps after its first
+        (:meth:`FrontierSearch.add_first_line`): the first decision, a trial only, comes at the first line,
+        not 0.65 s later at the second (H200, eager GPT-125M at gbs 8; fixed gbs 16 reaches the ladder's
+        easiest levels 4.4-7.4 s after its first step: issue 16)."""
         measured = self.measured_tokens_per_s()
         if measured is not None:
             return measured, True
         frontier = self.frontier
         if not isinstance(frontier, FrontierSearch) or not self.rate_lines:
             return None, True
-        if self.policy_state.earlier or frontier.estimator.points:
+        if self.policy_state.earlier or frontier.estimator.has_own_measurement:
             return None, True
-        return frontier.predicted_tokens_per_s(self.policy_state.current.strategy), False
+        current = self.policy_state.current.strategy
+        frontier.add_first_line(self.rate_lines[0], current, source=f"stage {self.stage} first line")
+        return frontier.predicted_tokens_per_s(current), False
 
     def _noise_estimate(self) -> NoiseScaleEstimate | None:
         """The tracker's estimate, raised to ``noise_scale_floor`` when one is set (the demo's stand-in for
@@ -393,6 +395,7 @@ def _target(decision: Decision) -> dict[str, Any]:
         "predicted_tokens_per_s": decision.target.predicted_tokens_per_s,
         "throughput_source": decision.target.throughput_source,
         "fitted_on": decision.target.fitted_on,
+        "on_first_line": decision.target.on_first_line,
         "trial": decision.target.trial,
         "reason": decision.reason,
     }

@@ -56,6 +56,7 @@ class StageRecords:
                 "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
                 "throughput_source": candidate.throughput_source,
                 "fitted_on": candidate.fitted_on,
+                "on_first_line": candidate.on_first_line,
                 "trial": candidate.trial,
                 "action": action,
                 "reason": reason,
@@ -74,6 +75,7 @@ class StageRecords:
             predicted_tokens_per_s=entry["predicted_tokens_per_s"],
             throughput_source=entry.get("throughput_source", "predicted"),
             fitted_on=entry.get("fitted_on", 0),
+            on_first_line=entry.get("on_first_line", False),
             trial=entry.get("trial", False),
         )
 

@@ -1,0 +1,104 @@
+"""How an eager step's time grows with the micro-batch on one GPU, and what a noise-measured step costs
+(issue 16: the first trial's prediction, made before any rate of the run is measured).
+
+One process builds CONA's training model eager (no compile) and, at each mbs (gbs = mbs, one micro-batch,
+dp = 1), times the trainer's step (forward and backward, clipping, the optimizer, zeroing) three ways:
+
+- ``whole_ms``: steady steps, nothing synchronised between them (as a run's metrics interval);
+- ``pieces_ms``: the same with the gradient-noise inputs measured on every step, which cuts the single
+  micro-batch into pieces (as the steps before a run's first metrics line);
+- ``kernel_ms``: the device's kernel time of a whole step (torch.profiler, summed over kernels), so that
+  ``whole_ms - kernel_ms`` is the time the device waited for the host.
+
+Each time is the median of ``--repeats`` rounds of ``--steps`` steps after ``--warmup`` steps. Run on the
+device from the repository root::
+
+    PYTHONPATH=src python3 bench/eager_step_shape.py --mbs 8,16,32,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine_vs_ref import engine_model, init_single_process_group, random_batch, synchronize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script
+PROFILED_STEPS = 5
+
+
+def step(model, optimizer, batch, *, measure: bool) -> None:
+    model.train_step_pending([batch], measure_gns=measure)
+    model.clip_grad_norm_pending(1.0)
+    model.optimizer_step_pending(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def steady_ms(model, optimizer, batch, args: argparse.Namespace, *, measure: bool) -> float:
+    for _ in range(args.warmup):
+        step(model, optimizer, batch, measure=measure)
+    synchronize(DEVICE)
+    rounds = []
+    for _ in range(args.repeats):
+        began = time.perf_counter()
+        for _ in range(args.steps):
+            step(model, optimizer, batch, measure=measure)
+        synchronize(DEVICE)
+        rounds.append((time.perf_counter() - began) / args.steps * 1e3)
+    return statistics.median(rounds)
+
+
+def kernel_ms(model, optimizer, batch) -> float | None:
+    """The device's kernel time per whole step (None on a CPU)."""
+    if DEVICE != "cuda":
+        return None
+    from torch.autograd import DeviceType
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(PROFILED_STEPS):
+            step(model, optimizer, batch, measure=False)
+        synchronize(DEVICE)
+    events = profile.key_averages()
+    kernel_us = sum(event.self_device_time_total for event in events if event.device_type == DeviceType.CUDA)
+    return kernel_us / PROFILED_STEPS / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="125m")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--mbs", default="8,16,32,64")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    args.device, args.no_compile = DEVICE, True
+    init_single_process_group(DEVICE)
+    for mbs in (int(m) for m in args.mbs.split(",")):
+        model, optimizer, _ = engine_model(args.size, mbs, args)
+        batch = random_batch(args.size, mbs, args.seq, DEVICE)
+        whole = steady_ms(model, optimizer, batch, args, measure=False)
+        pieces = steady_ms(model, optimizer, batch, args, measure=True)
+        kernels = kernel_ms(model, optimizer, batch)
+        row = {
+            "size": args.size,
+            "mbs": mbs,
+            "whole_ms": round(whole, 2),
+            "pieces_ms": round(pieces, 2),
+            "pieces_over_whole": round(pieces / whole, 3),
+            "kernel_ms": None if kernels is None else round(kernels, 2),
+            "device_idle_ms": None if kernels is None else round(whole - kernels, 2),
+        }
+        print(json.dumps(row), flush=True)
+        del model, optimizer
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
