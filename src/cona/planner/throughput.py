@@ -55,10 +55,10 @@ class Point:
     """Where it was measured (e.g. ``stage 2``): a new measurement from the same source replaces the old one,
     one from another source is kept beside it."""
     proxy: bool = False
-    """Measured on steps shaped like ``strategy`` in place of a strategy's own steps (a run's first line,
-    whose steps measured the noise scale as pieces of the micro-batch): it enters the fit until the run
-    has measured a strategy's own steps, then it is dropped, and it never answers for ``strategy`` as
-    measured."""
+    """A stand-in for a measurement: steps of ``strategy`` before its steady rate (the run's first line after
+    its first step, :meth:`cona.runner.schedules.frontier.FrontierSearch.add_first_line`). It enters the fit
+    until the run has a measured point, then it is dropped, and it never answers for ``strategy`` as
+    measured (a decision on it is a trial's)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

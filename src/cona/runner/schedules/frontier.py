@@ -4,8 +4,6 @@ engine-valid: :mod:`cona.layout_rules`) and the throughput the decisions should 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from cona.config import ConaConfig
 from cona.errors import PlanError
 from cona.metrics_record import MetricsRecord
@@ -66,21 +64,21 @@ class FrontierSearch:
         self.estimator = self.estimator.with_point(point)
 
     def add_first_line(self, record: MetricsRecord, strategy: Strategy, *, source: str) -> bool:
-        """The steps of a stage's first line after its first step as a proxy point (the line the first
-        decision is made at, before any steady line): where they measured the noise scale as pieces of the
-        micro-batch, as the step of ``pieces`` micro-batches of ``mbs / pieces``. Those steps show this
-        host's speed, which the prior cannot know: steady eager GPT-125M gbs-16 steps took 29-50 ms on
-        H200 hosts of one type, the prior says 29.8 (issue 16). Returns whether a point was added (not
-        where the line mixes pieces and whole steps, or the backend does not cut steps in pieces)."""
+        """The steps of a stage's first line after its first step as a proxy point of ``strategy`` (the
+        line the first decision is made at, before any steady line), where they ran the strategy's own
+        step shape: they show this host's speed, which the prior cannot know (on a 2-core CPU the demo's
+        first strategy ran at 1/16 of its prior). Not where those steps measured the noise scale as pieces
+        of the micro-batch (:func:`cona.strategy.noise_step_pieces`): on an H100, eager GPT-125M gbs 8,
+        such a line ran 142 ms a step, its new piece shape warming up and the noise hooks running, against
+        34 ms for a whole step and 90 ms for steady pieces (issue 16, twenty-first session). Nor where a
+        step after the first still warmed up a shape. Returns whether a point was added."""
         rest_s = record.after_first_step_s
-        if rest_s is None or self.profile.name != "native":
+        if rest_s is None or self.profile.name != "native" or (record.warmup_steps or 0) > 1:
             return False
-        pieces = noise_step_pieces(strategy)
-        if pieces > 1 and record.measured_steps != (record.steps_in_interval or 0) - 1:
-            return False  # some steps whole, some in pieces: no one step shape
-        shape = replace(strategy, mbs=strategy.mbs // pieces)
+        if noise_step_pieces(strategy) > 1 and record.measured_steps > 0:
+            return False
         tokens_per_s = strategy.gbs * self.config.model.seq / rest_s
-        self.add_measurement(shape, tokens_per_s, source=source, proxy=True)
+        self.add_measurement(strategy, tokens_per_s, source=source, proxy=True)
         return True
 
     def model_steps(self, strategies: list[Strategy]) -> StepParts:
