@@ -29,6 +29,7 @@ from engine_vs_ref import engine_model, init_single_process_group, random_batch,
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script
 PROFILED_STEPS = 5
+HOST_TOP = 8
 
 
 def step(model, optimizer, batch, *, measure: bool) -> None:
@@ -52,10 +53,11 @@ def steady_ms(model, optimizer, batch, args: argparse.Namespace, *, measure: boo
     return statistics.median(rounds)
 
 
-def kernel_ms(model, optimizer, batch) -> float | None:
-    """The device's kernel time per whole step (None on a CPU)."""
+def kernel_ms(model, optimizer, batch) -> tuple[float | None, list[dict]]:
+    """The device's kernel time per whole step (None on a CPU), and the host calls that wait for the device
+    (synchronisations, device-to-host copies) or cost the most host time of their own, per step."""
     if DEVICE != "cuda":
-        return None
+        return None, []
     from torch.autograd import DeviceType
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -65,7 +67,22 @@ def kernel_ms(model, optimizer, batch) -> float | None:
         synchronize(DEVICE)
     events = profile.key_averages()
     kernel_us = sum(event.self_device_time_total for event in events if event.device_type == DeviceType.CUDA)
-    return kernel_us / PROFILED_STEPS / 1e3
+    host = [event for event in events if event.device_type == DeviceType.CPU]
+    waits = [
+        e for e in host if any(word in e.key for word in ("Synchronize", "Memcpy", "item", "_local_scalar"))
+    ]
+    top = sorted(host, key=lambda e: -e.self_cpu_time_total)[:HOST_TOP]
+    calls = [
+        {
+            "op": e.key,
+            "calls_per_step": e.count / PROFILED_STEPS,
+            "self_ms": e.self_cpu_time_total / PROFILED_STEPS / 1e3,
+        }
+        for e in dict.fromkeys([*waits, *top])
+    ]
+    return kernel_us / PROFILED_STEPS / 1e3, [
+        {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()} for c in calls
+    ]
 
 
 def main() -> None:
@@ -84,7 +101,7 @@ def main() -> None:
         batch = random_batch(args.size, mbs, args.seq, DEVICE)
         whole = steady_ms(model, optimizer, batch, args, measure=False)
         pieces = steady_ms(model, optimizer, batch, args, measure=True)
-        kernels = kernel_ms(model, optimizer, batch)
+        kernels, host_calls = kernel_ms(model, optimizer, batch)
         row = {
             "size": args.size,
             "mbs": mbs,
@@ -93,6 +110,7 @@ def main() -> None:
             "pieces_over_whole": round(pieces / whole, 3),
             "kernel_ms": None if kernels is None else round(kernels, 2),
             "device_idle_ms": None if kernels is None else round(whole - kernels, 2),
+            "host_calls": host_calls,
         }
         print(json.dumps(row), flush=True)
         del model, optimizer

@@ -129,8 +129,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     return args, preset
 
 
+CARD_SYSTEMS = {"H200": "h200_141g", "H100": "h100_80g", "A100": "a100_80g"}
+"""The system file of a card whose name holds the key. A GPU preset names the H200's; a call lent an H100
+instead ran with the H200's file (the twenty-first session's e21 and e22), so every prediction of a
+device-bound step was the H200's."""
+
+
+def _card_system() -> str | None:
+    """The system of the GPU this runs on (None: no GPU, or one without a file: the preset's then)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    system = next((file for key, file in CARD_SYSTEMS.items() if key in name), None)
+    print(f"time_to_target: {name}: system {system or 'of the preset'}", flush=True)
+    return system
+
+
 def _resolve(args: argparse.Namespace, preset: Preset) -> None:
     """Fills what the flags left to the preset and checks what they gave."""
+    if args.system is None and preset.device == "cuda":
+        args.system = _card_system()
     for field in PRESET_OVERRIDES:
         if getattr(args, field) is None:
             setattr(args, field, getattr(preset, field))
