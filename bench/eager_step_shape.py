@@ -8,7 +8,9 @@ dp = 1), times the trainer's step (forward and backward, clipping, the optimizer
 - ``pieces_ms``: the same with the gradient-noise inputs measured on every step, which cuts the single
   micro-batch into pieces (as the steps before a run's first metrics line);
 - ``kernel_ms``: the device's kernel time of a whole step (torch.profiler, summed over kernels), so that
-  ``whole_ms - kernel_ms`` is the time the device waited for the host.
+  ``whole_ms - kernel_ms`` is the time the device waited for the host;
+- ``phases``: per phase (forward and backward, clipping, the optimizer and zeroing), the host's time
+  dispatching it and its span on the device's timeline between CUDA events: where the device waits.
 
 Each time is the median of ``--repeats`` rounds of ``--steps`` steps after ``--warmup`` steps. Run on the
 device from the repository root::
@@ -22,6 +24,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,11 +35,52 @@ PROFILED_STEPS = 5
 HOST_TOP = 8
 
 
+def phases(model, optimizer, batch, *, measure: bool) -> dict[str, Callable[[], object]]:
+    """The trainer's step in the phases the host dispatches one after the other."""
+
+    def update() -> None:
+        model.optimizer_step_pending(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+    return {
+        "forward_backward": lambda: model.train_step_pending([batch], measure_gns=measure),
+        "clip": lambda: model.clip_grad_norm_pending(1.0),
+        "optimizer": update,
+    }
+
+
 def step(model, optimizer, batch, *, measure: bool) -> None:
-    model.train_step_pending([batch], measure_gns=measure)
-    model.clip_grad_norm_pending(1.0)
-    model.optimizer_step_pending(optimizer)
-    optimizer.zero_grad(set_to_none=True)
+    for run in phases(model, optimizer, batch, measure=measure).values():
+        run()
+
+
+def phase_ms(model, optimizer, batch, args: argparse.Namespace) -> dict[str, dict[str, float]] | None:
+    """Per phase of a whole step: the host's seconds dispatching it (nothing synchronised) and the span
+    between CUDA events recorded around it on the device's timeline (its kernels and the device's waits
+    for the host inside it), means over ``--steps`` steady steps (None on a CPU)."""
+    if DEVICE != "cuda":
+        return None
+    named = phases(model, optimizer, batch, measure=False)
+    host = dict.fromkeys(named, 0.0)
+    spans = []
+    for _ in range(args.steps):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(named) + 1)]
+        events[0].record()
+        for index, (name, run) in enumerate(named.items()):
+            began = time.perf_counter()
+            run()
+            host[name] += time.perf_counter() - began
+            events[index + 1].record()
+        spans.append(events)
+    synchronize(DEVICE)
+    device = {name: sum(e[i].elapsed_time(e[i + 1]) for e in spans) for i, name in enumerate(named)}
+    return {
+        name: {
+            "host_ms": round(host[name] / args.steps * 1e3, 2),
+            "device_span_ms": round(device[name] / args.steps, 2),
+        }
+        for name in named
+    }
 
 
 def steady_ms(model, optimizer, batch, args: argparse.Namespace, *, measure: bool) -> float:
@@ -102,6 +146,7 @@ def main() -> None:
         whole = steady_ms(model, optimizer, batch, args, measure=False)
         pieces = steady_ms(model, optimizer, batch, args, measure=True)
         kernels, host_calls = kernel_ms(model, optimizer, batch)
+        by_phase = phase_ms(model, optimizer, batch, args)
         row = {
             "size": args.size,
             "mbs": mbs,
@@ -110,6 +155,7 @@ def main() -> None:
             "pieces_over_whole": round(pieces / whole, 3),
             "kernel_ms": None if kernels is None else round(kernels, 2),
             "device_idle_ms": None if kernels is None else round(whole - kernels, 2),
+            "phases": by_phase,
             "host_calls": host_calls,
         }
         print(json.dumps(row), flush=True)
