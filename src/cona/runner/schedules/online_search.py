@@ -260,18 +260,17 @@ class StageSearch:
         return decision
 
     def _current_rate(self) -> tuple[float | None, bool]:
-        """The running strategy's rate and whether it was measured. Until the run has a steady line (its
-        first holds the start-up) it is the estimator's, fitted on that first line's steps after its first
-        (:meth:`FrontierSearch.add_first_line`): the first decision, a trial only, comes at the first line,
-        not 0.65 s later at the second (H200, eager GPT-125M at gbs 8; fixed gbs 16 reaches the ladder's
-        easiest levels 4.4-7.4 s after its first step: issue 16)."""
+        """The running strategy's rate and whether it was measured. Until the run has a steady line it is
+        the estimator's (:meth:`FrontierSearch.add_first_line`): the first decision, a trial only, comes at
+        the first line, not 0.65 s later at the second (H200, eager GPT-125M at gbs 8; fixed gbs 16 reaches
+        the ladder's easiest levels 4.4-7.4 s after its first step: issue 16)."""
         measured = self.measured_tokens_per_s()
         if measured is not None:
             return measured, True
         frontier = self.frontier
-        if not isinstance(frontier, FrontierSearch) or not self.rate_lines:
+        if not isinstance(frontier, FrontierSearch) or not self.rate_lines or self.policy_state.earlier:
             return None, True
-        if self.policy_state.earlier or frontier.estimator.has_own_measurement:
+        if frontier.estimator.has_own_measurement:  # the run measured a rate: this stage waits for its own
             return None, True
         current = self.policy_state.current.strategy
         frontier.add_first_line(self.rate_lines[0], current, source=f"stage {self.stage} first line")
