@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         if cap < 10.0:
             print(f"time_to_target: {plan.name} skipped, {left:.0f} s of the budget left", flush=True)
             continue
-        print(f"time_to_target: {plan.name} (cap {cap:.0f} s): {' '.join(plan.command[1:])}", flush=True)
+        share = run_cap(plan, plans[index:], left_s=left, best_fixed_s=None, stop_behind=0.0)
+        cut = f", cut from {plan.cap_s:.0f} s to fit --budget-s" if share < plan.cap_s - 1.0 else ""
+        print(f"time_to_target: {plan.name} (cap {cap:.0f} s{cut}): {' '.join(plan.command[1:])}", flush=True)
         supervised = supervise(plan, target_ppl=args.target_ppl, patience=args.patience, cap_s=cap)
         settle(plan)
         row = summarize_run(
