@@ -5,7 +5,7 @@ one ran the strategy's own step (they measured the noise scale without cutting t
 this host's speed. A fake GPU host-bound at ``HOST_SLOWDOWN`` times the profile's dispatch (every strategy
 of the tiny model is host-bound on the H200) feeds the search: fitted on that line, the predictions are the
 fake's; the prior alone misses by the slowdown. Steps cut in pieces are no proxy (their shape warms up and
-the noise hooks run: 142 ms a step against 34 ms whole on an H100).
+the noise hooks run: 142 ms a step against 30-33 ms whole on an H100).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class FrontierSearch:
         first strategy ran at 1/16 of its prior). Not where those steps measured the noise scale as pieces
         of the micro-batch (:func:`cona.strategy.noise_step_pieces`): on an H100, eager GPT-125M gbs 8,
         such a line ran 142 ms a step, its new piece shape warming up and the noise hooks running, against
-        34 ms for a whole step and 90 ms for steady pieces (issue 16, twenty-first session). Nor where a
+        30-33 ms for a whole step and 79-90 ms for steady pieces (issue 16, twenty-first session). Nor where a
         step after the first still warmed up a shape. Returns whether a point was added."""
         rest_s = record.after_first_step_s
         if rest_s is None or self.profile.name != "native" or (record.warmup_steps or 0) > 1:
