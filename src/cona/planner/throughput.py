@@ -147,7 +147,8 @@ class ThroughputEstimator:
 
     def record(self) -> dict:
         """The fit for decisions.jsonl."""
-        record = {**self.shape.record(), "measured_strategies": len({p.strategy for p in self.points})}
+        own = {p.strategy for p in self.points if not p.proxy}
+        record = {**self.shape.record(), "measured_strategies": len(own)}
         proxies = [p.source for p in self.points if p.proxy]
         return record | ({"proxy_points": proxies} if proxies else {})
 

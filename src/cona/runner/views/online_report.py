@@ -79,8 +79,8 @@ def prediction_basis(stage: dict[str, Any]) -> str:
     """What the tokens/s a stage was chosen on rested on: the rate it had measured before (a fall-back, a
     stage returned to; ``as before`` where it was never measured: the rate it was first chosen on), the model
     fitted on N measured strategies, the model fitted on the run's first line (its steps after the first,
-    which measured the noise scale), or the raw model's prior where nothing was measured yet (the first
-    stage: on a CPU, whose system file is a rough description, it can be off by 10x or more)."""
+    the strategy's own steps), or the raw model's prior where nothing was measured yet (the first stage: on a
+    CPU, whose system file is a rough description, it can be off by 10x or more)."""
     if stage.get("throughput_source") == "measured":
         return "measured"
     if stage.get("action") == "fallback":  # back to a stage never measured: the rate it was chosen on
