@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cona.engine.spec import RUNNER_PID_ENV
+
 CHILD_TIMEOUT_S = 480
 
 
@@ -56,10 +58,11 @@ GROUP_EXIT_S = 30.0
 
 
 def wait_for_group_exit(group: int) -> None:
-    """Until no live process of the killed group is left. The child runner is reaped first, while its
-    workers and torchrun may still be exiting and holding the run's lock (a rerun then refuses the run
-    directory, as it should): on a loaded machine that took longer than the test's next launch. Zombies
-    count as gone: their files are closed (and a container's init may never reap them)."""
+    """Until no live process of the killed run is left: its group, and the workers torchrun started in
+    sessions of their own (they stop within seconds once they see the runner gone, and hold the run's lock
+    until then). The child runner is reaped first, while they may still be exiting (a rerun then refuses
+    the run directory, as it should): on a loaded machine that took longer than the test's next launch.
+    Zombies count as gone: their files are closed (and a container's init may never reap them)."""
     deadline = time.monotonic() + GROUP_EXIT_S
     while time.monotonic() < deadline:
         if not live_members(group):
@@ -69,16 +72,19 @@ def wait_for_group_exit(group: int) -> None:
 
 
 def live_members(group: int) -> list[int]:
-    """The pids of ``group``'s processes that are not zombies (from /proc)."""
+    """The pids of the processes that are not zombies (from /proc) and are in ``group`` or were started for
+    the runner whose pid is ``group`` (the forked child runs the runner itself)."""
     members = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
-            continue  # it ended while we looked
+            continue  # it ended while we looked, or is not ours to read
         fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, ...
-        if int(fields[2]) == group and fields[0] != "Z":
+        of_runner = f"{RUNNER_PID_ENV}={group}".encode() in environ
+        if (int(fields[2]) == group or of_runner) and fields[0] != "Z":
             members.append(int(entry.name))
     return members
