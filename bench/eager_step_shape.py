@@ -9,6 +9,7 @@ dp = 1), times the trainer's step (forward and backward, clipping, the optimizer
   micro-batch into pieces (as the steps before a run's first metrics line);
 - ``kernel_ms``: the device's kernel time of a whole step (torch.profiler, summed over kernels), so that
   ``whole_ms - kernel_ms`` is the time the device waited for the host;
+- ``first_step_ms``: the fresh model's first step at that mbs (allocation, library heuristics);
 - ``phases``: per phase (forward and backward, clipping, the optimizer and zeroing), the host's time
   dispatching it and its span on the device's timeline between CUDA events: where the device waits.
 
@@ -83,6 +84,16 @@ def phase_ms(model, optimizer, batch, args: argparse.Namespace) -> dict[str, dic
     }
 
 
+def first_step_ms(model, optimizer, batch) -> float:
+    """The first step of a fresh model at this shape (what a run or an in-place switch to a new mbs pays
+    once: allocations, library heuristics), synchronised."""
+    synchronize(DEVICE)
+    began = time.perf_counter()
+    step(model, optimizer, batch, measure=False)
+    synchronize(DEVICE)
+    return (time.perf_counter() - began) * 1e3
+
+
 def steady_ms(model, optimizer, batch, args: argparse.Namespace, *, measure: bool) -> float:
     for _ in range(args.warmup):
         step(model, optimizer, batch, measure=measure)
@@ -143,6 +154,7 @@ def main() -> None:
     for mbs in (int(m) for m in args.mbs.split(",")):
         model, optimizer, _ = engine_model(args.size, mbs, args)
         batch = random_batch(args.size, mbs, args.seq, DEVICE)
+        first = first_step_ms(model, optimizer, batch)
         whole = steady_ms(model, optimizer, batch, args, measure=False)
         pieces = steady_ms(model, optimizer, batch, args, measure=True)
         kernels, host_calls = kernel_ms(model, optimizer, batch)
@@ -150,6 +162,7 @@ def main() -> None:
         row = {
             "size": args.size,
             "mbs": mbs,
+            "first_step_ms": round(first, 2),
             "whole_ms": round(whole, 2),
             "pieces_ms": round(pieces, 2),
             "pieces_over_whole": round(pieces / whole, 3),
