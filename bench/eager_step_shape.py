@@ -10,6 +10,7 @@ dp = 1), times the trainer's step (forward and backward, clipping, the optimizer
 - ``kernel_ms``: the device's kernel time of a whole step (torch.profiler, summed over kernels), so that
   ``whole_ms - kernel_ms`` is the time the device waited for the host;
 - ``first_step_ms``: the fresh model's first step at that mbs (allocation, library heuristics);
+- ``in_place_to_next``: the warmed model's first and second step at the next mbs (an in-place switch);
 - ``phases``: per phase (forward and backward, clipping, the optimizer and zeroing), the host's time
   dispatching it and its span on the device's timeline between CUDA events: where the device waits.
 
@@ -94,6 +95,20 @@ def first_step_ms(model, optimizer, batch) -> float:
     return (time.perf_counter() - began) * 1e3
 
 
+def in_place_step_ms(model, optimizer, args: argparse.Namespace, mbs: int | None) -> dict | None:
+    """The first two steps of the warmed model at the next mbs: what an in-place switch to a shape the run
+    has not run yet pays once (``first_ms`` against ``second_ms``)."""
+    if mbs is None:
+        return None
+    batch = random_batch(args.size, mbs, args.seq, DEVICE)
+    first = first_step_ms(model, optimizer, batch)
+    return {
+        "mbs": mbs,
+        "first_ms": round(first, 2),
+        "second_ms": round(first_step_ms(model, optimizer, batch), 2),
+    }
+
+
 def steady_ms(model, optimizer, batch, args: argparse.Namespace, *, measure: bool) -> float:
     for _ in range(args.warmup):
         step(model, optimizer, batch, measure=measure)
@@ -151,7 +166,8 @@ def main() -> None:
     args = parser.parse_args()
     args.device, args.no_compile = DEVICE, True
     init_single_process_group(DEVICE)
-    for mbs in (int(m) for m in args.mbs.split(",")):
+    sizes = [int(m) for m in args.mbs.split(",")]
+    for mbs, next_mbs in zip(sizes, [*sizes[1:], None], strict=True):
         model, optimizer, _ = engine_model(args.size, mbs, args)
         batch = random_batch(args.size, mbs, args.seq, DEVICE)
         first = first_step_ms(model, optimizer, batch)
@@ -170,6 +186,7 @@ def main() -> None:
             "device_idle_ms": None if kernels is None else round(whole - kernels, 2),
             "phases": by_phase,
             "host_calls": host_calls,
+            "in_place_to_next": in_place_step_ms(model, optimizer, args, next_mbs),
         }
         print(json.dumps(row), flush=True)
         del model, optimizer
