@@ -12,7 +12,7 @@ from cona.planner.calibration_factors import Calibration
 from cona.planner.perf_model import predict
 from cona.planner.profiles import run_profile
 from cona.planner.step_parts import StepParts, model_step_parts
-from cona.planner.step_shape import StepShape, fit_shape
+from cona.planner.step_shape import DEVICE_PRIOR_ERROR, StepShape, fit_shape
 from cona.planner.systems import load_system
 from cona.strategy import Strategy, StrategyArray
 
@@ -129,6 +129,25 @@ def test_one_point_over_an_eager_host_floor_corrects_the_host_and_not_the_device
     predicted = fitted.step_s(parts)
     assert predicted[1] == pytest.approx(0.042)
     assert predicted[2] == pytest.approx(0.0501, rel=0.05)
+
+
+def test_one_point_well_over_a_device_bound_step_with_a_host_floor_near_it_corrects_the_host():
+    """Eager GPT-125M on an H100 with its own system file (issue 16, e23): gbs 16 stepped in 39.9 ms, over the
+    model's device (32.1 ms; its kernels took 29.9 ms) and host floor (29.8 ms); gbs 8 then measured 45-50
+    ms a step and gbs 32 56.5 ms. With the device corrected, gbs 8 kept the 29.8 ms host floor and gbs 32
+    took 72 ms (0.78 of its measured rate)."""
+    strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16, 32)]
+    profile = run_profile("native", TrainingConfig(compile=False))
+    parts = model_step_parts(GPT_125M, strategies, load_system("h100_80g"), backend=profile)
+    assert parts.host_s[1] < parts.device_s[1] < 0.0399 * (1 - DEVICE_PRIOR_ERROR)
+    fitted = fit_shape(parts.take(1), [0.0399])
+    assert fitted.matrix_efficiency == fitted.memory_efficiency == 1.0
+    predicted = fitted.step_s(parts)
+    assert predicted[0] == pytest.approx(0.0399) and predicted[1] == pytest.approx(0.0399)
+    assert predicted[2] == pytest.approx(0.0565, rel=0.05)
+    # Within the device's prior error of it, the point still moves the device (the model's bounding term).
+    within = fit_shape(parts.take(1), [float(parts.device_s[1]) * 1.1])
+    assert within.host_efficiency == 1.0 and within.matrix_efficiency < 1.0
 
 
 def test_one_point_over_the_model_s_host_floor_on_a_device_bound_step_corrects_the_device():
