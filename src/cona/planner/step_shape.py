@@ -159,8 +159,9 @@ _FACTORS = ("matrix_efficiency", "memory_efficiency", "comm_efficiency", "host_e
 def _one_point_shape(parts: StepParts, measured_s: float, forms: tuple[Form, ...]) -> StepShape:
     """One point corrects the term that bounds the model's step (its host floor or its device) where the
     other term stays under the measured step: nothing measured says that term was off, and a factor on
-    it too would move every strategy it bounds. Only where the measured step is under both terms does one
-    factor scale the whole step. Issue 16, both on the H200 with GPT-125M:
+    it too would move every strategy it bounds; except that a device-bound step measured too far over its
+    device with a host floor near it corrects the host (:func:`_host_explains`). Only where the measured
+    step is under both terms does one factor scale the whole step. Issue 16, both on the H200 with GPT-125M:
 
     * compiled (CUDA graphs), gbs 8 stepped in 14.6 ms against a host floor of 16.6 ms and a device of
       11.4 ms; one factor made gbs 16 16.9 ms, which then measured 19.9 ms (the device's 19.3 ms);
@@ -169,7 +170,7 @@ def _one_point_shape(parts: StepParts, measured_s: float, forms: tuple[Form, ...
     """
     host, device = float(parts.host_s[0]), float(parts.device_s[0])
     form: Form = "overlap" if "overlap" in forms else "serial"  # without extra host time both are the max
-    if host >= device and measured_s >= device or _host_explains(host, device, measured_s):
+    if (host >= device and measured_s >= device) or _host_explains(host, device, measured_s):
         return StepShape(form=form, host_efficiency=host / measured_s)
     if device > host and measured_s >= host:
         factors = ("matrix_efficiency", "memory_efficiency", "comm_efficiency")
