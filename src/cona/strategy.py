@@ -66,7 +66,7 @@ def noise_step_pieces(strategy: Strategy) -> int:
     scale (1: not cut): the smallest factor > 1 of ``mbs`` where a rank has a single micro-batch a step and
     pp = 1 (a pipeline's schedule is built for one micro-batch count and shape). Equal pieces keep one
     small-batch size per step, which the estimator needs. The engine cuts by it
-    (:mod:`cona.engine.step_noise`); the online search models those steps' time by it."""
+    (:mod:`cona.engine.step_noise`); the online search leaves such steps out of its first-line proxy."""
     if strategy.micro_batches != 1 or strategy.pp != 1:
         return 1
     return next((factor for factor in range(2, strategy.mbs + 1) if strategy.mbs % factor == 0), 1)
