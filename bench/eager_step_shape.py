@@ -18,6 +18,11 @@ Each time is the median of ``--repeats`` rounds of ``--steps`` steps after ``--w
 device from the repository root::
 
     PYTHONPATH=src python3 bench/eager_step_shape.py --mbs 8,16,32,64
+
+``--compiled`` times the same step compiled without CUDA graphs, the mode the host prior of the performance
+model was measured in (:data:`cona.planner.profiles.NATIVE_HOST`), for the eager host's ratio to it on one
+host: only ``first_step_ms`` (the compile), ``whole_ms``, ``kernel_ms`` and the phases (pieces and a new
+shape would compile again).
 """
 
 from __future__ import annotations
@@ -163,8 +168,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compiled", action="store_true", help="compiled, CUDA graphs off (see above)")
     args = parser.parse_args()
-    args.device, args.no_compile = DEVICE, True
+    args.device, args.no_compile, args.cuda_graphs = DEVICE, not args.compiled, False
     init_single_process_group(DEVICE)
     sizes = [int(m) for m in args.mbs.split(",")]
     for mbs, next_mbs in zip(sizes, [*sizes[1:], None], strict=True):
@@ -172,21 +178,22 @@ def main() -> None:
         batch = random_batch(args.size, mbs, args.seq, DEVICE)
         first = first_step_ms(model, optimizer, batch)
         whole = steady_ms(model, optimizer, batch, args, measure=False)
-        pieces = steady_ms(model, optimizer, batch, args, measure=True)
+        pieces = None if args.compiled else steady_ms(model, optimizer, batch, args, measure=True)
         kernels, host_calls = kernel_ms(model, optimizer, batch)
         by_phase = phase_ms(model, optimizer, batch, args)
         row = {
             "size": args.size,
+            "mode": "compiled, no CUDA graphs" if args.compiled else "eager",
             "mbs": mbs,
             "first_step_ms": round(first, 2),
             "whole_ms": round(whole, 2),
-            "pieces_ms": round(pieces, 2),
-            "pieces_over_whole": round(pieces / whole, 3),
+            "pieces_ms": None if pieces is None else round(pieces, 2),
+            "pieces_over_whole": None if pieces is None else round(pieces / whole, 3),
             "kernel_ms": None if kernels is None else round(kernels, 2),
             "device_idle_ms": None if kernels is None else round(whole - kernels, 2),
             "phases": by_phase,
             "host_calls": host_calls,
-            "in_place_to_next": in_place_step_ms(model, optimizer, args, next_mbs),
+            "in_place_to_next": None if args.compiled else in_place_step_ms(model, optimizer, args, next_mbs),
         }
         print(json.dumps(row), flush=True)
         del model, optimizer

@@ -130,7 +130,9 @@ def reference_step(size: str, mbs: int, args: argparse.Namespace) -> Callable[[]
 # ----------------------------------------------------------------------------------------------------
 # CONA's engine: the worker's step path.
 # ----------------------------------------------------------------------------------------------------
-def engine_config(size: str, seq: int, compile_: bool, device: str) -> tuple[ModelConfig, object]:
+def engine_config(
+    size: str, seq: int, compile_: bool, device: str, *, cuda_graphs: bool = True
+) -> tuple[ModelConfig, object]:
     layers, hidden, heads = SIZES[size]
     raw = {
         "model": {
@@ -148,6 +150,7 @@ def engine_config(size: str, seq: int, compile_: bool, device: str) -> tuple[Mod
             "dtype": "bf16",  # fp32 on the CPU (resolved_dtype)
             "zero_stage": 0,
             "compile": compile_,
+            "cuda_graphs": cuda_graphs,
             "clip_grad": 1.0,
         },
     }
@@ -156,7 +159,8 @@ def engine_config(size: str, seq: int, compile_: bool, device: str) -> tuple[Mod
 
 
 def engine_model(size: str, mbs: int, args: argparse.Namespace) -> tuple[TrainingModel, object, object]:
-    _, config = engine_config(size, args.seq, not args.no_compile, args.device)
+    cuda_graphs = getattr(args, "cuda_graphs", True)
+    _, config = engine_config(size, args.seq, not args.no_compile, args.device, cuda_graphs=cuda_graphs)
     training: TrainingConfig = config.training
     strategy = Strategy(
         dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs, zero_stage=training.zero_stage, recompute=training.recompute

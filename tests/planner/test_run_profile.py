@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from cona.config import ConaConfig, ModelConfig, TrainingConfig
-from cona.planner.profiles import EAGER_DEVICE_FACTOR, BackendProfile, run_profile
+from cona.planner.profiles import EAGER_DEVICE_FACTOR, EAGER_HOST, NATIVE_HOST, BackendProfile, run_profile
 from cona.planner.step_parts import model_step_parts
 from cona.planner.systems import load_system
 from cona.planner.throughput import Point, ThroughputEstimator
@@ -66,7 +66,8 @@ def test_one_eager_point_predicts_the_larger_batches_with_the_runs_profile() -> 
 
 def test_an_eager_gpu_run_is_predicted_at_eager_kernel_speed() -> None:
     """Nothing measured: the eager profile's device time puts the device-bound gbs 32 and 64 within 10% of
-    the H200's eager rates; the compiled kernels' times alone put them 1.3-1.45x too fast."""
+    the H200's eager rates; the compiled kernels' times alone put them 1.18-1.42x too fast (gbs 32 then
+    meets the eager host floor)."""
     h200, cpu = load_system("h200_141g"), load_system("cpu_gloo")
     eager = run_profile("native", TrainingConfig(compile=False))
     assert eager.device_time_factor == EAGER_DEVICE_FACTOR
@@ -77,7 +78,7 @@ def test_an_eager_gpu_run_is_predicted_at_eager_kernel_speed() -> None:
         return np.array(predicted) / np.array([H200_EAGER_TOKENS_PER_S[32], H200_EAGER_TOKENS_PER_S[64]])
 
     assert np.all(np.abs(raw_over_measured(eager) - 1) < 0.1)
-    assert np.all(raw_over_measured(dataclasses.replace(eager, device_time_factor=1.0)) > 1.25)
+    assert np.all(raw_over_measured(dataclasses.replace(eager, device_time_factor=1.0)) > 1.15)
     assert run_profile("native", TrainingConfig()).device_time_factor == 1.0  # compiled on the GPU
     assert run_profile("megatron-deepspeed", TrainingConfig(compile=False)).device_time_factor == 1.0
     # A CPU system's file is measured eager: the factor leaves its steps as they were.
@@ -87,3 +88,20 @@ def test_an_eager_gpu_run_is_predicted_at_eager_kernel_speed() -> None:
         for profile in (eager, dataclasses.replace(eager, device_time_factor=1.0))
     ]
     assert steps[0] == steps[1]
+
+
+def test_an_eager_gpu_run_is_predicted_at_the_eager_hosts_dispatch() -> None:
+    """Nothing measured: the eager host floor puts the host-bound gbs 8 and 16 within 15% of the H200's eager
+    rates (the first trial of an eager run is predicted from it); the compiled dispatch puts them 1.2x or
+    more too fast."""
+    h200 = load_system("h200_141g")
+    eager = run_profile("native", TrainingConfig(compile=False))
+    assert eager.host == EAGER_HOST
+
+    def raw_over_measured(profile: BackendProfile) -> np.ndarray:
+        parts = [model_step_parts(GPT_125M, [one_gpu(g)], h200, "bf16", backend=profile) for g in (8, 16)]
+        predicted = [g * GPT_125M.seq / float(p.raw_step_s[0]) for g, p in zip((8, 16), parts, strict=True)]
+        return np.array(predicted) / np.array([H200_EAGER_TOKENS_PER_S[8], H200_EAGER_TOKENS_PER_S[16]])
+
+    assert np.all(np.abs(raw_over_measured(eager) - 1) < 0.15)
+    assert np.all(raw_over_measured(dataclasses.replace(eager, host=NATIVE_HOST)) > 1.2)

@@ -3,6 +3,8 @@ the matrix rate from the memory traffic, and leaves what the points cannot show 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from cona.config import ModelConfig, TrainingConfig
 from cona.errors import PlanError
 from cona.planner.calibration_factors import Calibration
 from cona.planner.perf_model import predict
-from cona.planner.profiles import run_profile
+from cona.planner.profiles import NATIVE_HOST, run_profile
 from cona.planner.step_parts import StepParts, model_step_parts
 from cona.planner.step_shape import DEVICE_PRIOR_ERROR, StepShape, fit_shape
 from cona.planner.systems import load_system
@@ -119,9 +121,9 @@ def test_one_point_over_an_eager_host_floor_corrects_the_host_and_not_the_device
     """Eager GPT-125M on the H200 (issue 16, thirteenth session, e6): gbs 16 stepped in 39-42 ms on a slow
     host, over the model's host floor (29.8 ms) and its device (26.6 ms); gbs 32 then measured 50.1 ms, about
     its device's 48.0 ms. One factor on the whole step had made gbs 32 63-68 ms (0.79 of its measured rate
-    at the run's decision)."""
+    at the run's decision). The host prior is the one that run had (:data:`NATIVE_HOST`'s)."""
     strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16, 32)]
-    profile = run_profile("native", TrainingConfig(compile=False))
+    profile = dataclasses.replace(run_profile("native", TrainingConfig(compile=False)), host=NATIVE_HOST)
     parts = model_step_parts(GPT_125M, strategies, H200, backend=profile)
     assert parts.device_s[1] < parts.host_s[1] < 0.042
     fitted = fit_shape(parts.take(1), [0.042])
@@ -135,9 +137,11 @@ def test_one_point_well_over_a_device_bound_step_with_a_host_floor_near_it_corre
     """Eager GPT-125M on an H100 with its own system file (issue 16, e23): gbs 16 stepped in 39.9 ms, over the
     model's device (32.1 ms; its kernels took 29.9 ms) and host floor (29.8 ms); gbs 8 then measured 45-50
     ms a step and gbs 32 56.5 ms. With the device corrected, gbs 8 kept the 29.8 ms host floor and gbs 32
-    took 72 ms (0.78 of its measured rate). In e24, 36.8 ms did the same."""
+    took 72 ms (0.78 of its measured rate). In e24, 36.8 ms did the same. The host prior is the one those runs
+    had (:data:`NATIVE_HOST`'s); with the eager one, the point falls under the host floor and moves the host
+    alone (below)."""
     strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16, 32)]
-    profile = run_profile("native", TrainingConfig(compile=False))
+    profile = dataclasses.replace(run_profile("native", TrainingConfig(compile=False)), host=NATIVE_HOST)
     parts = model_step_parts(GPT_125M, strategies, load_system("h100_80g"), backend=profile)
     assert parts.host_s[1] < parts.device_s[1] < 0.0399 * (1 - DEVICE_PRIOR_ERROR)
     fitted = fit_shape(parts.take(1), [0.0399])
@@ -151,6 +155,15 @@ def test_one_point_well_over_a_device_bound_step_with_a_host_floor_near_it_corre
     # Within the device's prior error of it, the point still moves the device (the model's bounding term).
     within = fit_shape(parts.take(1), [float(parts.device_s[1]) * 1.05])
     assert within.host_efficiency == 1.0 and within.matrix_efficiency < 1.0
+    eager = model_step_parts(
+        GPT_125M,
+        strategies,
+        load_system("h100_80g"),
+        backend=run_profile("native", TrainingConfig(compile=False)),
+    )
+    assert eager.device_s[1] < 0.0399 < eager.host_s[1]
+    predicted = fit_shape(eager.take(1), [0.0399]).step_s(eager)
+    assert predicted[0] == pytest.approx(0.0399) and predicted[2] == pytest.approx(0.0565, rel=0.05)
 
 
 def test_one_point_over_the_model_s_host_floor_on_a_device_bound_step_corrects_the_device():

@@ -83,6 +83,15 @@ checks of the host term (docs/perf-model.md)."""
 NATIVE_GRAPH_HOST = HostDispatch(block_s=0.59e-3, micro_batch_s=6.2e-3, step_block_s=0.275e-3)
 """Compiled with CUDA graphs, the same profile in call 11: 13.2 ms of forward and backward per micro-batch,
 3.3 ms per step (clip 0.62, optimizer 2.19, zeroing 0.06, interval sums 0.43), split in the same ratio."""
+EAGER_HOST = HostDispatch(block_s=1.70e-3, micro_batch_s=18.1e-3, step_block_s=NATIVE_HOST.step_block_s)
+"""Eager (nothing compiled), measured on an H100's host with ``bench/eager_step_shape.py`` (GPT-125M, mbs 8,
+host-bound): the whole step took 41.6-42.3 ms, of which clipping and the optimizer 3.4-3.8 ms, so 38.5 ms of
+forward and backward dispatch per micro-batch, against 22.9 ms compiled without graphs on the same host
+(1.66x: eager launches every unfused kernel). Split into a fixed part and a part per block in
+:data:`NATIVE_HOST`'s ratio; clipping and the optimizer are the same eager code in both modes (measured
+within 0.4 ms). Hosts differ by far more than a prior can know (eager gbs 8-16 steps of 29-50 ms on the
+H200's hosts, 35-61 ms on the H100's, issue 16); :data:`NATIVE_HOST`'s 29.8 ms a step had sat at the fast
+end of both, and the first trial of every eager run was predicted 1.15-2.17x too fast."""
 EAGER_DEVICE_FACTOR = 1.38
 """An eager step's device time over a compiled step's, same strategy and GPU: GPT-125M on the H200 took 50
 against 36 ms at mbs 32 and 93 against 68 ms at mbs 64 (1.39 and 1.37, docs/benchmarks.md, fourth session).
@@ -143,14 +152,15 @@ def megatron_profile() -> BackendProfile:
 def run_profile(backend: str, training: TrainingConfig) -> BackendProfile:
     """The profile of ``backend`` as a run of ``training`` uses it: CUDA graphs only where that run can
     capture them (compiled on the GPU with ``training.cuda_graphs``; the strategy's own conditions are the
-    step model's), and an eager run's accelerator kernels at :data:`EAGER_DEVICE_FACTOR`. An eager run, or
-    one with graphs off, dispatches every kernel from the host: on the H200 the graph profile put GPT-125M
-    mbs 8 eager at 247k tokens/s, against 109k measured (docs/benchmarks.md, third session), and a fit on
-    that one point then under-predicted the larger batches by a third."""
+    step model's), and an eager run's accelerator kernels at :data:`EAGER_DEVICE_FACTOR` and its dispatch at
+    :data:`EAGER_HOST`. An eager run, or one with graphs off, dispatches every kernel from the host: on the
+    H200 the graph profile put GPT-125M mbs 8 eager at 247k tokens/s, against 109k measured
+    (docs/benchmarks.md, third session), and a fit on that one point then under-predicted the larger
+    batches by a third."""
     compiled = training.compiles_on("cuda")
     profile = backend_profile(backend).with_cuda_graphs(training.cuda_graphs and compiled)
     if backend == "native" and not compiled:
-        profile = replace(profile, device_time_factor=EAGER_DEVICE_FACTOR)
+        profile = replace(profile, device_time_factor=EAGER_DEVICE_FACTOR, host=EAGER_HOST)
     return profile
 
 
