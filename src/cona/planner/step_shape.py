@@ -68,7 +68,8 @@ DEVICE_PRIOR_ERROR = 0.10
 """How far a card's own system file may miss a step's device time: GPT-125M's eager kernels on an H100 took
 7-8% less than the H100 file's device time (issue 16, ``bench/eager_step_shape.py``, two calls). Host
 floors miss by far more: eager 125M steps at gbs 8-16, host-bound, took 29-50 ms on the H200's hosts and
-35-61 ms on the H100's, against the prior's 29.8 ms."""
+35-61 ms on the H100's, against one prior for all (29.8 ms then, 42.8 ms since
+:data:`cona.planner.profiles.EAGER_HOST`)."""
 DEVICE_PARAMS = 3
 """The first parameters of a fit are the device's (see :data:`PRIOR_WEIGHTS`), the rest the host's."""
 LEAST_SQUARES = {"method": "dogbox"}
