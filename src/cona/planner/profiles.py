@@ -89,9 +89,11 @@ host-bound): the whole step took 41.6-42.3 ms, of which clipping and the optimiz
 forward and backward dispatch per micro-batch, against 22.9 ms compiled without graphs on the same host
 (1.66x: eager launches every unfused kernel). Split into a fixed part and a part per block in
 :data:`NATIVE_HOST`'s ratio; clipping and the optimizer are the same eager code in both modes (measured
-within 0.4 ms). Hosts differ by far more than a prior can know (eager gbs 8-16 steps of 29-50 ms on the
-H200's hosts, 35-61 ms on the H100's, issue 16); :data:`NATIVE_HOST`'s 29.8 ms a step had sat at the fast
-end of both, and the first trial of every eager run was predicted 1.15-2.17x too fast."""
+within 0.4 ms). Hosts differ by far more than a prior can know: another H100 host ran the same eager step
+device-bound in 17.5 ms (its dispatch at most 16.6 ms, clipping and the optimizer 3x faster too), and eager
+gbs 8-16 steps in online runs took 29-50 ms on the H200's hosts and 35-61 ms on the H100's (issue 16). This
+prior is the runs' typical host: :data:`NATIVE_HOST`'s 29.8 ms a step had sat at their fast end, and the
+first trials of e22-e26 were predicted 1.15-2.17x too fast (with this prior, 0.86-1.63 replayed)."""
 EAGER_DEVICE_FACTOR = 1.38
 """An eager step's device time over a compiled step's, same strategy and GPU: GPT-125M on the H200 took 50
 against 36 ms at mbs 32 and 93 against 68 ms at mbs 64 (1.39 and 1.37, docs/benchmarks.md, fourth session).
