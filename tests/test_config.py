@@ -86,6 +86,7 @@ def test_relative_paths_are_relative_to_the_file(tmp_path):
         (MODEL, {"save_interval_minutes": -5}, "training.save_interval_minutes: must be positive (or null"),
         (MODEL, {"keep_checkpoints": 0}, "training.keep_checkpoints: must be positive"),
         (MODEL, {"trial_prediction_error": -0.1}, "training.trial_prediction_error: must be non-negative"),
+        (MODEL, {"noise_scale_factor": 0.0}, "training.noise_scale_factor: must be positive"),
     ],
 )
 def test_bad_values_name_the_key_and_file(tmp_path, model, training, expected):

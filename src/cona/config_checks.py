@@ -137,6 +137,8 @@ def _check_lr(training: Any, where: str) -> None:
         fail("training.fallback_ema_alpha", "must be in (0, 1]")
     if training.trial_prediction_error < 0:
         fail("training.trial_prediction_error", "must be non-negative")
+    if not training.noise_scale_factor > 0:
+        fail("training.noise_scale_factor", "must be positive")
     if not 0.0 <= training.lr_warmup_frac < 1.0:
         fail("training.lr_warmup_frac", "must be in [0, 1)")
 

@@ -251,3 +251,35 @@ def test_online_decides_no_more_often_than_a_run_logs():
     decided = [record["iteration"] for record in every_third.decisions]
     assert len(decided) == 2 and decided[0] >= 3 and decided[1] - decided[0] >= 3, decided
     assert all(stage.iterations >= 3 for stage in every_third.online.stages[:-1])
+
+
+def test_the_noise_scale_factor_reads_a_trace_as_one_of_that_many_times_its_noise():
+    """``cona plan`` with ``noise_scale_factor`` k on a trace plans as it would with k = 1 on the same trace
+    whose noise scale was k times larger: progress, the profile's phi and the chains alike."""
+    shape = {"seq": 2048, "gbs": 16, "total_tokens": 2.6e10, "curve": LossCurve(scale_tokens=2.6e7)}
+    measured, larger = synthetic_trace(**shape), synthetic_trace(**shape, noise_multiplier=4.0)
+    np.testing.assert_allclose(trace_progress(measured, 8, noise_scale_factor=4.0), trace_progress(larger, 8))
+    assert not np.allclose(trace_progress(measured, 8), trace_progress(larger, 8))
+    progress = target_progress(larger, 16, target_loss=2.4)
+    assert target_progress(measured, 16, target_loss=2.4, noise_scale_factor=4.0) == pytest.approx(progress)
+    profile = noise_profile(measured, 16, progress, DEFAULT_SEGMENTS, noise_scale_factor=4.0)
+    np.testing.assert_allclose(
+        profile.noise_scale, noise_profile(larger, 16, progress, DEFAULT_SEGMENTS).noise_scale
+    )
+    config = ConaConfig(model=GPT_1_3B, training=TrainingConfig(base_gbs=16))
+    search = SearchSettings(system=load_system("a6000_48g_pcie"), n_gpus=16, botorch=False)
+    results = [
+        plan(
+            config,
+            trace,
+            search=search,
+            policy=PolicySettings(base_gbs=16, max_gbs=1024, noise_scale_factor=factor),
+            initial_gbs=16,
+            progress=progress,
+            switch_cost_s=60.0,
+        )
+        for trace, factor in ((measured, 4.0), (larger, 1.0))
+    ]
+    for chain in ("online", "optimum", "best_static"):
+        times = [getattr(result, chain).time_s for result in results]
+        assert times[0] == pytest.approx(times[1], rel=1e-9)

@@ -187,6 +187,24 @@ def test_the_decision_record_is_one_json_line_with_the_numbers():
     assert record["switch_cost_source"] == "predicted"
 
 
+def test_the_noise_scale_factor_decides_as_the_scaled_noise_scale_would():
+    """``noise_scale_factor`` k with a measured noise scale phi decides as k = 1 with k x phi: the same
+    actions, efficiencies and progress; the record keeps the measured value."""
+    scaled = dataclasses.replace(SETTINGS, noise_scale_factor=4.0)
+    for noise_scale in (0.5, 1.0, 2.0, 8.0):
+        with_factor = decide(fresh_state(), measure(noise_scale), CANDIDATE, scaled)
+        as_measured = decide(fresh_state(), measure(4.0 * noise_scale), CANDIDATE, SETTINGS)
+        assert with_factor.action == as_measured.action
+        for key in ("current", "candidate"):
+            assert with_factor.record[key]["progress_per_s"] == pytest.approx(
+                as_measured.record[key]["progress_per_s"]
+            )
+        assert with_factor.record["noise_scale"] == pytest.approx(noise_scale)
+    # Break-even phi = 4 (above): measured 2 stays at k = 1 and switches at k = 4.
+    assert decide(fresh_state(), measure(2.0), CANDIDATE, SETTINGS).action == "stay"
+    assert decide(fresh_state(), measure(2.0), CANDIDATE, scaled).action == "switch"
+
+
 def test_settings_from_training_and_refused_values():
     training = TrainingConfig(
         base_gbs=8, fallback=True, fallback_patience=5, trial_prediction_error=0.05,
@@ -195,8 +213,15 @@ def test_settings_from_training_and_refused_values():
     settings = PolicySettings.from_training(training, max_gbs=128, hysteresis=0.1)
     assert (settings.base_gbs, settings.fallback_patience, settings.hysteresis) == (8, 5, 0.1)
     assert settings.trial_prediction_error == 0.05 and settings.measure_before_commit
+    assert settings.noise_scale_factor == 1.0
+    assert (
+        PolicySettings.from_training(TrainingConfig(noise_scale_factor=4.0), max_gbs=64).noise_scale_factor
+        == 4.0
+    )
     with pytest.raises(PlanError, match="factor"):
         PolicySettings(base_gbs=8, max_gbs=64, gbs_factor=1)
+    with pytest.raises(PlanError, match="noise_scale_factor"):
+        PolicySettings(base_gbs=8, max_gbs=64, noise_scale_factor=0.0)
 
 
 def test_the_frontier_skips_candidates_that_can_never_win():

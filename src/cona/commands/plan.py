@@ -147,12 +147,12 @@ def _run(args: argparse.Namespace) -> int:
 def _target(
     args: argparse.Namespace, config: ConaConfig, trace: Trace, initial_gbs: int
 ) -> tuple[float, str]:
-    base = config.training.base_gbs
+    base, factor = config.training.base_gbs, config.training.noise_scale_factor
     if args.target_ppl is not None or args.target_loss is not None:
         if args.target_ppl is not None and not args.target_ppl > 1:
             raise UsageError(f"--target-ppl must be above 1, got {args.target_ppl}")
         loss = math.log(args.target_ppl) if args.target_ppl is not None else args.target_loss
-        progress = target_progress(trace, base, target_loss=loss)
+        progress = target_progress(trace, base, target_loss=loss, noise_scale_factor=factor)
         return (
             progress,
             f"target {trace.loss_kind} {loss:.4g}, reached at {trace.tokens_at_loss(loss):.4g} tokens",
@@ -160,7 +160,7 @@ def _target(
     tokens = args.total_tokens
     if args.total_iters is not None:
         tokens = float(args.total_iters * initial_gbs * config.model.seq)
-    progress = target_progress(trace, base, total_tokens=tokens)
+    progress = target_progress(trace, base, total_tokens=tokens, noise_scale_factor=factor)
     spent = (
         f"{tokens:.4g} tokens" if tokens is not None else f"the whole trace ({trace.tokens[-1]:.4g} tokens)"
     )

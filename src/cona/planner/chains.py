@@ -21,14 +21,17 @@ class NoiseProfile:
     """``segments + 1`` progress values (base-batch-equivalent tokens)."""
     estimates: tuple[NoiseScaleEstimate | None, ...]
     """The tracker's estimate at each segment's start (None: no estimate yet)."""
+    noise_scale_factor: float = 1.0
+    """The efficiency's ``phi`` is the measured noise scale times this (``training.noise_scale_factor``)."""
 
     @cached_property
     def noise_scale(self) -> np.ndarray:
-        """Per segment, in samples; an unknown noise scale counts as 0 (no evidence that big batches help)."""
+        """Per segment, the efficiency's ``phi`` in samples; an unknown noise scale counts as 0 (no evidence
+        that big batches help)."""
         values = [
             e.noise_scale if e is not None and e.noise_scale is not None else 0.0 for e in self.estimates
         ]
-        return np.asarray(values, dtype=np.float64)
+        return np.asarray(values, dtype=np.float64) * self.noise_scale_factor
 
 
 def segment_times(profile: NoiseProfile, candidates: tuple[Candidate, ...], base_gbs: int) -> np.ndarray:

@@ -295,14 +295,20 @@ def chain_config(stages: tuple[Stage, ...]) -> dict:
 
 
 def target_progress(
-    trace: Trace, base_gbs: int, *, target_loss: float | None = None, total_tokens: float | None = None
+    trace: Trace,
+    base_gbs: int,
+    *,
+    target_loss: float | None = None,
+    total_tokens: float | None = None,
+    noise_scale_factor: float = 1.0,
 ) -> float:
     """The progress to reach: where the trace's loss first reached ``target_loss``, or the trace's progress
     after ``total_tokens`` tokens, or at its end when neither is given."""
     if target_loss is not None:
-        return progress_at_tokens(trace, base_gbs, trace.tokens_at_loss(target_loss))
-    tokens = total_tokens if total_tokens is not None else float(trace.tokens[-1])
-    return progress_at_tokens(trace, base_gbs, tokens)
+        tokens = trace.tokens_at_loss(target_loss)
+    else:
+        tokens = total_tokens if total_tokens is not None else float(trace.tokens[-1])
+    return progress_at_tokens(trace, base_gbs, tokens, noise_scale_factor=noise_scale_factor)
 
 
 def plan(
@@ -322,7 +328,9 @@ def plan(
     candidates = best_candidates(config, frontier_sizes(initial_gbs, policy), search)
     return simulate(
         candidates,
-        noise_profile(trace, policy.base_gbs, progress, segments),
+        noise_profile(
+            trace, policy.base_gbs, progress, segments, noise_scale_factor=policy.noise_scale_factor
+        ),
         policy=policy,
         switch_cost_s=switch_cost_s,
         seq=config.model.seq,

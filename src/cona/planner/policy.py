@@ -285,9 +285,9 @@ def strategy_dict(strategy: Strategy) -> dict[str, Any]:
 
 
 def _usable_noise_scale(noise: NoiseScaleEstimate | None, settings: PolicySettings) -> float | None:
-    if noise is None or noise.samples < settings.min_measurements:
+    if noise is None or noise.samples < settings.min_measurements or noise.noise_scale is None:
         return None
-    return noise.noise_scale
+    return noise.noise_scale * settings.noise_scale_factor
 
 
 def _noise_samples(measurement: Measurement) -> int:

@@ -65,6 +65,8 @@ class PolicySettings:
     measure_before_commit: bool = True
     """With ``in_place``: a switch to a layout-keeping candidate of predicted throughput that pays is made
     as a trial too, judged at its measured rate (``training.measure_before_commit``)."""
+    noise_scale_factor: float = 1.0
+    """The efficiency's ``phi``: the measured noise scale times this (``training.noise_scale_factor``)."""
     noise_scale_agreement: bool = False
     """Up-switches judged at the lower of the windowed noise scale and its EMA, fall-backs at the higher
     (``training.noise_scale_agreement``)."""
@@ -83,6 +85,8 @@ class PolicySettings:
             raise PlanError("hysteresis and switch cost must be non-negative")
         if self.trial_prediction_error < 0:
             raise PlanError(f"trial_prediction_error must be non-negative, got {self.trial_prediction_error}")
+        if not self.noise_scale_factor > 0:
+            raise PlanError(f"noise_scale_factor must be positive, got {self.noise_scale_factor}")
         if self.decision_interval < 1:
             raise PlanError(f"decision_interval must be at least 1, got {self.decision_interval}")
         if not 0.0 < self.fallback_ema_alpha <= 1.0 or self.fallback_patience < 1:
@@ -97,6 +101,7 @@ class PolicySettings:
             "fallback_ema_alpha": training.fallback_ema_alpha,
             "fallback_patience": training.fallback_patience,
             "noise_scale_agreement": training.noise_scale_agreement,
+            "noise_scale_factor": training.noise_scale_factor,
             "measure_before_commit": training.measure_before_commit,
             "trial_prediction_error": training.trial_prediction_error,
             "decision_interval": training.log_interval,

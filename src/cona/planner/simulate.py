@@ -72,7 +72,7 @@ def noisy_profile(profile: NoiseProfile, sigma: float, rng: np.random.Generator)
         None if estimate is None else replace(estimate, trace_sigma=estimate.trace_sigma * float(factor))
         for estimate, factor in zip(profile.estimates, factors, strict=True)
     )
-    return NoiseProfile(edges=profile.edges, estimates=estimates)
+    return replace(profile, estimates=estimates)
 
 
 def simulate_against_truth(

@@ -1,0 +1,80 @@
+"""Which multiple of the measured noise scale makes the efficiency model agree with online runs' own progress.
+
+Online mode values a token at global batch ``M`` at ``(k phi + M0) / (k phi + M)`` of one at the base batch
+``M0`` (``training.noise_scale_factor`` is ``k``; ``phi`` the measured noise scale). Runs of one preset that
+took different gbs paths and reached the same eval perplexity made the same progress, so the model should
+credit them equally there. For each ``k`` this prints, per perplexity level, the spread (standard deviation
+over mean) of the progress the model credits each run with when it first reached that level, integrated
+along the run's own gbs path and its measured noise scale; the ``k`` with the smallest spread fits best.
+``raw tokens`` is the spread with every token counted alike (no efficiency at all).
+
+Example (the twenty-third session's eight H100 runs, docs/benchmarks.md; each ``RUN`` is an online run's
+logs folder, ``WORK/online/logs/online``)::
+
+    PYTHONPATH=src .venv/bin/python bench/efficiency_calibration.py RUN [RUN ...] --base-gbs 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cona.planner.efficiency import statistical_efficiency
+
+FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)
+LEVELS = (80.0, 60.0, 40.0, 30.0, 25.0, 22.0)
+
+
+def read_run(run: Path) -> tuple[list[dict], np.ndarray]:
+    """The run's metrics lines, and (consumed tokens, measured noise scale) at each of its decisions."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    decisions = [json.loads(line) for line in (run / "decisions.jsonl").read_text().splitlines()]
+    noise = [(d["consumed_tokens"], d["noise_scale"]) for d in decisions if d.get("noise_scale")]
+    if not noise:
+        raise SystemExit(f"{run}: no decision with a noise scale")
+    return lines, np.asarray(noise, dtype=float)
+
+
+def crossings(run: Path, factor: float, base_gbs: int) -> dict[float, tuple[float, float]]:
+    """Per level: (tokens, credited progress) at the first eval at or below it."""
+    lines, noise = read_run(run)
+    found: dict[float, tuple[float, float]] = {}
+    progress, previous = 0.0, 0.0
+    for line in lines:
+        tokens = float(line["consumed_tokens"])
+        phi = float(np.interp((previous + tokens) / 2, noise[:, 0], noise[:, 1])) * factor
+        progress += (tokens - previous) * float(statistical_efficiency(line["gbs"], phi, base_gbs))
+        previous = tokens
+        ppl = line.get("eval_ppl")
+        for level in LEVELS:
+            if ppl is not None and ppl <= level and level not in found:
+                found[level] = (tokens, progress)
+    return found
+
+
+def spread(values: list[float]) -> float:
+    return float(np.std(values) / np.mean(values))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="online runs' logs folders")
+    parser.add_argument("--base-gbs", type=int, default=8)
+    args = parser.parse_args()
+    levels = [lv for lv in LEVELS if all(lv in crossings(r, 1.0, args.base_gbs) for r in args.runs)]
+    header = " ".join(f"ppl {lv:g}".rjust(8) for lv in levels)
+    print(f"{'k':>10} {header}     mean")
+    for factor in FACTORS:
+        at = [crossings(run, factor, args.base_gbs) for run in args.runs]
+        row = [spread([c[lv][1] for c in at]) for lv in levels]
+        print(f"{factor:>10g} {' '.join(f'{v:8.3f}' for v in row)} {np.mean(row):8.3f}")
+    at = [crossings(run, 1.0, args.base_gbs) for run in args.runs]
+    row = [spread([c[lv][0] for c in at]) for lv in levels]
+    print(f"{'raw tokens':>10} {' '.join(f'{v:8.3f}' for v in row)} {np.mean(row):8.3f}")
+
+
+if __name__ == "__main__":
+    main()
