@@ -200,6 +200,7 @@ def test_the_noise_scale_factor_decides_as_the_scaled_noise_scale_would():
                 as_measured.record[key]["progress_per_s"]
             )
         assert with_factor.record["noise_scale"] == pytest.approx(noise_scale)
+        assert with_factor.record["noise_scale_factor"] == 4.0
     # Break-even phi = 4 (above): measured 2 stays at k = 1 and switches at k = 4.
     assert decide(fresh_state(), measure(2.0), CANDIDATE, SETTINGS).action == "stay"
     assert decide(fresh_state(), measure(2.0), CANDIDATE, scaled).action == "switch"

@@ -372,7 +372,8 @@ def _record_base(state: PolicyState, measurement: Measurement, settings: PolicyS
         "time": measurement.time,
         "iteration": measurement.iteration,
         "consumed_tokens": measurement.consumed_tokens,
-        "noise_scale": None if noise is None else noise.noise_scale,
+        "noise_scale": None if noise is None else noise.noise_scale,  # as measured
+        "noise_scale_factor": settings.noise_scale_factor,  # the EMA and break-evens: of phi times this
         "noise_samples": _noise_samples(measurement),
         "current": {
             "strategy": strategy_dict(state.current.strategy),
