@@ -181,9 +181,9 @@ class TrainingConfig:
     noise_scale_factor: float = 1.0
     """Multiplies the measured noise scale wherever the efficiency ``(phi + base_gbs) / (phi + gbs)`` values
     a batch (online decisions, ``cona plan``): above 1 credits larger batches more. The engine measures
-    McCandlish's ``B_simple``, which need not be the critical batch (Adam's is larger than SGD's); on eight
-    eager GPT-125M runs, equal perplexity came at the most nearly equal credited progress with 4-6
-    (docs/benchmarks.md, twenty-third session). 1: the measurement as it is."""
+    McCandlish's ``B_simple``, which need not be the critical batch (Adam's is larger than SGD's): eight eager
+    GPT-125M online runs were credited most nearly alike at equal perplexity with 4-8, whole fixed runs
+    with 1 (docs/benchmarks.md, twenty-third session). 1: the measurement as it is."""
     noise_scale_agreement: bool = False
     """Decide on both noise-scale estimates: switch to a larger gbs only where the windowed estimate and its
     EMA both say it pays, fall back (or leave a trial) only where both say it does not. Off: switches follow
