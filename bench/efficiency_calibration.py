@@ -4,8 +4,9 @@ Online mode values a token at global batch ``M`` at ``(k phi + M0) / (k phi + M)
 ``M0`` (``training.noise_scale_factor`` is ``k``; ``phi`` the measured noise scale). Runs of one preset that
 took different gbs paths and reached the same eval perplexity made the same progress, so the model should
 credit them equally there. For each ``k`` this prints, per perplexity level, the spread (standard deviation
-over mean) of the progress the model credits each run with when it first reached that level, integrated
-along the run's own gbs path and its measured noise scale; the ``k`` with the smallest spread fits best.
+over mean) of the progress the model credits each run with where its eval perplexity crossed that level,
+integrated along the run's own gbs path and its measured noise scale; the ``k`` with the smallest spread
+fits best.
 ``raw tokens`` is the spread with every token counted alike (no efficiency at all).
 
 Example (the twenty-third session's eight H100 runs, docs/benchmarks.md; each ``RUN`` is an online run's
@@ -17,7 +18,9 @@ logs folder, ``WORK/online/logs/online``)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -39,19 +42,27 @@ def read_run(run: Path) -> tuple[list[dict], np.ndarray]:
 
 
 def crossings(run: Path, factor: float, base_gbs: int) -> dict[float, tuple[float, float]]:
-    """Per level: (tokens, credited progress) at the first eval at or below it."""
+    """Per level: (tokens, credited progress) where the eval perplexity crossed it, interpolated in log
+    perplexity between the two evals around the crossing (an eval comes every ~0.2-0.3M tokens here, as
+    much as the spreads this measures)."""
     lines, noise = read_run(run)
-    found: dict[float, tuple[float, float]] = {}
-    progress, previous = 0.0, 0.0
+    tokens, progress, ppl = [0.0], [0.0], []
     for line in lines:
-        tokens = float(line["consumed_tokens"])
-        phi = float(np.interp((previous + tokens) / 2, noise[:, 0], noise[:, 1])) * factor
-        progress += (tokens - previous) * float(statistical_efficiency(line["gbs"], phi, base_gbs))
-        previous = tokens
-        ppl = line.get("eval_ppl")
+        at = float(line["consumed_tokens"])
+        phi = float(np.interp((tokens[-1] + at) / 2, noise[:, 0], noise[:, 1])) * factor
+        progress.append(
+            progress[-1] + (at - tokens[-1]) * float(statistical_efficiency(line["gbs"], phi, base_gbs))
+        )
+        tokens.append(at)
+        if line.get("eval_ppl") is not None:
+            ppl.append((at, math.log(line["eval_ppl"])))
+    found: dict[float, tuple[float, float]] = {}
+    for (t0, p0), (t1, p1) in itertools.pairwise(ppl):
         for level in LEVELS:
-            if ppl is not None and ppl <= level and level not in found:
-                found[level] = (tokens, progress)
+            target = math.log(level)
+            if level not in found and p1 <= target < p0:
+                at = t0 + (t1 - t0) * (p0 - target) / (p0 - p1)
+                found[level] = (at, float(np.interp(at, tokens, progress)))
     return found
 
 

@@ -7,16 +7,17 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 
-def planted_run(folder: Path, gbs: int, *, noise_scale: float, factor: float) -> Path:
-    """A run at one gbs whose eval perplexity falls with the progress the model credits at ``factor``."""
+def planted_run(folder: Path, gbs: int, *, noise_scale: float, factor: float, eval_every: int = 1) -> Path:
+    """A run at one gbs whose eval perplexity (on every ``eval_every``-th line) falls with the progress the
+    model credits at ``factor``."""
     folder.mkdir()
     efficiency = (factor * noise_scale + 8) / (factor * noise_scale + gbs)
-    lines = [
-        {"consumed_tokens": tokens, "gbs": gbs, "eval_ppl": 200.0 / (1.0 + tokens * efficiency / 1e4)}
-        for tokens in range(100, 400_000, 100)
-    ]
+    lines = [{"consumed_tokens": tokens, "gbs": gbs} for tokens in range(100, 400_000, 100)]
+    for line in lines[::eval_every]:
+        line["eval_ppl"] = 200.0 / (1.0 + line["consumed_tokens"] * efficiency / 1e4)
     decisions = [{"consumed_tokens": tokens, "noise_scale": noise_scale} for tokens in (100, 400_000)]
     for name, rows in (("metrics.jsonl", lines), ("decisions.jsonl", decisions)):
         (folder / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -35,3 +36,11 @@ def test_the_planted_factor_credits_the_runs_alike(import_bench, tmp_path: Path)
     assert min(spreads(1.0)) > 0.05
     tokens = [bench.crossings(run, 4.0, 8)[40.0][0] for run in runs]
     assert np.all(np.diff(tokens) > 0)  # the larger batches needed more tokens to the same level
+
+
+def test_a_crossing_between_two_evals_is_interpolated(import_bench, tmp_path: Path) -> None:
+    bench = import_bench("efficiency_calibration")
+    run = planted_run(tmp_path / "sparse", 16, noise_scale=5.0, factor=4.0, eval_every=97)
+    tokens, progress = bench.crossings(run, 4.0, 8)[40.0]
+    assert progress == pytest.approx(4e4, rel=0.01)  # 200 / (1 + progress / 1e4) = 40
+    assert tokens == pytest.approx(4e4 * (20 + 16) / (20 + 8), rel=0.01)
