@@ -24,6 +24,14 @@ def one_gpu(gbs: int) -> Strategy:
     return Strategy(dp=1, tp=1, pp=1, mbs=gbs, gbs=gbs)
 
 
+def raw_over_measured(profile: BackendProfile, sizes: tuple[int, ...]) -> np.ndarray:
+    """The unfitted model's tokens/s of one-GPU gbs ``sizes`` on the H200 over its measured eager rates."""
+    h200 = load_system("h200_141g")
+    parts = [model_step_parts(GPT_125M, [one_gpu(g)], h200, "bf16", backend=profile) for g in sizes]
+    predicted = [g * GPT_125M.seq / float(p.raw_step_s[0]) for g, p in zip(sizes, parts, strict=True)]
+    return np.array(predicted) / np.array([H200_EAGER_TOKENS_PER_S[g] for g in sizes])
+
+
 def test_graphs_only_where_the_run_compiles_on_the_gpu_with_them_on() -> None:
     assert run_profile("native", TrainingConfig()).graph_host is not None  # compiled on CUDA by default
     assert run_profile("native", TrainingConfig(compile=False)).graph_host is None
@@ -68,17 +76,12 @@ def test_an_eager_gpu_run_is_predicted_at_eager_kernel_speed() -> None:
     """Nothing measured: the eager profile's device time puts the device-bound gbs 32 and 64 within 10% of
     the H200's eager rates; the compiled kernels' times alone put them 1.18-1.42x too fast (gbs 32 then
     meets the eager host floor)."""
-    h200, cpu = load_system("h200_141g"), load_system("cpu_gloo")
+    cpu = load_system("cpu_gloo")
     eager = run_profile("native", TrainingConfig(compile=False))
     assert eager.device_time_factor == EAGER_DEVICE_FACTOR
 
-    def raw_over_measured(profile: BackendProfile) -> np.ndarray:
-        parts = [model_step_parts(GPT_125M, [one_gpu(g)], h200, "bf16", backend=profile) for g in (32, 64)]
-        predicted = [g * GPT_125M.seq / float(p.raw_step_s[0]) for g, p in zip((32, 64), parts, strict=True)]
-        return np.array(predicted) / np.array([H200_EAGER_TOKENS_PER_S[32], H200_EAGER_TOKENS_PER_S[64]])
-
-    assert np.all(np.abs(raw_over_measured(eager) - 1) < 0.1)
-    assert np.all(raw_over_measured(dataclasses.replace(eager, device_time_factor=1.0)) > 1.15)
+    assert np.all(np.abs(raw_over_measured(eager, (32, 64)) - 1) < 0.1)
+    assert np.all(raw_over_measured(dataclasses.replace(eager, device_time_factor=1.0), (32, 64)) > 1.15)
     assert run_profile("native", TrainingConfig()).device_time_factor == 1.0  # compiled on the GPU
     assert run_profile("megatron-deepspeed", TrainingConfig(compile=False)).device_time_factor == 1.0
     # A CPU system's file is measured eager: the factor leaves its steps as they were.
@@ -94,14 +97,7 @@ def test_an_eager_gpu_run_is_predicted_at_the_eager_hosts_dispatch() -> None:
     """Nothing measured: the eager host floor puts the host-bound gbs 8 and 16 within 15% of the H200's eager
     rates (the first trial of an eager run is predicted from it); the compiled dispatch puts them 1.2x or
     more too fast."""
-    h200 = load_system("h200_141g")
     eager = run_profile("native", TrainingConfig(compile=False))
     assert eager.host == EAGER_HOST
-
-    def raw_over_measured(profile: BackendProfile) -> np.ndarray:
-        parts = [model_step_parts(GPT_125M, [one_gpu(g)], h200, "bf16", backend=profile) for g in (8, 16)]
-        predicted = [g * GPT_125M.seq / float(p.raw_step_s[0]) for g, p in zip((8, 16), parts, strict=True)]
-        return np.array(predicted) / np.array([H200_EAGER_TOKENS_PER_S[8], H200_EAGER_TOKENS_PER_S[16]])
-
-    assert np.all(np.abs(raw_over_measured(eager) - 1) < 0.15)
-    assert np.all(raw_over_measured(dataclasses.replace(eager, host=NATIVE_HOST)) > 1.2)
+    assert np.all(np.abs(raw_over_measured(eager, (8, 16)) - 1) < 0.15)
+    assert np.all(raw_over_measured(dataclasses.replace(eager, host=NATIVE_HOST), (8, 16)) > 1.2)
