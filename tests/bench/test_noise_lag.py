@@ -38,8 +38,8 @@ def test_a_constant_noise_scale_is_tracked_without_lag(lag_module) -> None:
 
 def test_a_growing_noise_scale_is_reported_late_by_about_half_a_window(lag_module) -> None:
     # The tracker as it is (a fix of its lag would change this test). phi = 10 per million tokens: the
-    # window of 500 x 8 samples (2.05M tokens) is centred about 1M tokens
-    # back, so at 4M tokens the tracker says about 30 where the centred estimate says 40.
+    # window of 500 x 8 samples (2.05M tokens) is centred about 1M tokens back, so at 4M tokens the
+    # tracker says about 30 where the centred estimate says 40.
     ratios = lag_module.lag_ratios(
         run(lambda tokens: 10.0 * tokens / 1e6), base_gbs=8, half_window_tokens=0.25e6
     )
