@@ -36,19 +36,25 @@ def test_a_constant_noise_scale_is_tracked_without_lag(lag_module) -> None:
     assert all(ratio == pytest.approx(1.0) for _, ratio in ratios)
 
 
-def test_a_growing_noise_scale_is_reported_late_by_about_half_a_window(lag_module) -> None:
-    # The tracker as it is (a fix of its lag would change this test). phi = 10 per million tokens: the
-    # window of 500 x 8 samples (2.05M tokens) is centred about 1M tokens back, so at 4M tokens the
-    # tracker says about 30 where the centred estimate says 40.
+def test_a_steady_growth_is_followed_and_a_jump_shows_as_lag(lag_module) -> None:
+    # phi = 10 per million tokens: the window of 500 x 8 samples (2.05M tokens) is centred about 1M tokens
+    # back, where a plain average would say 30 at 4M tokens; the tracker follows the trend to about 40.
     ratios = lag_module.lag_ratios(
         run(lambda tokens: 10.0 * tokens / 1e6), base_gbs=8, half_window_tokens=0.25e6
     )
     at_4m = [ratio for tokens, ratio in ratios if 3.9e6 < tokens < 4.1e6]
-    assert at_4m and all(1.25 < ratio < 1.45 for ratio in at_4m)
-    rows = {label: (count, quartiles) for label, count, quartiles in lag_module.by_range(ratios, [2, 4, 6])}
-    assert sum(count for count, _ in rows.values()) == len([r for r in ratios if r[0] <= 6e6])
-    # The lag in tokens stays ~1M once the window is full: its share of the noise scale shrinks.
-    assert rows["2-4M"][1][1] > rows["4-6M"][1][1] > 1.1
+    assert at_4m and all(0.93 < ratio < 1.07 for ratio in at_4m)
+    # A jump from 10 to 40 at 4M tokens is no trend: just after it the window still holds the old values.
+    jump = lag_module.lag_ratios(
+        run(lambda tokens: 10.0 if tokens < 4e6 else 40.0), base_gbs=8, half_window_tokens=0.25e6
+    )
+    after = [ratio for tokens, ratio in jump if 4.25e6 < tokens < 4.5e6]
+    assert after and all(ratio > 1.5 for ratio in after)
+    rows = {label: (count, quartiles) for label, count, quartiles in lag_module.by_range(jump, [2, 4, 6])}
+    assert sum(count for count, _ in rows.values()) == len([r for r in jump if r[0] <= 6e6])
+    # Before the jump no lag; after it the lag, then the trend's overshoot, both inside the quartiles.
+    q1, _, q3 = rows["4-6M"][1]
+    assert rows["0-2M"][1][1] == pytest.approx(1.0) and q1 < 1.0 < q3
 
 
 def test_the_script_prints_quartiles_per_range(lag_module, tmp_path: Path, capsys) -> None:

@@ -9,6 +9,7 @@ from cona.planner.efficiency import (
     NoiseScaleEstimate,
     NoiseScaleTracker,
     adascale_gain,
+    at_newest,
     median_of_means,
     progress_per_second,
     statistical_efficiency,
@@ -163,6 +164,41 @@ def warm_record(step, *, lr, small, big):
         "consumed_samples": 8 * step, "lr": lr, "gns_small_sqr": small, "gns_big_sqr": big,
         "gns_small_batch": 2, "gns_big_batch": 8,
     }  # fmt: skip
+
+
+def exact_inputs(grad_sqr: float, trace_sigma: float, small: int = 2, big: int = 8) -> dict:
+    return {"small_sqr": grad_sqr + trace_sigma / small, "big_sqr": grad_sqr + trace_sigma / big,
+            "small_batch": small, "big_batch": big}  # fmt: skip
+
+
+def test_a_noise_scale_that_grows_along_the_window_is_reported_at_its_newest_value():
+    """|G|^2 halving every 1,000 samples at constant tr(Sigma): the window's middle is half a window old
+    (issue 16's runs: 0.7-0.85 of the centred noise scale while it grew); the trend carries it to the end."""
+    tracker = NoiseScaleTracker(base_batch=8, window=2_000.0)
+    for position in range(8, 6_001, 8):
+        tracker = tracker.update(**exact_inputs(2.0 ** (-position / 1_000), 10.0), consumed_samples=position)
+    newest = 10.0 / 2.0 ** (-6_000 / 1_000)
+    assert tracker.noise_scale() == pytest.approx(newest, rel=0.01)
+    values = np.asarray([m[1:] for m in tracker.measurements])
+    window_middle = median_of_means(values[:, 1]) / median_of_means(values[:, 0])
+    assert window_middle < 0.55 * newest  # what a plain average over the window would say
+
+
+def test_the_trend_ignores_a_bad_group_and_needs_five_positive_groups():
+    positions = np.arange(1.0, 71.0)
+    values = np.column_stack([np.exp(-positions / 20.0), np.full(70, 5.0)])
+    grad_sqr, trace = at_newest(positions, values)
+    assert grad_sqr == pytest.approx(np.exp(-70 / 20.0), rel=0.02) and trace == pytest.approx(5.0)
+    spoiled = values.copy()
+    spoiled[20:30, 0] = 50.0  # one group of outliers among seven
+    assert at_newest(positions, spoiled)[0] == pytest.approx(np.exp(-70 / 20.0), rel=0.10)
+    # Four groups (8 values): the plain median of means; so with a non-positive group mean.
+    assert at_newest(positions[:8], values[:8])[0] == pytest.approx(median_of_means(values[:8, 0]))
+    negative = values.copy()
+    negative[:10, 0] = -1.0
+    assert at_newest(positions, negative)[0] == pytest.approx(median_of_means(negative[:, 0]))
+    # Every value at one position (one line's steps): nothing to read a trend from.
+    assert at_newest(np.ones(70), values)[0] == pytest.approx(median_of_means(values[:, 0]))
 
 
 def test_median_of_means_ignores_a_minority_of_bad_groups():
