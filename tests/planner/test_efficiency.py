@@ -10,6 +10,7 @@ from cona.planner.efficiency import (
     NoiseScaleTracker,
     adascale_gain,
     at_newest,
+    has_trend,
     median_of_means,
     progress_per_second,
     statistical_efficiency,
@@ -178,27 +179,38 @@ def test_a_noise_scale_that_grows_along_the_window_is_reported_at_its_newest_val
     for position in range(8, 6_001, 8):
         tracker = tracker.update(**exact_inputs(2.0 ** (-position / 1_000), 10.0), consumed_samples=position)
     newest = 10.0 / 2.0 ** (-6_000 / 1_000)
-    assert tracker.noise_scale() == pytest.approx(newest, rel=0.01)
     values = np.asarray([m[1:] for m in tracker.measurements])
+    last_group = np.array_split(values[:, 0], 7)[-1].mean()  # its centre is 1/14 of the window back
+    assert tracker.noise_scale() == pytest.approx(10.0 / last_group) == pytest.approx(newest, rel=0.10)
     window_middle = median_of_means(values[:, 1]) / median_of_means(values[:, 0])
     assert window_middle < 0.55 * newest  # what a plain average over the window would say
 
 
-def test_the_trend_ignores_a_bad_group_and_needs_five_positive_groups():
+def test_the_trend_ignores_a_bad_group_stops_at_the_newest_group_and_needs_a_monotone_level():
     positions = np.arange(1.0, 71.0)
     values = np.column_stack([np.exp(-positions / 20.0), np.full(70, 5.0)])
+    last_group = np.exp(-positions[60:] / 20.0).mean()
     grad_sqr, trace = at_newest(positions, values)
-    assert grad_sqr == pytest.approx(np.exp(-70 / 20.0), rel=0.02) and trace == pytest.approx(5.0)
+    # Carried along the slope to exp(-70 / 20), then held at the newest group's mean: never past it.
+    assert grad_sqr == pytest.approx(last_group) and trace == pytest.approx(5.0)
+    assert grad_sqr < median_of_means(values[:, 0]) and grad_sqr > np.exp(-70 / 20.0)
     spoiled = values.copy()
-    spoiled[20:30, 0] = 50.0  # one group of outliers among seven
-    assert at_newest(positions, spoiled)[0] == pytest.approx(np.exp(-70 / 20.0), rel=0.10)
-    # Four groups (8 values): the plain median of means; so with a non-positive group mean.
+    spoiled[20:30, 0] = 50.0  # one group of outliers among seven: 17 of 21 pairs still fall
+    assert at_newest(positions, spoiled)[0] == pytest.approx(last_group)
+    # A level that only scatters (up, down, up, ...) has no trend: its plain median of means.
+    zigzag = np.column_stack([1.0 + 0.5 * (np.arange(70) // 10 % 2), np.full(70, 5.0)])
+    assert at_newest(positions, zigzag)[0] == pytest.approx(median_of_means(zigzag[:, 0]))
+    # Four groups (8 values), a non-positive group mean, one position: the plain median of means.
     assert at_newest(positions[:8], values[:8])[0] == pytest.approx(median_of_means(values[:8, 0]))
     negative = values.copy()
     negative[:10, 0] = -1.0
     assert at_newest(positions, negative)[0] == pytest.approx(median_of_means(negative[:, 0]))
-    # Every value at one position (one line's steps): nothing to read a trend from.
     assert at_newest(np.ones(70), values)[0] == pytest.approx(median_of_means(values[:, 0]))
+
+
+def test_the_mann_kendall_test_asks_all_of_5_pairs_and_18_of_21():
+    assert has_trend(np.ones(10), 5) and not has_trend(np.r_[np.ones(9), -1.0], 5)
+    assert has_trend(np.r_[-np.ones(18), np.ones(3)], 7) and not has_trend(np.r_[np.ones(17), -np.ones(4)], 7)
 
 
 def test_median_of_means_ignores_a_minority_of_bad_groups():

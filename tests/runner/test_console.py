@@ -115,7 +115,7 @@ def test_plain_mode_writes_one_stable_line_per_log_interval(run_dir):
     assert "eval 7.6969 ppl 2201.45" in lines[2]
     assert lines[-1] == (
         "stage 2 (dp4 tp1 pp1 mbs4 gbs16) ended after 2:37 at iteration 110: loss 6.6237, "
-        "eval ppl 947.30 (it 100), tokens/s 874, noise scale 64.6 samples"
+        "eval ppl 947.30 (it 100), tokens/s 874, noise scale 141 samples"
     )
 
 
@@ -147,7 +147,7 @@ def test_rich_panel_shows_the_bar_the_strategy_the_metrics_and_the_best_candidat
     assert "━" in text and "dp4 tp1 pp1 mbs4 gbs16" in text
     assert "tokens 133k in 51.2k->461k (20%)" in text and "eta 6:36" in text
     assert "loss 6.8797" in text and "eval ppl 1312.64 (it 80)" in text and "tokens/s 827" in text
-    assert "MFU -" in text and "noise scale 41.0 samples" in text
+    assert "MFU -" in text and "noise scale 73.7 samples" in text
     assert "best: dp2 tp2 pp1 mbs8 gbs32, +7.5% goodput (switch at +13.7%)" in text
 
 

@@ -17,8 +17,10 @@ norms are ~100x the later ones, and one such measurement held a bias-corrected E
 of tokens (issue 16). :class:`NoiseScaleTracker` therefore keeps the per-measurement estimates of ``|G|^2``
 and ``tr(Sigma)`` of a window of consumed samples (tokens / seq), restarts once the LR warm-up is over, and
 averages each robustly (median of the means of consecutive groups, so one bad measurement or one bad
-stretch moves nothing); it divides only at the end (a ratio of averages, as McCandlish advises), and
-reports "unknown" rather than an infinite noise scale when the ``|G|^2`` average is not positive.
+stretch moves nothing), moved along the groups' trend, where they have one, towards the newest
+measurement (:func:`at_newest`: a plain average is half a window old); it divides only at the end (a
+ratio of averages, as McCandlish advises), and reports "unknown" rather than an infinite noise scale when
+the ``|G|^2`` average is not positive.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ MAX_GROUPS = 7
 MIN_TREND_GROUPS = 5
 """Groups needed before the averages follow a trend (:func:`at_newest`): with five, one bad group is in 4 of
 the 10 pairwise slopes, and the median of the other 6 decides; with three it would be in 2 of 3."""
+TREND_Z = 1.96
+"""The Mann-Kendall statistic's threshold, in standard deviations, for a trend (two-sided 5%)."""
 
 
 def two_batch_estimate(
@@ -117,11 +121,12 @@ class NoiseScaleTracker:
 
     ``update`` returns a new tracker, so the search thread can keep the history it wants and tests can replay.
     A measurement's position is the run's consumed samples (``metrics.jsonl``'s ``consumed_samples``); kept
-    are the measurements of the last ``window`` samples (at least ``min_samples`` of them): an average
-    over a window lags the noise scale by about half of it, an EMA by its whole horizon. The LR warm-up
-    is over at the first measurement whose ``lr`` does not exceed the previous one's; from then on, once
-    ``min_samples`` measurements follow it, the warm-up ones are dropped (a restart that never leaves the
-    tracker without an estimate it had).
+    are the measurements of the last ``window`` samples (at least ``min_samples`` of them): a plain average
+    over a window lags the noise scale by about half of it (an EMA by its whole horizon), so the estimate
+    follows the averages' trend, where they have one, towards the newest measurement (:func:`at_newest`).
+    The LR warm-up is over at the first measurement whose ``lr`` does not exceed the previous one's; from
+    then on, once ``min_samples`` measurements follow it, the warm-up ones are dropped (a restart that never
+    leaves the tracker without an estimate it had).
     """
 
     base_batch: int
@@ -233,39 +238,53 @@ class NoiseScaleTracker:
 
 
 def at_newest(positions: np.ndarray, values: np.ndarray) -> tuple[float, float]:
-    """The robust averages of ``values``' columns (``|G|^2``, ``tr(Sigma)``), moved to the newest position
-    along their trend across the window.
+    """The robust averages of ``values``' columns (``|G|^2``, ``tr(Sigma)``), moved towards the newest
+    position where they have a trend across the window.
 
     A plain average over the window is the value of about half a window ago: while the noise scale grows
     (the loss falling fast), the GPT-125M runs of issue 16 had 0.7-0.85 of the noise scale centred on the
     moment from it, over their first 1-6M tokens (``bench/noise_lag.py``), a bias towards small batches
-    where the batch decisions are made. So, with at least :data:`MIN_TREND_GROUPS` median-of-means groups
-    and every group mean positive, each column's log group means get a Theil-Sen slope against the groups'
-    mean positions (the median of the pairwise slopes: a minority of bad groups moves it as little as it
-    moves the median), and the estimate is the median over groups of their means carried along that slope
-    to the newest position. Log, because ``|G|^2`` falls roughly geometrically and cannot cross zero along
-    a log trend. Otherwise (too few groups, a non-positive group mean: noise that a trend would amplify)
-    the plain :func:`median_of_means` of each column.
+    where the batch decisions are made. So each column whose :data:`MIN_TREND_GROUPS` or more
+    median-of-means groups all have positive means, and whose group means rise or fall with position by
+    the Mann-Kendall test (:func:`has_trend`; a level that only scatters keeps its plain average, which a
+    fitted slope would only make noisier), is carried along the Theil-Sen slope of its log group means (the
+    median of the pairwise slopes, which a minority of bad groups moves little) to the newest position:
+    the median over groups of their means carried so. Log, because ``|G|^2`` falls about geometrically.
+    The result stays between the plain average and the newest group's mean: a trend that bends (a tiny
+    run's ``tr(Sigma)`` rising fast, then slower) would carry it past both. Other columns: the plain
+    :func:`median_of_means`.
     """
-    plain = (median_of_means(values[:, 0]), median_of_means(values[:, 1]))
+    plain = [median_of_means(values[:, column]) for column in range(values.shape[1])]
     groups = group_count(len(values))
     if groups < MIN_TREND_GROUPS:
-        return plain
+        return plain[0], plain[1]
     centres = np.array([part.mean() for part in np.array_split(positions, groups)])
     means = np.array([part.mean(axis=0) for part in np.array_split(values, groups)])
-    if not np.all(means > 0.0):
-        return plain
-    upper = np.triu_indices(groups, k=1)
-    run = centres[upper[1]] - centres[upper[0]]
-    if not np.any(run > 0.0):
-        return plain  # one position (one line's steps): no trend to read
-    logs = np.log(means)
-    moved = []
-    for column in range(2):
-        rise = logs[upper[1], column] - logs[upper[0], column]
-        slope = float(np.median(rise[run > 0.0] / run[run > 0.0]))
-        moved.append(float(np.exp(np.median(logs[:, column] + slope * (positions[-1] - centres)))))
+    first, second = np.triu_indices(groups, k=1)
+    run = centres[second] - centres[first]
+    ordered = run > 0.0  # pairs of groups at one position (one line's steps) say nothing of a trend
+    moved = list(plain)
+    for column in range(values.shape[1]):
+        if not np.all(means[:, column] > 0.0):
+            continue
+        logs = np.log(means[:, column])
+        rise = (logs[second] - logs[first])[ordered]
+        if not has_trend(np.sign(rise), groups):
+            continue
+        slope = float(np.median(rise / run[ordered]))
+        carried = float(np.exp(np.median(logs + slope * (positions[-1] - centres))))
+        low, high = sorted((plain[column], float(means[-1, column])))
+        moved[column] = min(max(carried, low), high)
     return moved[0], moved[1]
+
+
+def has_trend(signs: np.ndarray, groups: int) -> bool:
+    """Mann-Kendall: whether the pairwise ``signs`` of later minus earlier group means show a monotone
+    trend at the two-sided 5% level (``|S| - 1 >= 1.96 sd``, ``var S = n (n - 1) (2n + 5) / 18``): with 5
+    groups all 10 pairs must agree, with 7 at least 18 of 21."""
+    score = abs(float(signs.sum()))
+    variance = groups * (groups - 1) * (2 * groups + 5) / 18.0
+    return score - 1.0 >= TREND_Z * math.sqrt(variance)
 
 
 def group_count(count: int) -> int:
