@@ -14,36 +14,20 @@ lines. Above 1 the tracker reports too small a noise scale, and so values larger
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
-from cona.planner.efficiency import NoiseScaleTracker, two_batch_estimate
-
-
-def read_records(path: str) -> list[dict]:
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def measurements(records: list[dict]) -> np.ndarray:
-    """Rows of (consumed tokens, |G|^2, tr(Sigma)), one per measured step."""
-    rows = []
-    for record in records:
-        if record.get("gns_small_sqr") is None or record.get("gns_big_sqr") is None:
-            continue
-        pairs = record.get("gns_steps") or [[record["gns_small_sqr"], record["gns_big_sqr"]]]
-        for small_sqr, big_sqr in pairs:
-            grad_sqr, trace = two_batch_estimate(
-                small_sqr, big_sqr, record["gns_small_batch"], record["gns_big_batch"]
-            )
-            rows.append((record["consumed_tokens"], float(grad_sqr), float(trace)))
-    return np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+from cona.planner.efficiency import NoiseScaleTracker
+from noise_by_range import measurements, read_records
 
 
 def lag_ratios(records: list[dict], *, base_gbs: int, half_window_tokens: float) -> list[tuple[float, float]]:
     """(consumed tokens, centred / tracker noise scale) at every measured line where both are known."""
-    rows = measurements(records)
+    measured = [r for r in records if r.get("consumed_samples") and r.get("consumed_tokens")]
+    if not measured:
+        return []
+    seq = measured[0]["consumed_tokens"] / measured[0]["consumed_samples"]
+    rows = measurements(records)[:, [0, 2, 3]] * [seq, 1.0, 1.0]  # (tokens, |G|^2, tr(Sigma))
     tracker = NoiseScaleTracker(base_batch=base_gbs)
     ratios = []
     for record in records:
