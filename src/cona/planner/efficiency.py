@@ -251,8 +251,8 @@ def at_newest(positions: np.ndarray, values: np.ndarray) -> tuple[float, float]:
     median of the pairwise slopes, which a minority of bad groups moves little) to the newest position:
     the median over groups of their means carried so. Log, because ``|G|^2`` falls about geometrically.
     The result stays between the plain average and the newest group's mean: a trend that bends (a tiny
-    run's ``tr(Sigma)`` rising fast, then slower) would carry it past both. Other columns: the plain
-    :func:`median_of_means`.
+    run's ``tr(Sigma)`` rising fast, then slower) would carry it past what the newest measurements say.
+    Other columns: the plain :func:`median_of_means`.
     """
     plain = [median_of_means(values[:, column]) for column in range(values.shape[1])]
     groups = group_count(len(values))
@@ -281,7 +281,8 @@ def at_newest(positions: np.ndarray, values: np.ndarray) -> tuple[float, float]:
 def has_trend(signs: np.ndarray, groups: int) -> bool:
     """Mann-Kendall: whether the pairwise ``signs`` of later minus earlier group means show a monotone
     trend at the two-sided 5% level (``|S| - 1 >= 1.96 sd``, ``var S = n (n - 1) (2n + 5) / 18``): with 5
-    groups all 10 pairs must agree, with 7 at least 18 of 21."""
+    groups all 10 pairs must agree, with 7 at least 18 of 21. Pairs left out (groups at one position) add
+    0 to ``S`` against the variance of all pairs, which only makes the test stricter."""
     score = abs(float(signs.sum()))
     variance = groups * (groups - 1) * (2 * groups + 5) / 18.0
     return score - 1.0 >= TREND_Z * math.sqrt(variance)
