@@ -23,11 +23,12 @@ from noise_by_range import measurements, read_records
 
 def lag_ratios(records: list[dict], *, base_gbs: int, half_window_tokens: float) -> list[tuple[float, float]]:
     """(consumed tokens, centred / tracker noise scale) at every measured line where both are known."""
-    measured = [r for r in records if r.get("consumed_samples") and r.get("consumed_tokens")]
-    if not measured:
+    counted = [r for r in records if r.get("consumed_samples") and r.get("consumed_tokens")]
+    found = measurements(records)
+    if not counted or not len(found):
         return []
-    seq = measured[0]["consumed_tokens"] / measured[0]["consumed_samples"]
-    rows = measurements(records)[:, [0, 2, 3]] * [seq, 1.0, 1.0]  # (tokens, |G|^2, tr(Sigma))
+    seq = counted[0]["consumed_tokens"] / counted[0]["consumed_samples"]
+    rows = found[:, [0, 2, 3]] * [seq, 1.0, 1.0]  # (tokens, |G|^2, tr(Sigma))
     tracker = NoiseScaleTracker(base_batch=base_gbs)
     ratios = []
     for record in records:

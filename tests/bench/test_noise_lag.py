@@ -34,6 +34,8 @@ def test_a_constant_noise_scale_is_tracked_without_lag(lag_module) -> None:
     ratios = lag_module.lag_ratios(run(lambda tokens: 40.0), base_gbs=8, half_window_tokens=0.25e6)
     assert len(ratios) > 300
     assert all(ratio == pytest.approx(1.0) for _, ratio in ratios)
+    unmeasured = [{**record, "gns_small_sqr": None} for record in run(lambda tokens: 40.0, lines=5)]
+    assert lag_module.lag_ratios(unmeasured, base_gbs=8, half_window_tokens=0.25e6) == []
 
 
 def test_a_steady_growth_is_followed_and_a_jump_shows_as_lag(lag_module) -> None:
