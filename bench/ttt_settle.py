@@ -73,7 +73,7 @@ def groups(runs: list[Settled], bins_m: list[float]) -> list[tuple[str, list[Set
     return out
 
 
-def spread(values: list[float], fmt: str) -> str:
+def mean_and_range(values: list[float], fmt: str) -> str:
     if not values:
         return "-"
     return f"{format(statistics.mean(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     for label, members in groups(runs, [float(b) for b in args.bins.split(",")]):
         tokens = [r.tokens_to_target / 1e6 for r in members]
         ratios = [r.over_best_fixed for r in members if r.over_best_fixed is not None]
-        print(f"{label:<20} {len(members):>4}  {spread(tokens, '.2f'):<24} {spread(ratios, '.3f')}")
+        tokens_text, ratios_text = mean_and_range(tokens, ".2f"), mean_and_range(ratios, ".3f")
+        print(f"{label:<20} {len(members):>4}  {tokens_text:<24} {ratios_text}")
 
 
 if __name__ == "__main__":
