@@ -13,7 +13,10 @@ schedule, evaluation set and evaluation spacing (``ttt_plan``):
   planner's best strategy for its gbs;
 * **online-NAME** (``--online-variant NAME training.KEY=VALUE ...``): online with config keys set (``cona
   train --set``), to compare a policy setting with the defaults in one call, e.g. ``--online-variant
-  windowed training.fallback_ema_alpha=1`` (a trial judged on the windowed noise scale, not its EMA).
+  windowed training.fallback_ema_alpha=1`` (a trial judged on the windowed noise scale, not its EMA);
+* **fixed-gbsG-NAME** (``--fixed-variant NAME G training.KEY=VALUE ...``): a fixed run at G with config keys
+  set, e.g. ``--fixed-variant lr32 16 training.base_lr=...`` (gbs 16 at another LR). It is a fixed run: it
+  competes for the best fixed one.
 
 Fixed and chain mode have no perplexity stop, so this script stops them (``ttt_supervise``). Time to target
 is given from the launch (everything counts) and from the run's first training step (start-up apart; for
@@ -54,6 +57,7 @@ from ttt_plan import (
     PRESETS,
     PROJECT_ROOT,
     Preset,
+    fixed_variants,
     online_variants,
     plan_run,
     plan_warmup,
@@ -114,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     parser.add_argument(
         "--online-variant", action="append", nargs="+", metavar="NAME SECTION.KEY=VALUE",
         help="also run online-NAME: online mode with these config keys set (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fixed-variant", action="append", nargs="+", metavar="NAME GBS SECTION.KEY=VALUE",
+        help="also run fixed-gbsGBS-NAME: a fixed run at GBS with these config keys set (repeatable)",
     )  # fmt: skip
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                         help="a short eager run first, unreported (default on for GPU presets)")  # fmt: skip
@@ -183,6 +191,7 @@ def _resolve(args: argparse.Namespace, preset: Preset) -> None:
             "fixed run so far; give 0 (off) or at least 1"
         )
     args.online_variants = online_variants(args.online_variant)
+    args.fixed_variants = fixed_variants(args.fixed_variant)
     names = run_names(args)
     default = ["online", f"fixed-gbs{args.initial_gbs}", "ramp"] if args.smoke else names
     args.runs = [r.strip() for r in args.runs.split(",")] if args.runs else default
@@ -202,7 +211,7 @@ def _int_list(flag: str, text: str | None) -> list[int]:
 
 def settings(args: argparse.Namespace, preset: Preset, plans: list[RunPlan]) -> dict[str, Any]:
     keys = (*PRESET_OVERRIDES, "data_dir", "tokenizer_dir", "compile", "warmup", "botorch", "min_training_s",
-            "stop_behind", "known_best_s", "online_variants")  # fmt: skip
+            "stop_behind", "known_best_s", "online_variants", "fixed_variants")  # fmt: skip
     return {
         **{key: getattr(args, key) for key in (*keys, *COMPARED_FIELDS)},
         "seq": preset.model["seq"],

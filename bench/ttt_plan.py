@@ -194,7 +194,8 @@ def run_names(args: argparse.Namespace) -> list[str]:
     fixed = sorted(args.fixed_gbs)
     order = [fixed[0], fixed[-1], *fixed[1:-1]] if len(fixed) > 1 else fixed
     variants = [f"{ONLINE_VARIANT_PREFIX}{name}" for name in getattr(args, "online_variants", {})]
-    return ["online", *variants, *(f"fixed-gbs{gbs}" for gbs in order), "ramp"]
+    fixed_variants = list(getattr(args, "fixed_variants", {}))
+    return ["online", *variants, *(f"fixed-gbs{gbs}" for gbs in order), *fixed_variants, "ramp"]
 
 
 ONLINE_VARIANT_PREFIX = "online-"
@@ -205,9 +206,6 @@ def online_variants(given: list[list[str]] | None) -> dict[str, list[str]]:
     """``--online-variant NAME SECTION.KEY=VALUE ...`` (repeatable) as ``{NAME: [override, ...]}``: each
     override is one ``cona train --set`` (e.g. ``training.fallback_ema_alpha=1``), so policy settings can be
     compared with online mode's defaults in one call, on one machine."""
-    from cona.config_overrides import parse_override
-    from cona.errors import UsageError
-
     variants: dict[str, list[str]] = {}
     for name, *overrides in given or []:
         if not name.replace("_", "").isalnum() or name in variants or not overrides:
@@ -215,13 +213,45 @@ def online_variants(given: list[list[str]] | None) -> dict[str, list[str]]:
                 f"--online-variant {name}: give a new name (letters, digits, _) and one or more "
                 "SECTION.KEY=VALUE"
             )
-        for text in overrides:
-            try:
-                parse_override(text)
-            except UsageError as error:
-                raise SystemExit(f"--online-variant {name}: {error}") from None
-        variants[name] = overrides
+        variants[name] = _parsed_overrides(f"--online-variant {name}", overrides)
     return variants
+
+
+def fixed_variants(given: list[list[str]] | None) -> dict[str, tuple[int, list[str]]]:
+    """``--fixed-variant NAME GBS SECTION.KEY=VALUE ...`` (repeatable) as ``{"fixed-gbsGBS-NAME": (GBS,
+    [override, ...])}``: a fixed run at GBS with config keys set, e.g. another LR rule. It is a fixed run
+    like the others, so it competes for the best fixed one."""
+    variants: dict[str, tuple[int, list[str]]] = {}
+    for entry in given or []:
+        name, gbs, *overrides = entry if len(entry) >= 3 else ["", ""]
+        if not (name.replace("_", "").isalnum() and gbs.isdigit() and int(gbs) > 0):
+            raise SystemExit(
+                f"--fixed-variant {' '.join(entry)}: give a name (letters, digits, _), a gbs and one or more "
+                "SECTION.KEY=VALUE"
+            )
+        run = f"fixed-gbs{gbs}-{name}"
+        if run in variants:
+            raise SystemExit(f"--fixed-variant: {run} given twice")
+        variants[run] = (int(gbs), _parsed_overrides(f"--fixed-variant {name}", overrides))
+    return variants
+
+
+def _parsed_overrides(flag: str, overrides: list[str]) -> list[str]:
+    from cona.config_overrides import parse_override
+    from cona.errors import UsageError
+
+    for text in overrides:
+        try:
+            parse_override(text)
+        except UsageError as error:
+            raise SystemExit(f"{flag}: {error}") from None
+    return overrides
+
+
+def fixed_run_gbs(name: str, args: argparse.Namespace) -> tuple[int, list[str]]:
+    """The gbs of a fixed run (``fixed-gbsG`` or a ``--fixed-variant``) and the config keys it sets."""
+    variant = getattr(args, "fixed_variants", {}).get(name)
+    return variant if variant is not None else (int(name.removeprefix("fixed-gbs")), [])
 
 
 def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan:
@@ -229,7 +259,8 @@ def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) ->
     root = work / name
     root.mkdir(parents=True)
     seq, config = preset.model["seq"], root / ".conaconfig"
-    eval_gbs = int(name.removeprefix("fixed-gbs")) if name.startswith("fixed-gbs") else args.initial_gbs
+    fixed = name.startswith("fixed-gbs")
+    eval_gbs, fixed_overrides = fixed_run_gbs(name, args) if fixed else (args.initial_gbs, [])
     config.write_text(json.dumps(conaconfig(preset, args, eval_gbs=eval_gbs, root=root)))
     common = ["--gpus", "1", "--quiet"]
     if name == "online" or name.startswith(ONLINE_VARIANT_PREFIX):
@@ -244,7 +275,8 @@ def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) ->
         extra += ["--target-ppl", f"{args.target_ppl:g}", "--total-tokens", str(args.total_tokens)]
         extra += [] if args.botorch else ["--no-botorch"]
         variant = name.removeprefix(ONLINE_VARIANT_PREFIX) if name != "online" else None
-        extra += _checked_overrides(config, getattr(args, "online_variants", {}).get(variant))
+        overrides = getattr(args, "online_variants", {}).get(variant)
+        extra += _checked_overrides(config, overrides, flag="--online-variant")
         return _plan(name, "online", root, config, [*common, *extra], args.online_cap_s)
     if name == "ramp":
         gbs_steps = [args.initial_gbs * 2**k for k in range(len(args.ramp_tokens) + 1)]
@@ -257,6 +289,7 @@ def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) ->
             gbs, _checked_mbs(config, args, preset, gbs), math.ceil(args.total_tokens / (gbs * seq))
         )
         kind, cap = "fixed", args.fixed_cap_s
+        common += _checked_overrides(config, fixed_overrides, flag="--fixed-variant")
     (root / "chain.json").write_text(json.dumps(chain))
     return _plan(name, kind, root, config, ["--chain", str(root / "chain.json"), *common], cap)
 
@@ -283,7 +316,7 @@ def plan_warmup(preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan
     return _plan(WARMUP_RUN, "warmup", root, config, extra, args.fixed_cap_s)
 
 
-def _checked_overrides(config: Path, overrides: list[str] | None) -> list[str]:
+def _checked_overrides(config: Path, overrides: list[str] | None, *, flag: str) -> list[str]:
     """The ``--set`` flags of a variant, once the config loads with them (an unknown key or a bad value is
     refused here, before any run starts, not on the device minutes later)."""
     if not overrides:
@@ -294,8 +327,8 @@ def _checked_overrides(config: Path, overrides: list[str] | None) -> list[str]:
     try:
         load_config(config, overrides=overrides)
     except ConaError as error:
-        raise SystemExit(f"--online-variant: {error}") from None
-    return [flag for text in overrides for flag in ("--set", text)]
+        raise SystemExit(f"{flag}: {error}") from None
+    return [part for text in overrides for part in ("--set", text)]
 
 
 def _checked_mbs(config: Path, args: argparse.Namespace, preset: Preset, gbs: int) -> int:

@@ -299,6 +299,42 @@ def test_an_online_variant_runs_online_with_config_keys_set_and_bad_ones_are_ref
             ttt.parse_args(["--online-variant", *bad, *corpus])
 
 
+def test_a_fixed_variant_runs_its_gbs_with_config_keys_set_and_bad_ones_are_refused_before_any_run(
+    ttt, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sys.modules["ttt_plan"], "best_mbs", lambda config, system, gbs: gbs)  # no planner
+    corpus = fake_corpus(tmp_path)
+    (tmp_path / "gpt2-vocab.json").write_text(json.dumps({"a": 0, "b": 1}))  # a config that loads
+    (tmp_path / "gpt2-merges.txt").write_text("#version: 0.2\n")
+    variant = ["--fixed-variant", "lr32", "16", "training.base_lr=0.0008"]
+    args, preset = ttt.parse_args(["--model", "125m", *variant, *corpus])
+    assert "fixed-gbs16-lr32" in args.runs
+    assert args.fixed_variants == {"fixed-gbs16-lr32": (16, ["training.base_lr=0.0008"])}
+    plain = ttt.plan_run("fixed-gbs16", preset, args, tmp_path / "work")
+    varied = ttt.plan_run("fixed-gbs16-lr32", preset, args, tmp_path / "work")
+    assert varied.kind == plain.kind == "fixed" and "--set" not in plain.command
+    at = varied.command.index("--set")
+    assert varied.command[at:] == ["--set", "training.base_lr=0.0008"]
+    # The same gbs, mbs, iterations and evaluation spacing as the plain fixed run at 16.
+    chain = json.loads((varied.root / "chain.json").read_text())
+    assert chain == json.loads((plain.root / "chain.json").read_text())
+    varied_training, plain_training = (
+        json.loads((run.root / ".conaconfig").read_text())["training"] for run in (varied, plain)
+    )
+    for key in ("eval_interval", "eval_iters", "base_lr"):  # base_lr too: --set applies it at the start
+        assert varied_training[key] == plain_training[key], key
+    typo = ["--fixed-variant", "typo", "16", "training.base_learning_rate=1"]
+    args, preset = ttt.parse_args(["--model", "125m", *typo, *corpus])
+    with pytest.raises(SystemExit, match="base_learning_rate"):
+        ttt.plan_run("fixed-gbs16-typo", preset, args, tmp_path / "work2")
+    for bad in (["x", "16"], ["x", "sixteen", "training.seed=1"], ["no-dash", "16", "training.seed=1"]):
+        with pytest.raises(SystemExit, match="--fixed-variant"):
+            ttt.parse_args(["--fixed-variant", *bad, *corpus])
+    twice = ["--fixed-variant", "a", "16", "training.seed=1"] * 2
+    with pytest.raises(SystemExit, match="given twice"):
+        ttt.parse_args([*twice, *corpus])
+
+
 def test_the_summary_gives_every_online_run_over_the_best_fixed_one(ttt):
     def reached(name: str, kind: str, seconds: float, level_s: float) -> dict:
         base = row(name, kind, startup=20.0, levels={"50": level_s})
