@@ -194,8 +194,8 @@ def run_names(args: argparse.Namespace) -> list[str]:
     fixed = sorted(args.fixed_gbs)
     order = [fixed[0], fixed[-1], *fixed[1:-1]] if len(fixed) > 1 else fixed
     variants = [f"{ONLINE_VARIANT_PREFIX}{name}" for name in getattr(args, "online_variants", {})]
-    fixed_variants = list(getattr(args, "fixed_variants", {}))
-    return ["online", *variants, *(f"fixed-gbs{gbs}" for gbs in order), *fixed_variants, "ramp"]
+    varied_fixed = list(getattr(args, "fixed_variants", {}))  # names fixed-gbsG-NAME already
+    return ["online", *variants, *(f"fixed-gbs{gbs}" for gbs in order), *varied_fixed, "ramp"]
 
 
 ONLINE_VARIANT_PREFIX = "online-"
