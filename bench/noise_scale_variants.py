@@ -1,37 +1,88 @@
-"""``B_simple`` of a small GPT three ways: raw gradients, Adam-preconditioned ones, and with the embedding.
+"""``B_simple`` of a GPT three ways: raw gradients, Adam-preconditioned ones, and with the embedding.
 
 The engine measures the noise scale on the raw gradients of every parameter but the embedding/LM-head
 matrix (:mod:`cona.engine.gns`). AdaptDL's Adam variant divides each gradient element by Adam's
-bias-corrected ``sqrt(v) + eps`` first. This trains a 4-block GPT with AdamW on the bench corpus and, at a few
+bias-corrected ``sqrt(v) + eps`` first. This trains a GPT with AdamW on the bench corpus and, at a few
 steps, takes ``k`` micro-batch gradients of ``m`` samples at fixed parameters and prints the unbiased
-``B_simple = tr(Sigma) / |G|^2`` of each variant (docs/benchmarks.md, fourth session). CPU, ten minutes::
+``B_simple = tr(Sigma) / |G|^2`` of each variant.
+
+``--preset tiny`` (default): a 4-block GPT at seq 128, gbs 8 (docs/benchmarks.md, fourth session; AdamW is
+now built as the engine builds it, without weight decay on biases and norms, which the fourth session's
+run had). CPU, ten minutes::
 
     PYTHONPATH=src .venv/bin/python bench/noise_scale_variants.py
+
+``--preset 125m``: GPT-125M as ``bench/time_to_target.py``'s bench preset trains it (seq 512, dropout, bf16
+on a GPU, AdamW as the engine builds it, the sqrt LR rule from gbs 8 to ``--gbs``, its token-based warmup
+and cosine, clipping at 1), reported up to ~8M tokens at gbs 16: whether the preconditioned noise scale is
+the larger one there, where the runs' own progress says the raw one undervalues gbs 32. One GPU,
+``data/bench`` carried, about two minutes::
+
+    PYTHONPATH=src python3 bench/noise_scale_variants.py --preset 125m
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from cona.config import ModelConfig
+from cona.config import ModelConfig, TrainingConfig
 from cona.data.indexed import IndexedDataset
 from cona.engine.gns import is_tied
 from cona.engine.model import GPT, init_weights, token_cross_entropy
+from cona.engine.optim import LRSchedule, build_optimizer, set_lr
 from cona.planner.efficiency import two_batch_estimate
 
-MODEL = ModelConfig(
-    layers=4, hidden=256, heads=4, seq=128, vocab_size=50304, attention_dropout=0.0, hidden_dropout=0.0
-)
-BETA2, EPS, LR, WARMUP_STEPS = 0.95, 1e-8, 1e-3, 40
+
+@dataclass(frozen=True)
+class Setup:
+    """A model and how it is trained until the measurements."""
+
+    model: ModelConfig
+    gbs: int
+    schedule_at_gbs: Callable[[int], LRSchedule]
+    """The LR schedule at a gbs."""
+    reports: str
+    """Default ``--reports``: the steps to measure at."""
+
+
+def _tiny_schedule(gbs: int) -> LRSchedule:  # 1e-3 at any gbs, warmup over 40 steps of gbs 8
+    return LRSchedule(peak_lr=1e-3, min_lr=1e-3, warmup_tokens=40 * 8 * 128, decay_tokens=40 * 8 * 128)
+
+
+def _bench_125m_schedule(gbs: int) -> LRSchedule:  # bench/ttt_plan.py's bench preset under the sqrt rule
+    factor = math.sqrt(gbs / 8)
+    return LRSchedule(
+        peak_lr=4e-4 * factor, min_lr=4e-5 * factor, warmup_tokens=327_680, decay_tokens=32_000_000
+    )
+
+
+SETUPS = {
+    "tiny": Setup(
+        ModelConfig(layers=4, hidden=256, heads=4, seq=128, vocab_size=50304, attention_dropout=0.0,
+                    hidden_dropout=0.0),
+        gbs=8, schedule_at_gbs=_tiny_schedule, reports="20,50,100,200",
+    ),
+    "125m": Setup(
+        ModelConfig(layers=12, hidden=768, heads=12, seq=512, vocab_size=50304),
+        gbs=16, schedule_at_gbs=_bench_125m_schedule, reports="30,60,120,240,480,960",
+    ),
+}  # fmt: skip
+"""``--preset``. The tiny one is the fourth session's (no dropout, a flat LR after a short warmup); 125m
+keeps the bench preset's dropout."""
 
 
 class Windows:
     """Consecutive ``seq + 1``-token windows from the start of the corpus, each used once."""
 
-    def __init__(self, prefix: str, tokens_needed: int) -> None:
+    def __init__(self, prefix: str, tokens_needed: int, seq: int, device: torch.device) -> None:
+        self.seq, self.device = seq, device
         dataset, parts, count = IndexedDataset(prefix), [], 0
         for index in range(len(dataset)):
             parts.append(dataset[index].astype(np.int64))
@@ -41,10 +92,10 @@ class Windows:
         self.stream, self.position = np.concatenate(parts), 0
 
     def batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        span = MODEL.seq + 1
+        span = self.seq + 1
         chunk = self.stream[self.position : self.position + rows * span]
         self.position += rows * span
-        tokens = torch.from_numpy(chunk.reshape(rows, span))
+        tokens = torch.from_numpy(chunk.reshape(rows, span)).to(self.device)
         return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -60,6 +111,13 @@ def b_simple(grads: list[list[torch.Tensor]], scale: list[torch.Tensor | float],
     return float(trace_sigma / grad_sqr)
 
 
+def loss_of(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, targets = batch
+    autocast = torch.autocast("cuda", torch.bfloat16) if inputs.is_cuda else contextlib.nullcontext()
+    with autocast:
+        return token_cross_entropy(model(inputs), targets)
+
+
 def report(
     model: GPT, optimizer: torch.optim.Optimizer, windows: Windows, k: int, m: int
 ) -> dict[str, float]:
@@ -67,12 +125,13 @@ def report(
     grads = []
     for _ in range(k):
         model.zero_grad(set_to_none=True)
-        inputs, targets = windows.batch(m)
-        token_cross_entropy(model(inputs), targets).backward()
-        grads.append([p.grad.detach().clone() for _, p in named])
-    step = optimizer.state[named[0][1]]["step"].item()
+        loss_of(model, windows.batch(m)).backward()
+        grads.append([p.grad.detach().float().clone() for _, p in named])
+    group = optimizer.param_groups[0]
+    (_, beta2), eps = group["betas"], group["eps"]
+    step = float(optimizer.state[named[0][1]]["step"])
     precondition = [
-        1.0 / ((optimizer.state[p]["exp_avg_sq"] / (1 - BETA2**step)).sqrt() + EPS) for _, p in named
+        1.0 / ((optimizer.state[p]["exp_avg_sq"] / (1 - beta2**step)).sqrt() + eps) for _, p in named
     ]
     without = [not is_tied(name) for name, _ in named]
 
@@ -89,32 +148,37 @@ def report(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(SETUPS), default="tiny")
     parser.add_argument("--data", default="data/bench/bench_text_document", help="indexed dataset prefix")
-    parser.add_argument("--gbs", type=int, default=8)
-    parser.add_argument("--reports", default="20,50,100,200", help="steps to measure at")
+    parser.add_argument("--gbs", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--reports", default=None, help="steps to measure at (default: the preset's)")
     parser.add_argument("--k", type=int, default=16, help="micro-batch gradients per measurement")
     parser.add_argument("--m", type=int, default=4, help="samples per micro-batch gradient")
     args = parser.parse_args()
-    reports = sorted(int(step) for step in args.reports.split(","))
-    needed = (reports[-1] * args.gbs + len(reports) * args.k * args.m) * (MODEL.seq + 1)
-    windows = Windows(args.data, needed)
+    setup = SETUPS[args.preset]
+    gbs, seq = args.gbs or setup.gbs, setup.model.seq
+    reports = sorted(int(step) for step in (args.reports or setup.reports).split(","))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    needed = (reports[-1] * gbs + len(reports) * args.k * args.m) * (seq + 1)
+    windows = Windows(args.data, needed, seq, device)
     torch.manual_seed(0)
-    model = GPT(MODEL)
-    init_weights(model, MODEL, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, BETA2), eps=EPS, weight_decay=0.1)
+    model = GPT(setup.model).to(device)
+    init_weights(model, setup.model, 1)
+    optimizer = build_optimizer([model], TrainingConfig())  # AdamW(0.9, 0.95, eps 1e-8), decay 0.1
+    schedule = setup.schedule_at_gbs(gbs)
+    print(f"{args.preset}: gbs {gbs}, seq {seq}, on {device}; {schedule}", flush=True)
     for step in range(1, reports[-1] + 1):
-        inputs, targets = windows.batch(args.gbs)
         optimizer.zero_grad(set_to_none=True)
-        loss = token_cross_entropy(model(inputs), targets)
+        loss = loss_of(model, windows.batch(gbs))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for group in optimizer.param_groups:
-            group["lr"] = LR * min(1.0, step / WARMUP_STEPS)
+        set_lr(optimizer, schedule.lr_at(step * gbs * seq))
         optimizer.step()
         if step in reports:
             values = report(model, optimizer, windows, args.k, args.m)
             shown = ", ".join(f"{name} {value:.1f}" for name, value in values.items())
-            print(f"step {step} (loss {loss.item():.3f}): B_simple {shown}", flush=True)
+            tokens = step * gbs * seq / 1e6
+            print(f"step {step} ({tokens:.2f}M tokens, loss {loss.item():.3f}): B_simple {shown}", flush=True)
 
 
 if __name__ == "__main__":
