@@ -15,8 +15,9 @@ run had). CPU, ten minutes::
 ``--preset 125m``: GPT-125M as ``bench/time_to_target.py``'s bench preset trains it (seq 512, dropout, bf16
 on a GPU, AdamW as the engine builds it, the sqrt LR rule from gbs 8 to ``--gbs``, its token-based warmup
 and cosine, clipping at 1), reported up to ~8M tokens at gbs 16: whether the preconditioned noise scale is
-the larger one there, where the runs' own progress says the raw one undervalues gbs 32. One GPU,
-``data/bench`` carried, about two minutes::
+the larger one there, where the runs' own progress says the raw one undervalues gbs 32; each from 64
+micro-batch gradients, streamed (one gradient-sized sum is kept, not the 64). One GPU, ``data/bench``
+carried, about two minutes::
 
     PYTHONPATH=src python3 bench/noise_scale_variants.py --preset 125m
 """
@@ -50,6 +51,8 @@ class Setup:
     """The LR schedule at a gbs."""
     reports: str
     """Default ``--reports``: the steps to measure at."""
+    k: int
+    """Default ``--k``: micro-batch gradients per measurement."""
 
 
 def _tiny_schedule(gbs: int) -> LRSchedule:  # 1e-3 at any gbs, warmup over 40 steps of gbs 8
@@ -67,11 +70,11 @@ SETUPS = {
     "tiny": Setup(
         ModelConfig(layers=4, hidden=256, heads=4, seq=128, vocab_size=50304, attention_dropout=0.0,
                     hidden_dropout=0.0),
-        gbs=8, schedule_at_gbs=_tiny_schedule, reports="20,50,100,200",
+        gbs=8, schedule_at_gbs=_tiny_schedule, reports="20,50,100,200", k=16,
     ),
     "125m": Setup(
         ModelConfig(layers=12, hidden=768, heads=12, seq=512, vocab_size=50304),
-        gbs=16, schedule_at_gbs=_bench_125m_schedule, reports="30,60,120,240,480,960",
+        gbs=16, schedule_at_gbs=_bench_125m_schedule, reports="30,60,120,240,480,720,960", k=64,
     ),
 }  # fmt: skip
 """``--preset``. The tiny one is the fourth session's (no dropout, a flat LR after a short warmup); 125m
@@ -99,16 +102,49 @@ class Windows:
         return tokens[:, :-1], tokens[:, 1:]
 
 
+def scaled_sqr(grads: list[torch.Tensor], scale: list[torch.Tensor | float]) -> float:
+    """``sum |grad * scale|^2`` over the tensors (a scale of 0 leaves a tensor out)."""
+    kept = [(g, s) for g, s in zip(grads, scale, strict=True) if not (isinstance(s, float) and s == 0.0)]
+    return sum(((g * s) ** 2).sum().item() for g, s in kept)
+
+
+class SmallBatchSums:
+    """Streams ``k`` micro-batch gradients of ``m`` samples: each variant's mean ``|scaled g|^2`` and one sum
+    of the raw gradients, so that ``k`` is not bounded by memory (one gradient-sized buffer)."""
+
+    def __init__(self, variants: dict[str, list[torch.Tensor | float]]) -> None:
+        self.variants = variants
+        self.small = dict.fromkeys(variants, 0.0)
+        self.total: list[torch.Tensor] | None = None
+        self.count = 0
+
+    def add(self, grads: list[torch.Tensor]) -> None:
+        for name, scale in self.variants.items():
+            self.small[name] += scaled_sqr(grads, scale)
+        if self.total is None:
+            self.total = [grad.clone() for grad in grads]
+        else:
+            torch._foreach_add_(self.total, grads)
+        self.count += 1
+
+    def b_simple(self, m: int) -> dict[str, float]:
+        """Each variant's ``tr(Sigma) / |G|^2``."""
+        assert self.total is not None, "no gradient added"
+        mean = [grad / self.count for grad in self.total]
+        out = {}
+        for name, scale in self.variants.items():
+            small, big = self.small[name] / self.count, scaled_sqr(mean, scale)
+            grad_sqr, trace_sigma = two_batch_estimate(small, big, m, self.count * m)
+            out[name] = float(trace_sigma / grad_sqr)
+        return out
+
+
 def b_simple(grads: list[list[torch.Tensor]], scale: list[torch.Tensor | float], m: int) -> float:
     """``tr(Sigma) / |G|^2`` from ``k`` gradients of ``m`` samples each, elements times ``scale``."""
-    k = len(grads)
-    small = np.mean(
-        [sum(((g * s) ** 2).sum().item() for g, s in zip(gs, scale, strict=True)) for gs in grads]
-    )
-    mean = [sum(gs[i] for gs in grads) / k for i in range(len(scale))]
-    big = sum(((g * s) ** 2).sum().item() for g, s in zip(mean, scale, strict=True))
-    grad_sqr, trace_sigma = two_batch_estimate(small, big, m, k * m)
-    return float(trace_sigma / grad_sqr)
+    sums = SmallBatchSums({"one": scale})
+    for gradient in grads:
+        sums.add(gradient)
+    return sums.b_simple(m)["one"]
 
 
 def loss_of(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -122,28 +158,24 @@ def report(
     model: GPT, optimizer: torch.optim.Optimizer, windows: Windows, k: int, m: int
 ) -> dict[str, float]:
     named = list(model.named_parameters())
-    grads = []
-    for _ in range(k):
-        model.zero_grad(set_to_none=True)
-        loss_of(model, windows.batch(m)).backward()
-        grads.append([p.grad.detach().float().clone() for _, p in named])
     group = optimizer.param_groups[0]
     (_, beta2), eps = group["betas"], group["eps"]
     step = float(optimizer.state[named[0][1]]["step"])
     precondition = [
         1.0 / ((optimizer.state[p]["exp_avg_sq"] / (1 - beta2**step)).sqrt() + eps) for _, p in named
     ]
-    without = [not is_tied(name) for name, _ in named]
-
-    def pick(values: list) -> list:
-        return [value for value, keep in zip(values, without, strict=True) if keep]
-
-    kept = [pick(gs) for gs in grads]
-    return {
-        "raw": b_simple(kept, [1.0] * len(kept[0]), m),
-        "preconditioned": b_simple(kept, pick(precondition), m),
-        "raw, with the embedding": b_simple(grads, [1.0] * len(named), m),
-    }
+    tied = [is_tied(name) for name, _ in named]
+    sums = SmallBatchSums({
+        "raw": [0.0 if out else 1.0 for out in tied],
+        "preconditioned": [0.0 if out else scale for out, scale in zip(tied, precondition, strict=True)],
+        "raw, with the embedding": [1.0] * len(named),
+    })  # fmt: skip
+    for _ in range(k):
+        model.zero_grad(set_to_none=True)
+        loss_of(model, windows.batch(m)).backward()
+        sums.add([p.grad.detach().float() for _, p in named])
+    model.zero_grad(set_to_none=True)
+    return sums.b_simple(m)
 
 
 def main() -> None:
@@ -152,14 +184,15 @@ def main() -> None:
     parser.add_argument("--data", default="data/bench/bench_text_document", help="indexed dataset prefix")
     parser.add_argument("--gbs", type=int, default=None, help="default: the preset's")
     parser.add_argument("--reports", default=None, help="steps to measure at (default: the preset's)")
-    parser.add_argument("--k", type=int, default=16, help="micro-batch gradients per measurement")
+    parser.add_argument("--k", type=int, default=None, help="micro-batch gradients a measurement (preset's)")
     parser.add_argument("--m", type=int, default=4, help="samples per micro-batch gradient")
     args = parser.parse_args()
     setup = SETUPS[args.preset]
     gbs, seq = args.gbs or setup.gbs, setup.model.seq
     reports = sorted(int(step) for step in (args.reports or setup.reports).split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    needed = (reports[-1] * gbs + len(reports) * args.k * args.m) * (seq + 1)
+    k = args.k or setup.k
+    needed = (reports[-1] * gbs + len(reports) * k * args.m) * (seq + 1)
     windows = Windows(args.data, needed, seq, device)
     torch.manual_seed(0)
     model = GPT(setup.model).to(device)
@@ -175,7 +208,7 @@ def main() -> None:
         set_lr(optimizer, schedule.lr_at(step * gbs * seq))
         optimizer.step()
         if step in reports:
-            values = report(model, optimizer, windows, args.k, args.m)
+            values = report(model, optimizer, windows, k, args.m)
             shown = ", ".join(f"{name} {value:.1f}" for name, value in values.items())
             tokens = step * gbs * seq / 1e6
             print(f"step {step} ({tokens:.2f}M tokens, loss {loss.item():.3f}): B_simple {shown}", flush=True)
