@@ -164,10 +164,10 @@ def report(
     precondition = [
         1.0 / ((optimizer.state[p]["exp_avg_sq"] / (1 - beta2**step)).sqrt() + eps) for _, p in named
     ]
-    tied = [is_tied(name) for name, _ in named]
+    tied = [is_tied(name) for name, _ in named]  # left out (scale 0) as the engine leaves them out
     sums = SmallBatchSums({
-        "raw": [0.0 if out else 1.0 for out in tied],
-        "preconditioned": [0.0 if out else scale for out, scale in zip(tied, precondition, strict=True)],
+        "raw": [0.0 if left_out else 1.0 for left_out in tied],
+        "preconditioned": [0.0 if left_out else p for left_out, p in zip(tied, precondition, strict=True)],
         "raw, with the embedding": [1.0] * len(named),
     })  # fmt: skip
     for _ in range(k):
