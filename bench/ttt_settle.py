@@ -6,7 +6,9 @@ took up, for the last time, a global batch at least as large as the one it reach
 over its own call's best fixed run's (``bench/ttt_headroom.py``'s measure: free of the start's scatter).
 Then the runs grouped by settle point (``--bins``, in millions of tokens). A run that settles early spends
 fewer tokens at the slow small batches but needs more tokens in all; one that settles late the reverse.
-Which side costs more time, and how much any settle point could give, is what the groups show.
+Which side costs more time, and how much any settle point could give, is what the groups show. Last, each
+run's time over the fixed run's split into its tokens over the fixed run's times the fixed run's mean speed
+over its own (the "speed cost"), over all runs: the means, spreads and how far the two cancel.
 
     python3 bench/ttt_settle.py /tmp/ttt-e29 /tmp/ttt-e30 --target-ppl 20 --bins 1,3
 """
@@ -14,6 +16,7 @@ Which side costs more time, and how much any settle point could give, is what th
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,15 @@ class Settled:
     tokens_to_target: int
     over_best_fixed: float | None
     """Time to the target after the first step over the call's best fixed run's (None: no fixed run)."""
+    fixed_tokens: int | None = None
+    """The tokens that best fixed run needed (None: no fixed run)."""
+
+    def split(self) -> tuple[float, float] | None:
+        """(tokens over the fixed run's, speed cost): their product is :attr:`over_best_fixed`."""
+        if self.over_best_fixed is None or not self.fixed_tokens:
+            return None
+        tokens = self.tokens_to_target / self.fixed_tokens
+        return tokens, self.over_best_fixed / tokens
 
 
 def settle_tokens(records: list[dict[str, Any]], target_ppl: float) -> int | None:
@@ -49,7 +61,10 @@ def settle_tokens(records: list[dict[str, Any]], target_ppl: float) -> int | Non
 def settled_runs(work_dir: Path, target_ppl: float) -> list[Settled]:
     """The online runs of one comparison that reached the target (names not starting ``fixed``)."""
     runs = measured_runs(work_dir)
-    ratios = after_first_step([run_numbers(name, records, target_ppl) for name, records in runs])
+    numbers = [run_numbers(name, records, target_ppl) for name, records in runs]
+    ratios = after_first_step(numbers)
+    fixed = [n for n in numbers if n.name.startswith("fixed") and n.time_to_target_s is not None]
+    best = min(fixed, key=lambda n: n.time_to_target_s - n.first_step_s) if fixed else None
     settled = []
     for name, records in runs:
         if name.startswith("fixed"):
@@ -58,7 +73,9 @@ def settled_runs(work_dir: Path, target_ppl: float) -> list[Settled]:
         if settle is None:
             continue
         hit = first_at_or_below(records, target_ppl)
-        settled.append(Settled(work_dir.name, name, settle, int(hit["consumed_tokens"]), ratios.get(name)))
+        fixed_tokens = None if best is None else best.tokens_to_target
+        tokens = int(hit["consumed_tokens"])
+        settled.append(Settled(work_dir.name, name, settle, tokens, ratios.get(name), fixed_tokens))
     return settled
 
 
@@ -77,6 +94,24 @@ def mean_and_range(values: list[float], fmt: str) -> str:
     if not values:
         return "-"
     return f"{format(statistics.mean(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def split_summary(runs: list[Settled]) -> str | None:
+    """Means and spreads of the tokens ratio and the speed cost, and ``var log time = var log tokens + var
+    log cost + 2 cov``: a negative covariance is runs saving tokens by what costs them speed."""
+    pairs = [split for split in (r.split() for r in runs) if split is not None]
+    if len(pairs) < 2:
+        return None
+    tokens, cost = [p[0] for p in pairs], [p[1] for p in pairs]
+    log_tokens, log_cost = [math.log(x) for x in tokens], [math.log(x) for x in cost]
+    log_time = [a + b for a, b in zip(log_tokens, log_cost, strict=True)]
+    return (
+        f"{len(pairs)} runs: tokens over fixed {statistics.mean(tokens):.3f} "
+        f"(sd {statistics.stdev(tokens):.3f}), "
+        f"speed cost {statistics.mean(cost):.3f} (sd {statistics.stdev(cost):.3f}); var log time "
+        f"{statistics.variance(log_time):.5f} = {statistics.variance(log_tokens):.5f} + "
+        f"{statistics.variance(log_cost):.5f} + 2 x {statistics.covariance(log_tokens, log_cost):.5f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         ratios = [r.over_best_fixed for r in members if r.over_best_fixed is not None]
         tokens_text, ratios_text = mean_and_range(tokens, ".2f"), mean_and_range(ratios, ".3f")
         print(f"{label:<20} {len(members):>4}  {tokens_text:<24} {ratios_text}")
+    summary = split_summary(runs)
+    if summary is not None:
+        print(f"\n{summary}")
 
 
 if __name__ == "__main__":

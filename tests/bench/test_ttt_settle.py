@@ -69,6 +69,10 @@ def test_runs_of_several_calls_are_grouped_by_settle_point_against_their_own_fix
     assert runs[0].over_best_fixed == pytest.approx(2.3 / 3.9)
     assert runs[1].over_best_fixed == pytest.approx(12.3 / 3.9)
     assert runs[0].tokens_to_target == 4 * SEQ * (2 + 2 + 4 * 8)
+    # Split: tokens over the fixed run's (36 of 80 samples' lines) times the speed cost, whose product is
+    # the time ratio.
+    tokens, cost = runs[0].split()
+    assert tokens == pytest.approx(36 / 80) and tokens * cost == pytest.approx(2.3 / 3.9)
     grouped = dict(settle_module.groups(runs, [1.0e-3]))  # split at 1,000 tokens
     assert [r.call for r in grouped["settled at 0-0.001M"]] == ["call-a"]
     assert [r.call for r in grouped["settled at 0.001M+"]] == ["call-b"]
@@ -77,3 +81,4 @@ def test_runs_of_several_calls_are_grouped_by_settle_point_against_their_own_fix
     rows = {line.split("  ")[0]: line.split() for line in out.splitlines() if line.startswith("settled")}
     assert rows["settled at 0-0.001M"][3] == "1" and rows["settled at 0.001M+"][3] == "1"
     assert "0.590 (0.590-0.590)" in out and "online-slow" not in out
+    assert "2 runs: tokens over fixed" in out  # the split's summary line
