@@ -12,12 +12,12 @@ run had). CPU, ten minutes::
 
     PYTHONPATH=src .venv/bin/python bench/noise_scale_variants.py
 
-``--preset 125m``: GPT-125M as ``bench/time_to_target.py``'s bench preset trains it (seq 512, dropout, bf16
-on a GPU, AdamW as the engine builds it, the sqrt LR rule from gbs 8 to ``--gbs``, its token-based warmup
-and cosine, clipping at 1), reported up to ~8M tokens at gbs 16: whether the preconditioned noise scale is
-the larger one there, where the runs' own progress says the raw one undervalues gbs 32; each from 64
-micro-batch gradients, streamed (one gradient-sized sum is kept, not the 64). One GPU, ``data/bench``
-carried, about two minutes::
+``--preset 125m``: GPT-125M as ``bench/time_to_target.py``'s bench preset trains it (shuffled samples, seq
+512, dropout, bf16 on a GPU, AdamW as the engine builds it, the sqrt LR rule from gbs 8 to ``--gbs``, its
+token-based warmup and cosine, clipping at 1), reported up to ~8M tokens at gbs 16: whether the
+preconditioned noise scale is the larger one there, where the runs' own progress says the raw one
+undervalues gbs 32; each from 64 micro-batch gradients, streamed (one gradient-sized sum is kept, not the
+64). One GPU, ``data/bench`` carried, about two minutes::
 
     PYTHONPATH=src python3 bench/noise_scale_variants.py --preset 125m
 """
@@ -82,23 +82,31 @@ keeps the bench preset's dropout."""
 
 
 class Windows:
-    """Consecutive ``seq + 1``-token windows from the start of the corpus, each used once."""
+    """The corpus's non-overlapping ``seq + 1``-token windows in a seeded random order, each used once.
 
-    def __init__(self, prefix: str, tokens_needed: int, seq: int, device: torch.device) -> None:
-        self.seq, self.device = seq, device
-        dataset, parts, count = IndexedDataset(prefix), [], 0
-        for index in range(len(dataset)):
-            parts.append(dataset[index].astype(np.int64))
-            count += parts[-1].size
-            if count >= tokens_needed:
-                break
-        self.stream, self.position = np.concatenate(parts), 0
+    The engine's samples are shuffled over the corpus; read in corpus order, training walks from one
+    source package to the next (the first GPU run did, 2026-12-05: single-batch losses of 5.8-7.8 at 1-6M
+    tokens, where the bench runs' evaluation is at 3.5-4.6), and 64 consecutive micro-batches at a
+    report come from one package, not from the distribution the noise scale is about."""
+
+    def __init__(
+        self, prefix: str, tokens_needed: int, seq: int, device: torch.device, seed: int = 0
+    ) -> None:
+        self.span, self.device = seq + 1, device
+        dataset = IndexedDataset(prefix)
+        self.stream = np.concatenate([dataset[index] for index in range(len(dataset))])
+        windows = self.stream.size // self.span
+        if windows * self.span < tokens_needed:
+            raise SystemExit(
+                f"{prefix}: {self.stream.size:,} tokens, fewer than the {tokens_needed:,} the reports need"
+            )
+        self.order, self.position = np.random.default_rng(seed).permutation(windows), 0
 
     def batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        span = self.seq + 1
-        chunk = self.stream[self.position : self.position + rows * span]
-        self.position += rows * span
-        tokens = torch.from_numpy(chunk.reshape(rows, span)).to(self.device)
+        starts = self.order[self.position : self.position + rows] * self.span
+        self.position += rows
+        chunk = np.stack([self.stream[start : start + self.span] for start in starts]).astype(np.int64)
+        tokens = torch.from_numpy(chunk).to(self.device)
         return tokens[:, :-1], tokens[:, 1:]
 
 

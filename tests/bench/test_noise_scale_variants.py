@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+
+from cona.data.indexed import IndexedDatasetWriter
 
 K, M = 4000, 4
 """Micro-batch gradients per estimate, and samples per micro-batch gradient."""
@@ -40,3 +43,21 @@ def test_preconditioning_weighs_the_elements_and_a_common_scale_changes_nothing(
     assert raw == pytest.approx(1.5 / 1.01, rel=0.1)
     assert preconditioned == pytest.approx((1.0 + 50.0) / 2.0, rel=0.1)
     assert variants.b_simple(grads, [3.0, 30.0], M) == pytest.approx(preconditioned, rel=1e-9)
+
+
+def test_windows_come_from_across_the_corpus_in_a_seeded_order_each_once(variants, tmp_path) -> None:
+    prefix = tmp_path / "corpus"
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:  # token i at stream position i, in 3 documents
+        for first, last in ((0, 17), (17, 31), (31, 52)):
+            writer.add_document(list(range(first, last)))
+    windows = variants.Windows(str(prefix), tokens_needed=40, seq=4, device=torch.device("cpu"))
+    drawn = [variants.Windows(str(prefix), 40, 4, torch.device("cpu")).batch(10) for _ in range(2)]
+    assert torch.equal(drawn[0][0], drawn[1][0])  # the same seed, the same order
+    inputs, targets = windows.batch(6)
+    more_inputs, _ = windows.batch(4)
+    starts = [int(row[0]) for row in torch.cat([inputs, more_inputs])]
+    assert sorted(starts) == list(range(0, 50, 5))  # the 10 whole windows of 52 tokens, each once
+    assert starts != sorted(starts)  # not in corpus order
+    assert torch.equal(targets, inputs + 1)  # the next token of each window's stream slice
+    with pytest.raises(SystemExit, match="corpus"):
+        variants.Windows(str(prefix), tokens_needed=60, seq=4, device=torch.device("cpu"))
