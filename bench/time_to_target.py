@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         share = run_cap(plan, plans[index:], left_s=left, best_fixed_s=None, stop_behind=0.0)
         cut = f", cut from {plan.cap_s:.0f} s to fit --budget-s" if share < plan.cap_s - 1.0 else ""
+        if plan.kind == "online" and best_fixed_s is not None and cap < best_fixed_s:
+            cut += f"; under the best fixed run's {best_fixed_s:.0f} s: it can show a lead, not a loss"
         print(f"time_to_target: {plan.name} (cap {cap:.0f} s{cut}): {' '.join(plan.command[1:])}", flush=True)
         supervised = supervise(plan, target_ppl=args.target_ppl, patience=args.patience, cap_s=cap)
         settle(plan)

@@ -87,7 +87,11 @@ def test_a_run_that_misses_the_target_has_no_time_and_counts_as_the_worst_fixed(
     capped = {**rows[3], "last_line_s": 11.0, "wall_s": 20.0}  # the time it trained to, not its exit
     assert ttt.summary([rows[0], rows[1], capped])["fixed_stopped_before_best"] == ["fixed-gbs16"]
     table = ttt.format_table(rows, 50.0).splitlines()
-    assert len(table) == 2 + len(rows) and table[-1].split()[:2] == ["fixed-gbs16", ">60"]
+    # How far it trained (its last line at 5 s), not its exit at 60 s.
+    assert len(table) == 2 + len(rows) and table[-1].split()[:2] == ["fixed-gbs16", ">5"]
+    assert result["online_stopped_before_best"] == []
+    cut_online = {**rows[3], "run": "online-again", "kind": "online"}  # stopped at 5 s, before gbs 4's 12 s
+    assert ttt.summary([*rows[:3], cut_online])["online_stopped_before_best"] == ["online-again"]
 
 
 def test_an_empty_run_directory_gives_an_empty_row(ttt, tmp_path):
