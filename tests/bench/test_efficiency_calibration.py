@@ -44,3 +44,29 @@ def test_a_crossing_between_two_evals_is_interpolated(import_bench, tmp_path: Pa
     tokens, progress = bench.crossings(run, 4.0, 8)[40.0]
     assert progress == pytest.approx(4e4, rel=0.01)  # 200 / (1 + progress / 1e4) = 40
     assert tokens == pytest.approx(4e4 * (20 + 16) / (20 + 8), rel=0.01)
+
+
+def test_a_fixed_run_takes_the_online_runs_median_noise_scale_with_noise_from(
+    import_bench, tmp_path: Path, capsys
+) -> None:
+    bench = import_bench("efficiency_calibration")
+    fixed = [planted_run(tmp_path / f"gbs{g}", g, noise_scale=5.0, factor=4.0) for g in (16, 32)]
+    for run in fixed:
+        (run / "decisions.jsonl").unlink()  # a fixed run decides nothing
+    # Online runs measured 4, 5 and 50 (an outlier) along the way: the median, 5, is the planted one.
+    online = []
+    for index, value in enumerate((4.0, 5.0, 50.0)):
+        folder = tmp_path / f"online{index}"
+        folder.mkdir()
+        rows = [{"consumed_tokens": t, "noise_scale": value} for t in range(0, 500_000, 50_000)]
+        (folder / "decisions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        online.append(folder)
+    pooled = bench.pooled_noise(online)
+    assert np.allclose(pooled[:, 1], 5.0) and pooled[0, 0] == 0.0
+    at = [bench.crossings(run, 4.0, 8, pooled) for run in fixed]
+    assert max(bench.spread([c[level][1] for c in at]) for level in bench.LEVELS) < 0.005
+    with pytest.raises(SystemExit, match="--noise-from"):
+        bench.crossings(fixed[0], 4.0, 8)
+    bench.main([str(run) for run in fixed] + ["--noise-from", *map(str, online)])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert float(rows["4"][-1]) < float(rows["1"][-1])  # the planted factor fits better than 1
