@@ -231,7 +231,8 @@ def summary(
                 for r in fixed
                 if not r["reached"] and _trained_until(r) < ordered[0]["time_to_target_s"]
             ]
-            # An online run stopped (capped) before that time can only say it was not faster by more.
+            # An online run stopped (capped) short of the target before that time might still have beaten
+            # it: its comparison is open, not a loss.
             result["online_stopped_before_best"] = [
                 r["run"]
                 for r in onlines
