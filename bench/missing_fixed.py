@@ -10,12 +10,12 @@ tokens given with ``--tokens`` (from a call that ran it), and the call's quickes
     estimated time = overhead x (quickest first step + tokens / rate)
 
 where ``overhead`` is the call's measured best fixed run's time over the same sum of its own (the
-evaluations and the lines' time outside the steady rate: 1.04-1.07 in e21-e41; in e38, which ran both,
-1.038 at gbs 16 and 1.040 at gbs 32). Each online run's time from its first step is then printed over the
-measured best fixed run and over the better of it and the estimate. An estimate, not a measurement: a
-run's one-line stage is no steady rate (left out), and a fixed run's evaluation could cross the target a
-line earlier or later. Checked on e38 (H100), which ran fixed gbs 16: estimated from fixed gbs 32 and the
-gbs-16 rate of another run of the call, 57.2 s; measured 57.5 s.
+evaluations and the lines' time outside the steady rate: 1.04-1.07 in e21-e41, printed beside it). Each
+online run's time from its first step is then printed over the measured best fixed run and over the better
+of it and the estimate; the last line averages the runs ``--mean-of`` names. An estimate, not a
+measurement: a run's one-line stage is no steady rate (left out), and a fixed run's evaluation could cross
+the target a line earlier or later. Checked on e38 (H100), which ran fixed gbs 16: a folder with only its
+fixed gbs 32 and fixed gbs-16-at-8e-4 runs gives 57.2 s; fixed gbs 16 measured 57.5 s.
 
     python3 bench/missing_fixed.py --gbs 16 --tokens 14.16e6 --target-ppl 20 WORK...
 """
@@ -23,6 +23,7 @@ gbs-16 rate of another run of the call, 57.2 s; measured 57.5 s.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from ttt_headroom import RunNumbers, run_numbers
@@ -41,8 +42,29 @@ def overhead(run: RunNumbers) -> float:
     return run.time_to_target_s / (run.first_step_s + run.tokens_to_target / rate)
 
 
-def call_row(name: str, runs: list[RunNumbers], gbs: int, tokens: float) -> dict[str, object]:
-    """One call: the measured best fixed run, the estimate at ``gbs`` and each online run's two ratios."""
+@dataclass(frozen=True)
+class CallRow:
+    """One call: its measured best fixed run, the estimate at ``--gbs`` and its online runs' times."""
+
+    call: str
+    best: RunNumbers | None
+    rate: float | None
+    estimate: float | None
+    """None where the call measured the run, or lacks a rate at that gbs or a fixed run to scale by."""
+    measured: bool
+    online: dict[str, float | None]
+
+    def ratios(self) -> dict[str, tuple[float, float]]:
+        """Each online run that reached the target: over the measured best fixed run, and over the better of
+        it and the estimate."""
+        if self.best is None:
+            return {}
+        best_s = self.best.time_to_target_s
+        against = best_s if self.estimate is None else min(best_s, self.estimate)
+        return {name: (s / best_s, s / against) for name, s in self.online.items() if s is not None}
+
+
+def call_row(name: str, runs: list[RunNumbers], gbs: int, tokens: float) -> CallRow:
     fixed = [r for r in runs if r.name.startswith("fixed") and r.time_to_target_s is not None]
     best = min(fixed, key=lambda r: r.time_to_target_s) if fixed else None
     measured_here = any(r.name == f"fixed-gbs{gbs}" for r in runs)
@@ -51,31 +73,24 @@ def call_row(name: str, runs: list[RunNumbers], gbs: int, tokens: float) -> dict
     if rate is not None and not measured_here and best is not None:
         estimate = overhead(best) * (min(r.first_step_s for r in runs) + tokens / rate)
     online = {r.name: r.time_to_target_s for r in runs if not r.name.startswith("fixed")}
-    return {
-        "call": name,
-        "best": best,
-        "rate": rate,
-        "estimate": estimate,
-        "measured": measured_here,
-        "online": online,
-    }
+    return CallRow(name, best, rate, estimate, measured_here, online)
 
 
-def format_row(row: dict[str, object]) -> str:
-    best: RunNumbers | None = row["best"]  # type: ignore[assignment]
-    estimate: float | None = row["estimate"]  # type: ignore[assignment]
-    rate: float | None = row["rate"]  # type: ignore[assignment]
-    shown_best = f"{best.name} {best.time_to_target_s:.1f} s" if best else "no fixed run reached"
-    shown_rate = "-" if rate is None else f"{rate / 1e3:.0f}k"
-    shown_estimate = "measured" if row["measured"] else "-" if estimate is None else f"{estimate:.1f} s"
-    parts = []
-    for name, seconds in row["online"].items():  # type: ignore[union-attr]
-        if seconds is None or best is None:
-            parts.append(f"{name} not reached" if seconds is None else f"{name} {seconds:.1f} s")
-            continue
-        against = min(best.time_to_target_s, estimate) if estimate is not None else best.time_to_target_s
-        parts.append(f"{name} {seconds / best.time_to_target_s:.2f} / {seconds / against:.2f}")
-    return f"{row['call']:<10} {shown_best:<22} {shown_rate:>8} {shown_estimate:>10}   {', '.join(parts)}"
+def format_row(row: CallRow) -> str:
+    best = (
+        f"{row.best.name} {row.best.time_to_target_s:.1f} s x{overhead(row.best):.3f}"
+        if row.best
+        else "no fixed run reached"
+    )
+    rate = "-" if row.rate is None else f"{row.rate / 1e3:.0f}k"
+    estimate = "measured" if row.measured else "-" if row.estimate is None else f"{row.estimate:.1f} s"
+    ratios = row.ratios()
+    parts = [
+        f"{name} {ratios[name][0]:.2f} / {ratios[name][1]:.2f}" if name in ratios
+        else f"{name} not reached" if seconds is None else f"{name} {seconds:.1f} s"
+        for name, seconds in row.online.items()
+    ]  # fmt: skip
+    return f"{row.call:<10} {best:<29} {rate:>8} {estimate:>10}   {', '.join(parts)}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,14 +99,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gbs", type=int, required=True, help="the fixed run to estimate where missing")
     parser.add_argument("--tokens", type=float, required=True, help="tokens it needed where it was measured")
     parser.add_argument("--target-ppl", type=float, required=True)
+    parser.add_argument(
+        "--mean-of", default="online,online-again", help="the online runs the last line averages (names)"
+    )
     args = parser.parse_args(argv)
+    averaged = args.mean_of.split(",")
+    pooled: list[tuple[float, float]] = []
     print(
-        f"{'call':<10} {'best fixed measured':<22} {'rate':>8} {'estimate':>10}   "
+        f"{'call':<10} {'best fixed measured, overhead':<29} {'rate':>8} {'estimate':>10}   "
         f"online over the measured best / over the better of it and the estimate"
     )
     for work in args.work_dirs:
         runs = [run_numbers(name, records, args.target_ppl) for name, records in measured_runs(work)]
-        print(format_row(call_row(work.name, runs, args.gbs, args.tokens)))
+        row = call_row(work.name, runs, args.gbs, args.tokens)
+        print(format_row(row))
+        pooled += [pair for name, pair in row.ratios().items() if name in averaged]
+    if pooled:
+        over_best, over_better = (sum(values) / len(pooled) for values in zip(*pooled, strict=True))
+        print(f"mean over {len(pooled)} runs ({args.mean_of}): {over_best:.3f} / {over_better:.3f}")
 
 
 if __name__ == "__main__":

@@ -27,15 +27,17 @@ def test_the_estimate_scales_the_given_tokens_by_the_hosts_rate_and_the_measured
     assert missing_module.overhead(fixed) == pytest.approx(5.9 / (2.0 + 2560 / 640))
     row = missing_module.call_row("call", runs, gbs=4, tokens=1280)
     # gbs 4's rate is the online run's steady lines' (the first line, with the first step, is not steady).
-    assert row["rate"] == pytest.approx(4 * SEQ / 0.05)
+    assert row.rate == pytest.approx(4 * SEQ / 0.05)
     expected = missing_module.overhead(fixed) * (1.0 + 1280 / (4 * SEQ / 0.05))
-    assert row["estimate"] == pytest.approx(expected)
-    assert not row["measured"]
+    assert row.estimate == pytest.approx(expected)
+    assert not row.measured
     online_s = next(run for run in runs if run.name == "online").time_to_target_s
     missing_module.main(["--gbs", "4", "--tokens", "1280", "--target-ppl", "20", str(tmp_path)])
     out = capsys.readouterr().out
     # Online over fixed gbs 8, then over the quicker estimate of fixed gbs 4.
     assert f"online {online_s / fixed.time_to_target_s:.2f} / {online_s / min(expected, 5.9):.2f}" in out
+    ratios = (online_s / fixed.time_to_target_s, online_s / min(expected, 5.9))
+    assert f"mean over 1 runs (online,online-again): {ratios[0]:.3f} / {ratios[1]:.3f}" in out
 
 
 def test_a_call_that_ran_the_batch_fixed_gets_no_estimate(missing_module, tmp_path: Path) -> None:
@@ -43,5 +45,5 @@ def test_a_call_that_ran_the_batch_fixed_gets_no_estimate(missing_module, tmp_pa
     write_run(tmp_path, "fixed-gbs4", lines([(4, 12, 0.05)], first_step_s=2.0, ppl_at={12: 25.0}))
     runs = [missing_module.run_numbers(n, r, 20.0) for n, r in missing_module.measured_runs(tmp_path)]
     row = missing_module.call_row("call", runs, gbs=4, tokens=1280)
-    assert row["measured"] and row["estimate"] is None
+    assert row.measured and row.estimate is None
     assert "measured" in missing_module.format_row(row)
