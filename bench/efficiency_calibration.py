@@ -51,14 +51,12 @@ def pooled_noise(runs: list[Path]) -> np.ndarray:
     points = np.concatenate([decision_noise(run) for run in runs])
     if not points.size:
         raise SystemExit("--noise-from: no decision with a noise scale in those runs")
-    grid = np.arange(0.0, points[:, 0].max() + 100_000, 100_000)
-    medians = [
-        np.median(points[np.abs(points[:, 0] - at) <= NOISE_WINDOW, 1])
-        if np.any(np.abs(points[:, 0] - at) <= NOISE_WINDOW) else np.nan
-        for at in grid
-    ]  # fmt: skip
-    known = ~np.isnan(medians)
-    return np.column_stack([grid[known], np.asarray(medians)[known]])
+    rows = []
+    for at in np.arange(0.0, points[:, 0].max() + 100_000, 100_000):
+        near = points[np.abs(points[:, 0] - at) <= NOISE_WINDOW, 1]
+        if near.size:
+            rows.append((at, float(np.median(near))))
+    return np.asarray(rows)
 
 
 def read_run(run: Path, fallback: np.ndarray | None = None) -> tuple[list[dict], np.ndarray]:
