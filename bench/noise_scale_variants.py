@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import ttt_plan
 from cona.config import ModelConfig, TrainingConfig
 from cona.data.indexed import IndexedDataset
 from cona.engine.gns import is_tied
@@ -60,10 +61,12 @@ def _tiny_schedule(gbs: int) -> LRSchedule:  # 1e-3 at any gbs, warmup over 40 s
 
 
 def _bench_125m_schedule(gbs: int) -> LRSchedule:  # bench/ttt_plan.py's bench preset under the sqrt rule
-    factor = math.sqrt(gbs / 8)
+    preset = ttt_plan.PRESETS["125m", "bench"]
+    factor = math.sqrt(gbs / preset.base_gbs)
     return LRSchedule(
-        peak_lr=4e-4 * factor, min_lr=4e-5 * factor, warmup_tokens=327_680, decay_tokens=32_000_000
-    )
+        peak_lr=preset.base_lr * factor, min_lr=preset.base_min_lr * factor,
+        warmup_tokens=preset.warmup_tokens, decay_tokens=preset.total_tokens,
+    )  # fmt: skip
 
 
 SETUPS = {
