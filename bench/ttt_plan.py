@@ -72,7 +72,7 @@ _DEMO_125M = Preset(
 # epoch); the ladder's easier levels (27.5 = 1.1x ... ) still compare runs that miss it. With --stop-behind
 # the 125M comparison fits two calls of <= 9.5 minutes (best fixed first, then online, then the others
 # capped at 1.3x its time); the LR horizon (32M tokens) is past any target. The LR warm-up is 1.31M tokens
-# (40 steps at gbs 32): with the 327,680 of sessions 1-27 fixed gbs 32 took 62.8 s to ppl 20 (18.35M tokens),
+# (80 steps at gbs 32): with the 327,680 of sessions 1-27 fixed gbs 32 took 62.8 s to ppl 20 (18.35M tokens),
 # with 1.31M 47.5-48.3 s (13.9-14.2M) and with 2.62M 45.3 s (13.6M) on the H200 (docs/benchmarks.md,
 # twenty-eighth session): a fixed baseline needs a warm-up tuned for its batch, and online runs the same one.
 _BENCH_125M = dataclasses.replace(
