@@ -83,7 +83,7 @@ _BENCH_125M = dataclasses.replace(
 _BENCH_350M = dataclasses.replace(
     _BENCH_125M, model={"name": "gpt-350m", "layers": 24, "hidden": 1024, "heads": 16, "seq": 512},
     base_lr=3e-4, base_min_lr=3e-5, target_ppl=22.0, total_tokens=24_000_000, fixed_cap_s=200.0,
-    ramp_tokens=(1_500_000, 6_000_000), warmup_tokens=327_680,  # as measured; its tuning is untested
+    ramp_tokens=(1_500_000, 6_000_000), warmup_tokens=327_680,  # untuned (docs/benchmarks.md, 29th session)
 )  # fmt: skip
 # A smaller model, to test whether a one-GPU ramp has room there (twenty-eighth session's estimate: the
 # eager step would stay host-bound to a larger batch). Measured on an H100 (twenty-ninth session,
