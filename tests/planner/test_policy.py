@@ -247,3 +247,13 @@ def test_a_larger_batch_that_is_not_even_faster_falls_back_whatever_the_noise():
     assert actions == ["stay", "stay", "fallback"]
     record = json.loads(json.dumps(decision.record, allow_nan=False))
     assert record["fallback_break_even_noise_scale"] is None
+    assert record["fallback_previous_rate_measured"] is True
+
+
+def test_the_record_says_when_the_break_even_rests_on_a_predicted_rate():
+    # gbs 16 left before any steady line: its 1000 tok/s is the estimator's, and the record says so.
+    state, settings = switched_state(fallback=True)
+    state = dataclasses.replace(state, earlier=(dataclasses.replace(state.earlier[-1], rate_measured=False),))
+    decision = decide(state, measure(1e6, tokens_per_s=1200.0), None, settings)
+    assert decision.record["fallback_previous_rate_measured"] is False
+    assert decision.record["fallback_break_even_noise_scale"] == pytest.approx(64.0)

@@ -330,9 +330,9 @@ def _fallback_check(
     break_even = break_even_noise_scale(previous, state.current.strategy.gbs, measured_tokens_per_s)
     judged = max(noise, state.noise_ema) if settings.noise_scale_agreement else state.noise_ema
     below = state.below_break_even + 1 if judged * (1.0 + settings.hysteresis) < break_even else 0
-    # None stands for "never breaks even" (JSON has no infinity).
+    # None stands for "never breaks even" (JSON has no infinity); the smaller batch's rate may be predicted.
     record.update(fallback_break_even_noise_scale=break_even if math.isfinite(break_even) else None)
-    record["below_break_even"] = below
+    record.update(below_break_even=below, fallback_previous_rate_measured=previous.rate_measured)
     if below < _patience(state, settings):
         return dataclasses.replace(state, below_break_even=below), None
     label = "noise scale (the higher estimate)" if settings.noise_scale_agreement else "smoothed noise scale"
