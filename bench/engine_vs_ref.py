@@ -44,7 +44,7 @@ from cona.strategy import Strategy
 
 SIZES = {
     "tiny": (2, 64, 4),
-    "45m": (6, 512, 8),  # the small end of the one-GPU batch ramp (issue 16, twenty-eighth session)
+    "45m": (6, 512, 8),  # a smaller model for issue 16 (docs/benchmarks.md, twenty-ninth session)
     "125m": (12, 768, 12),
     "350m": (24, 1024, 16),
     "760m": (24, 1536, 16),
