@@ -11,10 +11,14 @@ ours/ref) is printed as soon as it is measured, so a run cut short by a time lim
 
     PYTHONPATH=src python bench/engine_vs_ref.py --sizes 125m,350m,1.3b --mbs 8,16 --out results.json
 
-``--gns-overhead`` times our step with the gradient-noise inputs measured on every step against the same
-step with them switched off (``TrainingModel.disable_gns``) instead of the reference.
-``--profile SIZE:MBS`` also writes torch.profiler tables (top kernels and CPU ops of both steps).
-``--device cpu --sizes tiny --no-compile`` is a smoke run (1-process gloo group, fp32) for tests.
+``--gns-overhead`` times our step with the gradient-noise inputs measured on every step, on the trainer's
+steps and switched off (``TrainingModel.disable_gns``) instead of the reference. ``--compile-scope`` sets
+``training.compile_scope`` (``auto``, ``model`` or ``blocks``). ``bench/step_profiles.py`` takes the same
+flags and writes profiles of both steps. ``--device cpu --sizes tiny --no-compile`` is a smoke run
+(1-process gloo group, fp32) for tests.
+
+Every graph has static shapes, so a measured step's pieces compile a second graph: ``--warmup`` must cover the
+first measured step (the trainer's rule measures the last step before each metrics line, every 10th).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from cona.strategy import Strategy
 
 SIZES = {
     "tiny": (2, 64, 4),
-    "45m": (6, 512, 8),  # a smaller model for issue 16 (docs/benchmarks.md, twenty-ninth session)
+    "45m": (6, 512, 8),
     "125m": (12, 768, 12),
     "350m": (24, 1024, 16),
     "760m": (24, 1536, 16),
@@ -132,7 +136,7 @@ def reference_step(size: str, mbs: int, args: argparse.Namespace) -> Callable[[]
 # CONA's engine: the worker's step path.
 # ----------------------------------------------------------------------------------------------------
 def engine_config(
-    size: str, seq: int, compile_: bool, device: str, *, cuda_graphs: bool = True
+    size: str, seq: int, compile_: bool, device: str, *, cuda_graphs: bool = True, compile_scope: str = "auto"
 ) -> tuple[ModelConfig, object]:
     layers, hidden, heads = SIZES[size]
     raw = {
@@ -152,6 +156,7 @@ def engine_config(
             "zero_stage": 0,
             "compile": compile_,
             "cuda_graphs": cuda_graphs,
+            "compile_scope": compile_scope,
             "clip_grad": 1.0,
         },
     }
@@ -161,7 +166,14 @@ def engine_config(
 
 def engine_model(size: str, mbs: int, args: argparse.Namespace) -> tuple[TrainingModel, object, object]:
     cuda_graphs = getattr(args, "cuda_graphs", True)
-    _, config = engine_config(size, args.seq, not args.no_compile, args.device, cuda_graphs=cuda_graphs)
+    _, config = engine_config(
+        size,
+        args.seq,
+        not args.no_compile,
+        args.device,
+        cuda_graphs=cuda_graphs,
+        compile_scope=getattr(args, "compile_scope", "auto"),
+    )
     training: TrainingConfig = config.training
     strategy = Strategy(
         dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs, zero_stage=training.zero_stage, recompute=training.recompute
@@ -268,8 +280,9 @@ def init_single_process_group(device: str) -> None:
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of this benchmark (``bench/step_profiles.py`` adds its own to them)."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     parser.add_argument("--sizes", default="125m,350m,1.3b", help=f"comma list of {', '.join(SIZES)}")
     parser.add_argument("--mbs", default="8,16", help="comma list of micro-batch sizes")
     parser.add_argument(
@@ -279,27 +292,25 @@ def parse_args() -> argparse.Namespace:
         help="measure these rows, in this order (not sizes x mbs)",
     )
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=12, help="steps before timing (cover a measured step)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile-scope", choices=("auto", "model", "blocks"), default="auto")
     parser.add_argument(
         "--gns-overhead",
         action="store_true",
         help="time our step with GNS measured on every step / on the trainer's steps / off, no reference",
     )
-    parser.add_argument("--profile", default=None, metavar="SIZE:MBS")
-    parser.add_argument("--host-profile", default=None, metavar="SIZE:MBS", help="cProfile of our step")
-    parser.add_argument(
-        "--host-phases",
-        default=None,
-        metavar="SIZE:MBS",
-        help="host time per phase of each step (ref and ours) against the wall time per step",
-    )
     parser.add_argument(
         "--out", type=Path, default=None, help="JSON file for the rows (and profiles beside it)"
     )
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    parser = parser or build_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
     if args.rows:
         args.row_list = [(size, int(mbs)) for size, mbs in (row.split(":") for row in args.rows.split(","))]
@@ -333,19 +344,6 @@ def main() -> None:
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
     if not args.gns_overhead:
         print_table(rows)
-    if args.host_phases or args.host_profile or args.profile:
-        import step_profiles  # the diagnostics live beside this script (bench/step_profiles.py)
-    if args.host_phases:
-        size, mbs = args.host_phases.split(":")
-        phases = step_profiles.host_phases(size, int(mbs), args)
-        if args.out is not None:
-            args.out.with_name("host_phases.json").write_text(json.dumps(phases, indent=1) + "\n")
-    if args.host_profile:
-        size, mbs = args.host_profile.split(":")
-        step_profiles.host_profile(size, int(mbs), args, (args.out.parent if args.out else Path(".")))
-    if args.profile:
-        size, mbs = args.profile.split(":")
-        step_profiles.profile(size, int(mbs), args, (args.out.parent if args.out else Path(".")))
     dist.destroy_process_group()
 
 

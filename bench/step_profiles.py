@@ -1,5 +1,7 @@
-"""Diagnostics of ``bench/engine_vs_ref.py`` (its ``--profile``, ``--host-phases`` and ``--host-profile``):
-where the time of the reference step and of ours goes, on the device and on the host.
+"""Where the time of ``bench/engine_vs_ref.py``'s reference step and of ours goes, on the device and on the
+host; takes that script's flags plus one or more of these::
+
+    PYTHONPATH=src:bench python bench/step_profiles.py --profile 125m:8 --host-phases 125m:8 --out prof/x.json
 
 - ``profile``: torch.profiler tables of both steps (top kernels, top CPU ops) and the kernel time per step;
 - ``host_phases``: host seconds per phase of each step (``perf_counter``, nothing synchronised between the
@@ -22,9 +24,12 @@ from cona.engine.trainer import IntervalSums
 from engine_vs_ref import (
     SIZES,
     RefGPT,
+    build_parser,
     engine_model,
     engine_step,
+    init_single_process_group,
     padded_vocab_size,
+    parse_args,
     random_batch,
     reference_step,
     synchronize,
@@ -174,3 +179,34 @@ def _phase_step(name: str, size: str, mbs: int, args: argparse.Namespace) -> tup
         timed("interval_sums", interval.add, out, norm, stepped)
 
     return phases, our_step
+
+
+def main() -> None:
+    parser = build_parser(__doc__.splitlines()[0])
+    parser.add_argument("--profile", default=None, metavar="SIZE:MBS", help="torch.profiler tables")
+    parser.add_argument("--host-profile", default=None, metavar="SIZE:MBS", help="cProfile of our step")
+    parser.add_argument(
+        "--host-phases",
+        default=None,
+        metavar="SIZE:MBS",
+        help="host time per phase of each step (ref and ours) against the wall time per step",
+    )
+    args = parse_args(parser)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as the reference does
+    init_single_process_group(args.device)
+    out_dir = args.out.parent if args.out else Path(".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.host_phases:
+        size, mbs = args.host_phases.split(":")
+        phases = host_phases(size, int(mbs), args)
+        (out_dir / "host_phases.json").write_text(json.dumps(phases, indent=1) + "\n")
+    if args.host_profile:
+        size, mbs = args.host_profile.split(":")
+        host_profile(size, int(mbs), args, out_dir)
+    if args.profile:
+        size, mbs = args.profile.split(":")
+        profile(size, int(mbs), args, out_dir)
+
+
+if __name__ == "__main__":
+    main()

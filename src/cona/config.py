@@ -259,6 +259,11 @@ class TrainingConfig:
     compile: bool | None = None
     """torch.compile the model: whole, with its loss, where neither split nor sharded; else per block.
     None (the default): on a GPU, off on the CPU (see :meth:`compiles_on`)."""
+    compile_scope: Literal["auto", "model", "blocks"] = "auto"
+    """What ``compile`` covers where the model is neither split nor sharded: ``model`` (one graph with the
+    loss), ``blocks`` (each transformer block; its graph compiles in seconds and serves every block) or
+    ``auto``: the whole model below 300M parameters, blocks above (see :mod:`cona.engine.step_modes`).
+    Split or sharded models always compile per block."""
     cuda_graphs: bool = True
     """With ``compile`` on CUDA, where the whole model is compiled and a step is one micro-batch: replay its
     forward and backward as CUDA graphs (torch.compile mode "reduce-overhead"), which removes the per-kernel

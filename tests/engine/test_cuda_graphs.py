@@ -111,15 +111,16 @@ def test_dropout_draws_a_new_mask_on_every_replay(one_gpu_group) -> None:
 
 
 def test_graphs_only_where_a_step_is_one_whole_model_forward_and_backward() -> None:
-    training, gpu0 = config(cuda_graphs=True).training, torch.device("cuda", 0)
+    cfg, gpu0 = config(cuda_graphs=True), torch.device("cuda", 0)
+    training, model = cfg.training, cfg.model
     strategy = Strategy(dp=1, tp=1, pp=1, mbs=MBS, gbs=2 * MBS)  # accumulation: two backward per step
-    assert not uses_cuda_graphs(training, strategy, gpu0)
+    assert not uses_cuda_graphs(training, model, strategy, gpu0)
     one = dataclasses.replace(strategy, gbs=MBS)
-    assert uses_cuda_graphs(training, one, gpu0)
-    assert not uses_cuda_graphs(training, one, torch.device("cpu"))
-    assert not uses_cuda_graphs(dataclasses.replace(training, compile=False), one, gpu0)
-    assert not uses_cuda_graphs(dataclasses.replace(training, cuda_graphs=False), one, gpu0)
-    assert not uses_cuda_graphs(training, dataclasses.replace(one, tp=2), gpu0)
+    assert uses_cuda_graphs(training, model, one, gpu0)
+    assert not uses_cuda_graphs(training, model, one, torch.device("cpu"))
+    assert not uses_cuda_graphs(dataclasses.replace(training, compile=False), model, one, gpu0)
+    assert not uses_cuda_graphs(dataclasses.replace(training, cuda_graphs=False), model, one, gpu0)
+    assert not uses_cuda_graphs(training, model, dataclasses.replace(one, tp=2), gpu0)
 
 
 @gpu

@@ -135,7 +135,8 @@ def apply_ac(model: GPT, mode: str) -> None:
 
 
 def apply_compile(model: GPT, *, recompute: str, tensor_parallel: bool) -> None:
-    """torch.compile each block in place (``Module.compile`` keeps FQNs; identical blocks share a graph).
+    """torch.compile each block in place (``Module.compile`` keeps FQNs; identical blocks share a graph),
+    with static shapes as the whole-model compile (:mod:`cona.engine.step_modes`).
 
     NOTE: with torch 2.13, AOTAutograd fails on a recomputed region inside a compiled one when it holds TP
     (DTensor) parameters ("expected all tensors_saved_with_vc_check to be Tensors"). For TP with recompute
@@ -144,11 +145,11 @@ def apply_compile(model: GPT, *, recompute: str, tensor_parallel: bool) -> None:
     """
     for block in model.layers.values():
         if not tensor_parallel or recompute == "none":
-            block.compile()
+            block.compile(dynamic=False)
             continue
-        block.feed_forward.compile()
+        block.feed_forward.compile(dynamic=False)
         if recompute == "full":
-            block.attention.compile()
+            block.attention.compile(dynamic=False)
 
 
 def apply_fsdp(model: GPT, dp_mesh: DeviceMesh, *, zero_stage: int, param_dtype: torch.dtype | None) -> None:

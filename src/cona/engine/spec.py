@@ -193,8 +193,10 @@ class StageResult:
     checkpoint: str | None
     """The global_step directory saved at the end, or None if this stage saved nothing at the end."""
     timings: dict[str, float]
-    """Unix times: launch (the runner started torchrun), process_start (the worker's imports done),
-    load_done (built, data ready, checkpoint loaded; stages that load one), verify_done (its probe loss
+    """Unix times: launch (the runner started torchrun), imports_start (the worker module began importing
+    torch and CONA), process_start (the worker's imports done), model_done (model and optimizer built;
+    stages built from scratch or a checkpoint), data_done (datasets and sample indices ready), load_done
+    (built, data ready, checkpoint loaded; stages that load one), verify_done (its probe loss
     checked), setup_done, first_step_done, train_done, probe_done (the probe loss of the state to save
     measured), save_done."""
     switch_check: dict | None = None

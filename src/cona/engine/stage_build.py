@@ -142,7 +142,9 @@ def build_stage(
     mesh = build_mesh(strategy, device.type)
     model = build_training_model(config, strategy, mesh, device)
     optimizer = build_optimizer(model.model_parts, config.training)
+    timings["model_done"] = time.time()
     splits = _build_datasets(config)
+    timings["data_done"] = time.time()
     progress = Progress()
     if spec.load_path is not None:
         state = load_checkpoint(

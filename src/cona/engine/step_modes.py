@@ -1,46 +1,76 @@
-"""How a step runs on this device under this strategy: whole-model compile, CUDA graphs, precision.
+"""How a step runs on this device under this strategy: what is compiled, CUDA graphs, precision.
 
 Pure decisions over the config and strategy, shared by the training model and the benchmarks.
+
+Every compiled graph has static shapes: one graph per micro-batch size (and per piece size of a measured
+step), kept for the rest of the session, so an in-place switch back to an earlier size compiles nothing. A
+dynamic batch dimension would serve every size with one graph, but its kernels are tuned for no size and
+inductor then cannot fuse a norm's row and column reductions, which costs more per step than a compile
+per size costs once (the persistent compile caches of :mod:`cona.engine.compile_cache` make a size
+compiled before load in seconds).
 """
 
 from __future__ import annotations
 
-import torch
-import torch._inductor.config  # noqa: F401 (compile_options reads it)
+from typing import Literal
 
-from cona.config import TrainingConfig
+import torch
+
+from cona.config import ModelConfig, TrainingConfig
+from cona.planner.flops import parameter_count
 from cona.strategy import Strategy
+
+CompileScope = Literal["model", "blocks", "none"]
+
+BLOCKS_FROM_PARAMETERS = 300_000_000
+"""Under ``training.compile_scope = "auto"`` a model of at least this many parameters compiles each block
+(regional compilation) rather than the whole model. One block's graph compiles in a few seconds and serves
+every block, where the whole model's takes 20-40 s; the cost is the code between blocks (embedding, final
+norm, head, loss) running eager, which matters only where the host bounds the step, i.e. in small models."""
+
+DYNAMO_RECOMPILE_LIMIT = 64
+"""Graphs dynamo keeps per compiled function: one per micro-batch and piece size a session has run (its
+default of 8 would fall back to eager after a few in-place switches)."""
 
 
 def compiles_whole_model(strategy: Strategy) -> bool:
-    """``training.compile`` compiles the whole model with its loss in one graph (as the single-GPU
-    reference does) where the model is neither split nor sharded, and each block otherwise."""
+    """Whether the whole model with its loss can be one graph: neither split (tp, pp) nor sharded (FSDP)."""
     return strategy.tp == 1 and strategy.pp == 1 and (strategy.dp == 1 or strategy.zero_stage == 0)
 
 
-def uses_cuda_graphs(training: TrainingConfig, strategy: Strategy, device: torch.device) -> bool:
+def compile_scope(
+    training: TrainingConfig, model: ModelConfig, strategy: Strategy, device_type: str
+) -> CompileScope:
+    """What ``torch.compile`` covers: ``model`` (one graph with the loss), ``blocks`` (each transformer
+    block; the rest eager) or ``none``. ``training.compile_scope`` picks it; ``auto`` compiles the whole
+    model where it can and the model is smaller than :data:`BLOCKS_FROM_PARAMETERS`."""
+    if not training.compiles_on(device_type):
+        return "none"
+    if not compiles_whole_model(strategy):
+        return "blocks"
+    if training.compile_scope != "auto":
+        return training.compile_scope
+    return "blocks" if parameter_count(model) >= BLOCKS_FROM_PARAMETERS else "model"
+
+
+def uses_cuda_graphs(
+    training: TrainingConfig, model: ModelConfig, strategy: Strategy, device: torch.device
+) -> bool:
     """``training.cuda_graphs`` applies where the whole model is compiled on a GPU and a step runs one
     micro-batch: with several, autograd accumulates into gradients that the next replay of the same backward
     graph would overwrite first. A measured step's pieces hold their gradients apart for that reason."""
     return (
         training.cuda_graphs
-        and training.compiles_on(device.type)
         and device.type == "cuda"
-        and compiles_whole_model(strategy)
+        and compile_scope(training, model, strategy, device.type) == "model"
         and strategy.micro_batches == 1
     )
 
 
 def compile_options(cuda_graphs: bool) -> dict[str, bool]:
     """Inductor's options for the whole-model compile: CUDA graphs where they apply (what mode
-    "reduce-overhead" sets), and no mix-order reductions. Inductor fuses a LayerNorm backward's row and
-    column reductions only above 5 Mi elements, and that test guards the batch size: GPT-125M at seq 512
-    compiled for mbs 8 compiled again at the first mbs above 13 (19-31 s on the H200,
-    bench/rebatch_compile.py), so an in-place switch of mbs paid a recompile despite the dynamic batch."""
-    options = {"triton.cudagraphs": cuda_graphs}
-    if hasattr(torch._inductor.config.triton, "mix_order_reduction"):  # torch >= 2.10
-        options["triton.mix_order_reduction"] = False
-    return options
+    "reduce-overhead" sets)."""
+    return {"triton.cudagraphs": cuda_graphs}
 
 
 def resolved_dtype(training: TrainingConfig, device: torch.device) -> str:

@@ -22,12 +22,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from cona.config import ConaConfig
 from cona.engine import gns
+from cona.engine.compile_cache import use_persistent_compile_caches
 from cona.engine.model import GPT, init_weights, parameter_seed, token_cross_entropy
 from cona.engine.objective import loss_token_count, micro_batch_share, summed_token_cross_entropy
 from cona.engine.parallelize import GradAllReducer, match_grad_placements, parallelize_gpt
 from cona.engine.pipeline import PipelineRunner, TiedEmbeddingSync, num_stages, split_stage, stage_ids_of_rank
 from cona.engine.shape_warmup import ShapeWarmup, run_mode
-from cona.engine.step_modes import compile_options, compiles_whole_model, resolved_dtype, uses_cuda_graphs
+from cona.engine.step_modes import compile_options, compile_scope, resolved_dtype, uses_cuda_graphs
 from cona.engine.step_noise import HeldPieceGradients, NoiseInputs, local_grads, split_rows
 from cona.engine.step_output import LossScaler, PendingStepOutput, StepOutput
 from cona.strategy import Strategy
@@ -74,6 +75,7 @@ class TrainingModel:
         self._tied_sync = TiedEmbeddingSync(mesh, model_parts) if strategy.pp > 1 else None
         self._held_pieces = HeldPieceGradients()
         self._compiled: dict[bool, Callable] = {}  # with and without CUDA graphs, kept across rebatch
+        self.compile_scope = compile_scope(config.training, config.model, strategy, device.type)
         self._set_batch_parts(strategy)
         self._last_norm_sqr: torch.Tensor | None = None  # of the gradients held now; None: none held
         self.shape_warmup = ShapeWarmup()  # the trainer reads whether each step still warmed up a shape
@@ -87,12 +89,13 @@ class TrainingModel:
             if strategy.pp > 1
             else None
         )
-        self.cuda_graphs = uses_cuda_graphs(self.config.training, strategy, self.device)
+        self.cuda_graphs = uses_cuda_graphs(self.config.training, self.config.model, strategy, self.device)
         self._forward_loss = self._plain_forward_loss
-        if self.config.training.compiles_on(self.device.type) and compiles_whole_model(strategy):
-            if self.cuda_graphs not in self._compiled:
+        if self.compile_scope == "model":
+            if self.cuda_graphs not in self._compiled:  # static shapes: one graph per batch size
                 options = compile_options(self.cuda_graphs)
-                self._compiled[self.cuda_graphs] = torch.compile(self._plain_forward_loss, options=options)
+                compiled = torch.compile(self._plain_forward_loss, dynamic=False, options=options)
+                self._compiled[self.cuda_graphs] = compiled
             self._forward_loss = self._compiled[self.cuda_graphs]
         self._noise = NoiseInputs(
             self.model_parts,
@@ -157,15 +160,13 @@ class TrainingModel:
         if pieces > 1:  # a measured step of one micro-batch: its pieces give small batches (step_noise)
             micro_batches = split_rows(micro_batches[0], pieces)
             n_micro = pieces
-        compiled = self.config.training.compiles_on(self.device.type)
+        compiled = self.compile_scope != "none"
         if self._pipeline is None:
             measure = self._noise.start_step(n_micro / scale, measure=measure_gns)
-            # Pieces of more than one row run in the whole-model graph (its batch is dynamic); others eager.
-            eager = pieces > 1 and not (self._compiled and micro_batches[0][0].shape[0] > 1)
-            mode = run_mode(compiled=compiled, eager=eager, cuda_graphs=self.cuda_graphs)
-            with self._eager_if(eager):
-                graphs = self.cuda_graphs and pieces > 1 and not eager
-                losses = self._plain_forward_backward(micro_batches, scale, graph_pieces=graphs, mode=mode)
+            # A measured step's pieces run in the graph compiled for their own (static) shape.
+            mode = run_mode(compiled=compiled, eager=False, cuda_graphs=self.cuda_graphs)
+            graphs = self.cuda_graphs and pieces > 1
+            losses = self._plain_forward_backward(micro_batches, scale, graph_pieces=graphs, mode=mode)
         else:  # the schedule scales the gradient by 1 / n_micro after the per-micro-batch hooks ran
             measure = self._noise.start_step(1 / scale, measure=measure_gns)
             inputs, targets = self._to_device(
@@ -220,11 +221,10 @@ class TrainingModel:
             self._held_pieces.add_to(self._unique_params())
         return losses
 
-    def _eager_if(self, eager: bool) -> contextlib.AbstractContextManager:
-        """Run eager where the model is compiled, for the pieces of a measured step that the compiled code
-        cannot take without compiling again (tens of seconds, for the few measured steps): pieces of one row
-        (dynamo specialises a batch of 1) and any piece under a block-wise compile (static batch)."""
-        if eager and self.config.training.compiles_on(self.device.type):
+    def _eager_if_compiled(self) -> contextlib.AbstractContextManager:
+        """Run eager where the model is compiled (evaluation: a few no-grad forwards per interval, which
+        would otherwise compile a graph of their own)."""
+        if self.compile_scope != "none":
             return torch.compiler.set_stance("force_eager")
         return contextlib.nullcontext()
 
@@ -237,15 +237,7 @@ class TrainingModel:
         return stack
 
     def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
-        if self._compiled and inputs.shape[0] > 1:
-            # One graph for every batch size, so an in-place switch of mbs compiles nothing new. Strictly
-            # dynamic: ``maybe_mark_dynamic`` compiled GPT-125M static first and again, dynamic, at the first
-            # new mbs (19 s on the H200; bench/rebatch_compile.py); the dynamic graph steps as fast.
-            torch._dynamo.mark_dynamic(inputs, 0)
-            torch._dynamo.mark_dynamic(targets, 0)
-        return inputs, targets
+        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
     def _step_output(self, losses: list[torch.Tensor], n_micro: int, measure: bool) -> PendingStepOutput:
         n_small = self.strategy.dp * n_micro
@@ -342,9 +334,7 @@ class TrainingModel:
         for part in self.model_parts:
             part.eval()
         try:
-            # Eager where the model is compiled: the evaluation's no-grad graph would be compiled on its own
-            # (a 16 s stall at the first evaluation of GPT-125M on the H200) for a few forwards per interval.
-            with self._eager_if(True):
+            with self._eager_if_compiled():
                 losses = self._eval_losses(micro_batches)
         finally:
             for part in self.model_parts:
@@ -382,7 +372,10 @@ def build_training_model(
     from ``training.seed`` and its name (the worker checked the layout before: ``worker.run_stage``)."""
     dtype = resolved_dtype(config.training, device)
     stage_ids = stage_ids_of_rank(strategy, mesh.get_local_rank("pp"))
-    compile_blocks = config.training.compiles_on(device.type) and not compiles_whole_model(strategy)
+    scope = compile_scope(config.training, config.model, strategy, device.type)
+    if scope != "none":
+        use_persistent_compile_caches()
+    compile_blocks = scope == "blocks"
     parts = []
     for stage in stage_ids:
         with torch.device("meta"):

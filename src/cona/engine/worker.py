@@ -19,12 +19,17 @@ The process ends with ``os._exit`` after a barrier: once DTensor collectives ran
 finalisation can abort inside gloo's threads, so no rank goes through it.
 """
 
+# ruff: noqa: E402 (the imports follow the clock that times them)
 from __future__ import annotations
+
+import time
+
+IMPORTS_START = time.time()
+"""Unix time the worker module began importing (torch and CONA): the stage timings' ``imports_start``."""
 
 import itertools
 import os
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     echo = rank == 0 and os.environ.get(WORKER_CONSOLE_ENV) != "0"  # else the runner's console shows them
     timings = {
         "launch": float(os.environ.get(LAUNCH_TIME_ENV, process_start)),
+        "imports_start": IMPORTS_START,
         "process_start": process_start,
     }
     console, joined, carried = None, None, None
