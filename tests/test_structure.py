@@ -140,10 +140,10 @@ its errors), one before it and one after it, which the backend's docs and tests 
 
 def prose(path: Path) -> list[tuple[int, str]]:
     """The comments and docstrings of a Python file (string statements, attribute docstrings included), or
-    the whole of a Markdown file, as (line, text)."""
+    the whole of a Markdown file, as (first line, text)."""
     text = path.read_text()
     if path.suffix != ".py":
-        return list(enumerate(text.splitlines(), start=1))
+        return [(1, text)]
     found = [
         (token.start[0], token.string)
         for token in tokenize.generate_tokens(io.StringIO(text).readline)
@@ -166,7 +166,8 @@ def history_in(path: Path) -> list[str]:
         for what, pattern in HISTORY.items():
             for match in pattern.finditer(text):
                 if what != "a commit hash" or match.group() not in EXTERNAL_COMMITS:
-                    hits.append(f"{line}: {what} ({match.group()!r})")
+                    at = line + text.count("\n", 0, match.start())
+                    hits.append(f"{at}: {what} ({match.group()!r})")
     return hits
 
 
