@@ -1,5 +1,5 @@
-"""The config-key tables of docs/configuration.md are the ones the dataclasses generate: every key, documented,
-no drift."""
+"""The config-key tables of docs/configuration.md are the ones the dataclasses generate: every key,
+documented, no drift."""
 
 from __future__ import annotations
 
