@@ -67,7 +67,7 @@ class FrontierSearch:
         """The steps of a stage's first line after its first step as a proxy point of ``strategy`` (the
         line the first decision is made at, before any steady line), where they ran the strategy's own
         step shape: they show this host's speed, which the prior cannot know (on a 2-core CPU the demo's
-        first strategy ran at 1/16 of its prior). Not where those steps measured the noise scale as pieces
+        first strategy runs at 1/16 of its prior). Not where those steps measured the noise scale as pieces
         of the micro-batch (:func:`cona.strategy.noise_step_pieces`): such a line warms up the pieces' new
         shape and runs the noise hooks, and can take 4x a whole step's time (eager GPT-125M at gbs 8). Nor
         where a
