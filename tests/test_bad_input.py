@@ -1,5 +1,5 @@
-"""Bad input found by a sweep of the CLI (2026-12-05): each case was a traceback, a hang or a wrong exit 0;
-each now gets one line that names the file, key or flag."""
+"""Bad input to the CLI: each case gets one line that names the file, key or flag, and a usage or run-time
+exit status; never a traceback, a hang or exit 0."""
 
 from __future__ import annotations
 

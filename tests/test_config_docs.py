@@ -1,4 +1,5 @@
-"""The README's config-key tables are the ones the dataclasses generate: every key, documented, no drift."""
+"""The config-key tables of docs/configuration.md are the ones the dataclasses generate: every key,
+documented, no drift."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from cona.config import ModelConfig, TrainingConfig
 from cona.config_docs import END, START, config_keys_markdown, field_docs
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def test_every_config_key_has_a_docstring():
@@ -18,11 +19,12 @@ def test_every_config_key_has_a_docstring():
         assert not undocumented, f"{cls.__name__}: give these fields a docstring: {undocumented}"
 
 
-def test_the_readme_lists_every_key_as_generated():
-    text = README.read_text()
+def test_the_configuration_page_lists_every_key_as_generated():
+    text = PAGE.read_text()
     block = text[text.index(START) : text.index(END) + len(END)]
     assert block == config_keys_markdown(), (
-        "README.md's config-key tables are stale: PYTHONPATH=src python -m cona.config_docs --write README.md"
+        "docs/configuration.md's config-key tables are stale: "
+        "PYTHONPATH=src python -m cona.config_docs --write docs/configuration.md"
     )
     for section, cls in (("model", ModelConfig), ("training", TrainingConfig)):
         for field in dataclasses.fields(cls):

@@ -93,7 +93,7 @@ def test_read_metrics_skips_torn_and_foreign_lines(tmp_path: Path) -> None:
 
 
 def test_a_stage_s_steady_rates_leave_out_its_first_line_and_a_warm_up_after_it():
-    # The H200's compiled switch to mbs 32 (GPT-350M): 67.5k, 74.4k, then 184k tokens/s.
+    # A compiled switch to mbs 32 (GPT-350M, H200): 67.5k, 74.4k, then 184k tokens/s.
     assert steady_rates([67_506.0, 74_448.0, 184_033.0, 180_000.0]) == [184_033.0, 180_000.0]
     assert steady_rates([1.0, 10.0, 20.0, 40.0]) == [40.0]  # each leading line 2x slower than the next
     # Eager host-bound lines scatter (1.37x here): not warm-up, and a slow line later on stays.
@@ -107,12 +107,12 @@ def test_a_stage_s_rates_leave_out_the_short_last_line_a_switch_forced():
     def line(steps: int, rate: float) -> MetricsRecord:
         return MetricsRecord(stage=1, steps_in_interval=steps, tokens_per_s=rate)
 
-    # GPT-125M gbs 8 eager on the H200 (eleventh session): the 3-step line the switch forced ran no
-    # noise-measuring step and 1.7x faster than the full line before it.
+    # GPT-125M gbs 8 eager on the H200: the 3-step line the switch forced ran no noise-measuring step and
+    # 1.7x faster than the full line before it.
     lines = [line(8, 21_788.0), line(8, 95_395.0), line(3, 161_658.0)]
     assert stage_rates(lines) == [21_788.0, 95_395.0]
     assert steady_rates(stage_rates(lines)) == [95_395.0]
-    # Twelfth session, e5: a first line, then the 2-step line a switch forced: nothing measured.
+    # A first line, then the 2-step line a switch forced: nothing measured.
     assert steady_rates(stage_rates([line(8, 31_926.0), line(2, 194_678.0)])) == []
     assert stage_rates(lines[:2]) == [21_788.0, 95_395.0] and stage_rates(lines[:1]) == [21_788.0]
     assert stage_rates([line(6, 1.0), line(8, 2.0)]) == [1.0, 2.0]  # a short first line stays

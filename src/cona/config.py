@@ -174,16 +174,14 @@ class TrainingConfig:
     prediction itself pays."""
     measure_before_commit: bool = True
     """Make every in-place switch to a gbs whose throughput is only predicted a trial: measured for a line,
-    then kept only where it pays at the measured rate (on: eager on the H200 it reached the target 4-8%
-    sooner than off, in three calls of three; docs/benchmarks.md). Off: a switch that pays on the prediction
-    is kept without being judged again (``fallback`` off), even where the measured rate would not have
-    paid."""
+    then kept only where it pays at the measured rate (a prediction can be optimistic, and a switch kept on
+    it trains on at a batch that does not pay). Off: a switch that pays on the prediction is kept without
+    being judged again (``fallback`` off), even where the measured rate would not have paid."""
     noise_scale_factor: float = 1.0
     """Multiplies the measured noise scale wherever the efficiency ``(phi + base_gbs) / (phi + gbs)`` values
     a batch (online decisions, ``cona plan``): above 1 credits larger batches more. The engine measures
-    McCandlish's ``B_simple``, which need not be the critical batch (Adam's is larger than SGD's): eight eager
-    GPT-125M online runs were credited most nearly alike at equal perplexity with 4-8, whole fixed runs
-    with 1 (docs/benchmarks.md, twenty-third session). 1: the measurement as it is."""
+    McCandlish's ``B_simple``, which need not be the critical batch (Adam's is larger than SGD's). 1: the
+    measurement as it is."""
     noise_scale_agreement: bool = False
     """Decide on both noise-scale estimates: switch to a larger gbs only where the windowed estimate and its
     EMA both say it pays, fall back (or leave a trial) only where both say it does not. Off: switches follow
@@ -271,7 +269,7 @@ class TrainingConfig:
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether the model is compiled on this device: ``compile`` when set, else on CUDA only (on the GPU
-        a compiled step of a 125M GPT took 11.2 ms against 28.5 ms eager; on the CPU compiling the small
+        a compiled step of a 125M GPT takes 11.2 ms against 28.5 ms eager; on the CPU compiling the small
         models CONA trains there costs more than it saves)."""
         return self.compile if self.compile is not None else device_type == "cuda"
 

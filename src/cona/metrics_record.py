@@ -216,10 +216,8 @@ def stage_rates(records: Iterable[MetricsRecord]) -> list[float]:
     (which holds its start and which steady_rates drops), a line that still warmed up a forward shape
     (``warmup_steps``) is left out, whatever the lines after it show, and so is a last line shorter than
     the one before it. The switch (or the run's end) cut that one short after the search had decided: it
-    ran no noise-measuring step, and eager it ran faster than any full line. On the H200 (GPT-125M gbs 8,
-    eleventh session) it measured 161.7k tokens/s over 3 steps, against 95.4k for the 8-step line before
-    it. In the twelfth session's e5 a 2-step line (194.7k, against 121.1k) became the stage's rate, and
-    the run fell back to gbs 8 on it."""
+    ran no noise-measuring step, and eager it can run 1.6-1.7x faster than any full line: taken as the
+    stage's rate it makes the stage look faster than it is, and a decision made on it is wrong."""
     records = list(records)
     if len(records) > 1 and (records[-1].steps_in_interval or 0) < (records[-2].steps_in_interval or 0):
         records = records[:-1]
@@ -233,10 +231,9 @@ def stage_rates(records: Iterable[MetricsRecord]) -> list[float]:
 def steady_rates(rates: list[float]) -> list[float]:
     """The tokens/s of a stage's lines that measure its steady rate: the first line (start-up, the first
     step) left out, and after it each leading line :data:`WARMUP_RATE_JUMP` times slower than the next.
-    Compiled, a new shape's graphs can warm up past the first line: on the H200 (GPT-350M, an in-place
-    switch to mbs 32) the second line ran 220 ms a step and the third 89 ms. Eager host-bound lines of one
-    strategy scatter (30.2-41.2 ms a step at gbs 16 there), so only a larger jump reads as warm-up, and only
-    at the stage's start: replayed on those eager runs it changes no evaluation (steady_rates_replay)."""
+    Compiled, a new shape's graphs can warm up past the first line (a second line 2-3x slower than the
+    third). Eager host-bound lines of one strategy scatter by up to about a third, so only a larger jump
+    reads as warm-up, and only at the stage's start."""
     steady = rates[1:]
     while len(steady) > 1 and steady[0] * WARMUP_RATE_JUMP < steady[1]:
         steady = steady[1:]

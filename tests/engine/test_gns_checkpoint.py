@@ -1,5 +1,6 @@
 """On a real GPT at a fixed checkpoint, the halves of measured gbs = mbs steps give the noise scale that
-k = 16 micro-batch gradients at the same parameters give (issue 16: that case had no estimate)."""
+k = 16 micro-batch gradients at the same parameters give (without the halves, a gbs = mbs step on one rank
+has no small batch and so no estimate)."""
 
 from __future__ import annotations
 

@@ -82,10 +82,11 @@ def planted_measurements(rng, steps, small=4, big=64):
 
 
 def test_a_first_measurement_100x_the_others_is_outvoted_within_50_steps():
-    """Issue 16: a warm-up step with gradient norms ~100x the later ones (|G|^2 estimate -51.8) held the
-    EMA negative for millions of tokens. Robust averaging must know the noise scale within 50 steps."""
+    """A warm-up step with gradient norms ~100x the later ones (a |G|^2 estimate far below 0) holds a
+    bias-corrected EMA negative for millions of tokens. Robust averaging must know the noise scale within
+    50 steps."""
     small_sqr, big_sqr = planted_measurements(np.random.default_rng(3), 50)
-    small_sqr[0] *= 100.0  # its |G|^2 estimate: far below 0, as in the issue
+    small_sqr[0] *= 100.0  # its |G|^2 estimate: far below 0
     tracker = NoiseScaleTracker(base_batch=64)
     known_at = None
     for step, (s, b) in enumerate(zip(small_sqr, big_sqr, strict=True), start=1):
@@ -174,7 +175,8 @@ def exact_inputs(grad_sqr: float, trace_sigma: float, small: int = 2, big: int =
 
 def test_a_noise_scale_that_grows_along_the_window_is_reported_at_its_newest_value():
     """|G|^2 halving every 1,000 samples at constant tr(Sigma): the window's middle is half a window old
-    (issue 16's runs: 0.7-0.85 of the centred noise scale while it grew); the trend carries it to the end."""
+    (a GPT-125M run's average is 0.7-0.85 of the centred noise scale while it grows); the trend carries it to
+    the end."""
     tracker = NoiseScaleTracker(base_batch=8, window=2_000.0)
     for position in range(8, 6_001, 8):
         tracker = tracker.update(**exact_inputs(2.0 ** (-position / 1_000), 10.0), consumed_samples=position)

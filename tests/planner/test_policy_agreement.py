@@ -1,6 +1,6 @@
 """``training.noise_scale_agreement``: switches up only where the windowed noise scale and its EMA both say
-the larger gbs pays, falls back only where both say it does not (the H200 runs of issue 16 moved up on one
-high windowed reading and left trials on a lagging EMA)."""
+the larger gbs pays, falls back only where both say it does not (on either estimate alone a run moves up
+on one high windowed reading and leaves trials on a lagging EMA)."""
 
 import dataclasses
 

@@ -155,8 +155,8 @@ def test_a_plain_switch_falls_back_only_after_the_patience():
 
 def test_a_trial_left_for_a_larger_trial_is_judged_again_after_the_fallback_to_it():
     """gbs 16 -> 32 (trial) -> 64 (trial) -> fallback to 32: the trial of 32 was never judged, so the policy
-    keeps judging it and falls back to 16 when 32 does not pay either (on the H200, runs stayed for good on
-    the unjudged trial they fell back to)."""
+    keeps judging it and falls back to 16 when 32 does not pay either (otherwise a run stays for good on
+    the unjudged trial it fell back to)."""
     state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
     for strategy, rate in ((ONE_GPU_16, 1000.0), (ONE_GPU_32, 1050.0)):
         trial = Candidate(strategy=strategy, predicted_tokens_per_s=1150.0, trial=True)
@@ -194,7 +194,7 @@ def test_a_backend_that_keeps_mbs_in_place_switches_an_mbs_change_through_a_chec
 
 def test_an_unknown_noise_scale_counts_the_measurements_the_tracker_holds():
     """Before it has ``min_samples`` the tracker gives no estimate; the reason still says how many it has
-    (an H200 run said "0 of 10" at iterations 16 and 24 while it held 8 and 9)."""
+    (not "0 of 10" while it holds 8)."""
     held = tracker_at(20.0, 6)
     assert held.estimate() is None
     measurement = Measurement(
@@ -230,8 +230,8 @@ def test_on_a_predicted_current_rate_a_switch_that_pays_is_made_only_as_an_in_pl
 
 
 def test_with_measure_before_commit_a_switch_on_a_predicted_rate_is_a_trial_left_if_its_rate_does_not_pay():
-    """``training.measure_before_commit`` (on by default): the fitted predictions of gbs 32 on the H200 ran
-    4-10% above what it measured eager, and a switch made on one stayed for good (fallback off)."""
+    """``training.measure_before_commit`` (on by default): a fitted prediction can run 4-10% above the
+    measured rate, and a switch made on one would stay for good (fallback off)."""
     state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
     candidate = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1800.0)  # pays at noise scale 20
     measurement = measure(20.0, tokens_per_s=1000.0, remaining=1e6)

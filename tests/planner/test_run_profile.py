@@ -16,8 +16,7 @@ from cona.strategy import Strategy
 
 GPT_125M = ModelConfig(name="gpt-125m", layers=12, hidden=768, heads=12, seq=512, vocab_size=50304)
 H200_EAGER_TOKENS_PER_S = {8: 109_338, 16: 209_946, 32: 324_866, 64: 357_357}
-"""GPT-125M, seq 512, bf16, eager, one H200: medians of an online run's metrics lines (docs/benchmarks.md,
-"Online vs fixed on the H200, eager and compiled", call 4)."""
+"""GPT-125M, seq 512, bf16, eager, one H200: medians of an online run's metrics lines."""
 
 
 def one_gpu(gbs: int) -> Strategy:

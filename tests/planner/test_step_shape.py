@@ -67,7 +67,7 @@ def test_fit_recovers_planted_factors():
 
 
 def test_matrix_and_memory_factors_are_told_apart_by_models_of_different_sizes():
-    """The H200 case (issue 19): the prior's matrix rate too high and its traffic time too long. The share of
+    """The H200's case: the prior's matrix rate too high and its traffic time too long. The share of
     traffic in a step falls as the model grows, so one device factor cannot fit several sizes; two can,
     and fitted on the smallest and the largest model they predict the one between."""
     planted = Calibration(matrix_efficiency=0.85, memory_efficiency=1.4)
@@ -101,9 +101,9 @@ def test_unidentifiable_factors_stay_neutral():
 
 
 def test_one_point_under_the_model_s_host_floor_corrects_the_host_and_not_the_device():
-    """Compiled GPT-125M on the H200 (CUDA graphs, issue 16): gbs 8 stepped in 14.6 ms, under the model's
-    host floor (16.6 ms) and over its device (11.4 ms); gbs 16 then measured 19.9 ms and gbs 32 about 36 ms.
-    One factor on the whole step had made gbs 16 16.9 ms (17.5% fast)."""
+    """Compiled GPT-125M on the H200 (CUDA graphs): gbs 8 steps in 14.6 ms, under the model's host floor
+    (16.6 ms) and over its device (11.4 ms); gbs 16 measures 19.9 ms and gbs 32 about 36 ms. One factor on
+    the whole step would make gbs 16 16.9 ms (17.5% fast)."""
     model = ModelConfig(layers=12, hidden=768, heads=12, seq=512, vocab_size=50257)
     strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16, 32)]
     parts = model_step_parts(model, strategies, H200)
@@ -118,10 +118,10 @@ def test_one_point_under_the_model_s_host_floor_corrects_the_host_and_not_the_de
 
 
 def test_one_point_over_an_eager_host_floor_corrects_the_host_and_not_the_device():
-    """Eager GPT-125M on the H200 (issue 16, thirteenth session, e6): gbs 16 stepped in 39-42 ms on a slow
-    host, over the model's host floor (29.8 ms) and its device (26.6 ms); gbs 32 then measured 50.1 ms, about
-    its device's 48.0 ms. One factor on the whole step had made gbs 32 63-68 ms (0.79 of its measured rate
-    at the run's decision). The host prior is the one that run had (:data:`NATIVE_HOST`'s)."""
+    """Eager GPT-125M on the H200: gbs 16 steps in 39-42 ms on a slow host, over the model's host floor
+    (29.8 ms) and its device (26.6 ms); gbs 32 measures 50.1 ms, about its device's 48.0 ms. One factor on
+    the whole step would make gbs 32 63-68 ms (0.79 of its measured rate). The host prior is
+    :data:`NATIVE_HOST`'s, the one whose floor sits under the measured step."""
     strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16, 32)]
     profile = dataclasses.replace(run_profile("native", TrainingConfig(compile=False)), host=NATIVE_HOST)
     parts = model_step_parts(GPT_125M, strategies, H200, backend=profile)
@@ -134,12 +134,11 @@ def test_one_point_over_an_eager_host_floor_corrects_the_host_and_not_the_device
 
 
 def test_one_point_well_over_a_device_bound_step_with_a_host_floor_near_it_corrects_the_host():
-    """Eager GPT-125M on an H100 with its own system file (issue 16, e23): gbs 16 stepped in 39.9 ms, over the
-    model's device (32.1 ms; its kernels took 29.9 ms) and host floor (29.8 ms); gbs 8 then measured 45-50
-    ms a step and gbs 32 56.5 ms. With the device corrected, gbs 8 kept the 29.8 ms host floor and gbs 32
-    took 72 ms (0.78 of its measured rate). In e24, 36.8 ms did the same. The host prior is the one those runs
-    had (:data:`NATIVE_HOST`'s); with the eager one, the point falls under the host floor and moves the host
-    alone (below)."""
+    """Eager GPT-125M on an H100 with its own system file: gbs 16 steps in 36.8-39.9 ms, over the model's
+    device (32.1 ms; its kernels take 29.9 ms) and host floor (29.8 ms); gbs 8 measures 45-50 ms a step and
+    gbs 32 56.5 ms. With the device corrected, gbs 8 would keep the 29.8 ms host floor and gbs 32 take 72 ms
+    (0.78 of its measured rate). The host prior is :data:`NATIVE_HOST`'s; with the eager one, the point falls
+    under the host floor and moves the host alone (below)."""
     strategies = [Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs) for mbs in (8, 16, 32)]
     profile = dataclasses.replace(run_profile("native", TrainingConfig(compile=False)), host=NATIVE_HOST)
     parts = model_step_parts(GPT_125M, strategies, load_system("h100_80g"), backend=profile)

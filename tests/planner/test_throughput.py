@@ -37,7 +37,7 @@ def host_bound_truth(strategies: list[Strategy]) -> np.ndarray:
     micro-batch, over a device 1.05x slower than the model says. The native profile's own host dispatch at
     12 blocks (compiled: 25.5 ms per micro-batch and 4.3 ms per step, less with CUDA graphs) is about half
     that floor: an engine dispatching twice as slowly as the profile says, which the raw model misses by
-    far (as the device-only model missed GPT-125M on the H200 in issue 16)."""
+    far (as a device-only model misses eager GPT-125M on the H200)."""
     model_s = model_step_seconds(MODEL, strategies, SYSTEM)
     micro = np.array([host_micro_batches(s) for s in strategies])
     return np.maximum(0.002 + 0.060 * micro, model_s / 0.95)
@@ -84,9 +84,9 @@ def test_two_host_bound_points_predict_the_next_gbs():
 
 
 def test_host_bound_points_within_their_scatter_keep_the_models_device():
-    """The H200's own lines (issue 16, an eager online run): gbs 8 and 16 stepped in 55.8 and 57.3 ms, both
-    host-bound. Fitted freely, that 3% rise made the device the bottleneck at gbs 16 (factor 0.46) and put
-    gbs 32 at half its measured 319k tokens/s. The model's device meets both points within the lines'
+    """The H200's own lines (an eager online run): gbs 8 and 16 step in 55.8 and 57.3 ms, both host-bound.
+    Fitted freely, that 3% rise makes the device the bottleneck at gbs 16 (factor 0.46) and puts gbs 32 at
+    half its measured 319k tokens/s. The model's device meets both points within the lines'
     scatter, so it stays, and gbs 32 comes within 15% (the eager run's profile, as the run fits it)."""
     from cona.config import TrainingConfig
     from cona.planner.profiles import run_profile
@@ -208,8 +208,8 @@ def test_bad_points_are_refused():
 
 def test_the_native_engine_on_an_accelerator_is_fitted_with_the_overlap_form_only():
     """Its step never waits for the device, so host and device overlap; a CPU, or another backend, may
-    run them one after the other (on three eager H200 points the serial form had put the device at 2.9x
-    its kernels' speed plus 34 ms of host per step)."""
+    run them one after the other (on three eager H200 points the serial form puts the device at 2.9x its
+    kernels' speed plus 34 ms of host per step)."""
     native, megatron = backend_profile("native"), backend_profile("megatron-deepspeed")
     assert fitted_forms(load_system("h200_141g"), native) == ("overlap",)
     assert fitted_forms(load_system("h200_141g"), megatron) == ("overlap", "serial")

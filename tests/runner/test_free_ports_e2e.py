@@ -1,4 +1,4 @@
-"""Two runs at once on one host with the default ports (issue 20.6): without ``--master-port-base`` every
+"""Two runs at once on one host with the default ports: without ``--master-port-base`` every
 stage's torchrun picks a free port (``--standalone``), so neither run waits for or steals the other's
 rendezvous. The ports the old fixed default gave (29400 + stage) are held by this test meanwhile, as another
 user's run would hold them: a run that still used them would be refused ("master port ... is in use")."""

@@ -1,6 +1,6 @@
-"""Kills between two of the runner's writes, where a rerun of the same command failed (found by a review of
-the runner's write orders, 2026-12-05). A kill is stood in for by an exception the runner does not catch,
-raised at the point between the writes; the rerun must finish, each sample trained once, in order."""
+"""Kills between two of the runner's writes, where a rerun of the same command must still finish. A kill is
+stood in for by an exception the runner does not catch, raised at the point between the writes; the rerun must
+finish, each sample trained once, in order."""
 
 from __future__ import annotations
 

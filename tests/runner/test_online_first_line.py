@@ -1,11 +1,11 @@
-"""The first decision's rates come from the first line's steps after its first (issue 16, part 2).
+"""The first decision's rates come from the first line's steps after its first.
 
 Before any steady line the run's rate is a prediction. Where the first line's steps after the stage's first
 one ran the strategy's own step (they measured the noise scale without cutting the micro-batch), they show
 this host's speed. A fake GPU host-bound at ``HOST_SLOWDOWN`` times the profile's dispatch (every strategy
 of the tiny model is host-bound on the H200) feeds the search: fitted on that line, the predictions are the
 fake's; the prior alone misses by the slowdown. Steps cut in pieces are no proxy (their shape warms up and
-the noise hooks run: 142 ms a step against 30-33 ms whole on an H100).
+the noise hooks run: up to 4x a whole step's time).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The online search's decision inputs when the device's throughput is not the model's (issue 21, part 3).
+"""The online search's decision inputs when the device's throughput is not the model's.
 
 A fake device with a host-bound floor (its step time is ``max(host, device)``, the model's is device only)
 feeds ``metrics.jsonl``; the real :class:`FrontierSearch` and :class:`StageSearch` read it. The throughput the
 decision expects of the candidate must be the fake's within 15%: dropping the correction (the raw model) or
-inverting it misses by far more, and so does the old one-factor anchor on the running strategy.
+inverting it misses by far more, and so would one factor anchored on the running strategy.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def test_before_anything_is_measured_the_first_line_decides_on_the_predicted_rat
 
 def test_the_short_line_a_switch_forces_after_the_decision_is_no_rate_of_the_stage(setup):
     """A switch decided at the first line cuts the stage's next line short; that line ran no measured
-    step (eager on the H200, 2 steps at 1.6x the stage's later rate) and leaves the stage unmeasured."""
+    step (eager, such a line can run at 1.6x the stage's later rate) and leaves the stage unmeasured."""
     run_dir, frontier, device = setup
     current = one_gpu(2, 2)
     search = first_stage_search(run_dir, frontier, current)

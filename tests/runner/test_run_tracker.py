@@ -1,4 +1,4 @@
-"""CONA's own signals in the trackers (issue 20.5): the online decisions' noise scale, efficiency and
+"""CONA's own signals in the trackers: the online decisions' noise scale, efficiency and
 predicted against measured throughput, and one event per switch, read back from TensorBoard's event files;
 the line that says whether W&B is on."""
 

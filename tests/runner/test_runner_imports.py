@@ -1,5 +1,6 @@
-"""The runner process imports no torch: it launches and watches the workers, which do. On the H200 host the
-runner's imports took 7.0-9.6 s, torch and ``torch.distributed.checkpoint`` 6-8 s of it."""
+"""The runner process imports no torch: it launches and watches the workers, which do. Importing torch and
+``torch.distributed.checkpoint`` takes seconds (6-8 s on some GPU hosts), which every run would pay before
+its first stage starts."""
 
 from __future__ import annotations
 

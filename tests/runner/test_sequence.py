@@ -239,7 +239,7 @@ def test_options_from_the_command_line(tmp_path):
     )
     options = chain_run_from_args(args)
     assert (options.world_size, options.device_type, options.fresh) == (4, "cpu", True)
-    # one node without --master-port-base: torchrun picks a free port for every stage (issue 20.6)
+    # one node without --master-port-base: torchrun picks a free port for every stage
     assert options.run_dir == tmp_path / "logs" / "chain-chain" and options.base_port is None
     explicit = chain_run_from_args(argparse.Namespace(**{**vars(args), "master_port_base": 29400}))
     assert explicit.base_port == 29400

@@ -186,7 +186,8 @@ def _print_table(header: dict, rows: list[dict], shown: int, capacity_gib: float
 
 
 def why_first_wins(rows: list[dict]) -> str:
-    """How many strategies tie with #1, and which time term makes #1 beat the best other layout."""
+    """How many strategies tie with the fastest (ranked first), and which time term makes it beat the best
+    other layout."""
     first = rows[0]
     ties = sum(row["iteration_time_s"] <= first["iteration_time_s"] * (1 + TIE) for row in rows[1:])
     tied = f"{ties} more within {100 * TIE:g}% of #1 (options that cost no time here); " if ties else ""

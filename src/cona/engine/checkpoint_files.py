@@ -4,7 +4,7 @@ A PyTorch distributed checkpoint is complete when its DCP metadata reads, every 
 cover it, every shard file is there at least as long as the metadata says, and CONA's JSON files are there.
 
 The runner imports this module at its start, where torch is not otherwise needed (importing
-``torch.distributed.checkpoint`` took 3-4 s of the runner's start on the H200 host): DCP is imported when a
+``torch.distributed.checkpoint`` takes seconds, up to 3-4 s on a GPU host): DCP is imported when a
 checkpoint's metadata is read, or before, in a thread of its own, while the first stage of a run that may
 publish trains (:func:`cona.runner.publish.import_checkpoint_reader_in_background`).
 """

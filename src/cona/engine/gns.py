@@ -21,8 +21,8 @@ earlier pieces' gradients are held apart, see ``HeldPieceGradients``), eager whe
 schedule fixed to one micro-batch shape) there is still one gradient per step; then AdaptDL's difference
 estimator is used: the previous step's gradient is kept (by reference, no copy; copied under CUDA graphs) and
 the two consecutive gradients play the two small batches. It is biased: the parameters moved in between, by a
-lot during LR warm-up (issue 16 saw a first pair 100x the later ones), which the tracker's robust averages
-must absorb.
+lot during LR warm-up (a first pair's estimate can be 100x the later ones'), which the tracker's robust
+averages must absorb.
 
 Measuring is optional per step (the trainer measures the few steps before each metrics line, and those
 before the run's first line, :func:`cona.engine.trainer.gns_due`): on an

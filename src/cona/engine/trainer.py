@@ -48,16 +48,15 @@ GNS_MIN_STEPS_PER_LINE = 2
 GNS_STEP_FRACTION = 10
 """Longer log intervals measure one step in this many (more estimates per line, under 1% of step time)."""
 GNS_FIRST_STEPS = MIN_SAMPLES
-"""The steps before the run's first metrics line are measured, up to this many after the run's first step:
-the noise-scale tracker needs this many measurements before online mode can decide anything, and one
-measured step per line would take that many lines (64 iterations at a log interval of 8, 800 at 100; issue
-16 asks for a known noise scale within 50 steps). Each measured step gives one measurement (the line lists
-them, ``gns_steps``). Where a step runs as pieces only when measured, these steps cost about one more step
-each, once per run, and only in the first line, whose rate the online search leaves out anyway (it holds the
+"""The steps before the run's first metrics line are measured, up to this many after the run's first step: the
+noise-scale tracker needs this many measurements before online mode can decide anything, and one measured step
+per line would take that many lines (64 iterations at a log interval of 8, 800 at 100), where online mode
+needs a noise scale within about 50 steps. Each measured step gives one measurement (the line lists them,
+``gns_steps``). Where a step runs as pieces only when measured, these steps cost about one more step each,
+once per run, and only in the first line, whose rate the online search leaves out anyway (it holds the
 start-up). The run's first step stays whole, so that the first line also holds the warm-up of the whole
-micro-batch's shape (its CUDA graph, eager kernels' first run): measured from step 1, the H200 runs of
-GPT-125M took 55-65 ms a step at gbs 8 in the second line against 13-40 ms later, and that line is the
-first rate the online search takes."""
+micro-batch's shape (its CUDA graph, eager kernels' first run): measured from step 1, that warm-up would slow
+the second line, which is the first rate the online search takes, to a fraction of the later lines' rate."""
 
 
 @dataclass(kw_only=True)
@@ -360,8 +359,8 @@ def fixed_eval_batches(
 
 def regrouped_eval_batches(batches: Batch, mbs: int) -> Batch:
     """The same evaluation samples, in the same order, in micro-batches of ``mbs`` rows: after an in-place
-    switch the evaluation runs at the new micro-batch size, as a new stage's would (at the first stage's mbs
-    8, GPT-125M's evaluations took 40-90 ms on the H200 against 34 ms at mbs 32). The loss is a mean over
+    switch the evaluation runs at the new micro-batch size, as a new stage's would (the first stage's small
+    micro-batches would keep the evaluation as slow as at the start). The loss is a mean over
     the loss tokens, whatever the grouping. Unchanged where the rows do not divide into ``mbs``."""
     rows = sum(batch[0].shape[0] for batch in batches)
     if rows % mbs or batches[0][0].shape[0] == mbs:

@@ -13,8 +13,8 @@ squared norm of the mean gradient over the whole ``gns_big_batch`` (``gns_big_sq
 (:func:`two_batch_estimate`).
 
 Single estimates are very noisy (often ``|G|^2 < 0``) and early ones can be huge: in LR warm-up the gradient
-norms are ~100x the later ones, and one such measurement held a bias-corrected EMA negative for millions
-of tokens (issue 16). :class:`NoiseScaleTracker` therefore keeps the per-measurement estimates of ``|G|^2``
+norms are ~100x the later ones, and one such measurement can hold a bias-corrected EMA negative for
+millions of tokens. :class:`NoiseScaleTracker` therefore keeps the per-measurement estimates of ``|G|^2``
 and ``tr(Sigma)`` of a window of consumed samples (tokens / seq), restarts once the LR warm-up is over, and
 averages each robustly (median of the means of consecutive groups, so one bad measurement or one bad
 stretch moves nothing), moved along the groups' trend, where they have one, towards the newest
@@ -49,8 +49,7 @@ three median-of-means groups, so one group of outliers moves nothing). The windo
 many (a long log interval never makes a known noise scale unknown again). Seven is what a run has at its
 first metrics line where a step has one micro-batch on one rank: the steps before that line are measured
 after the first (``GNS_FIRST_STEPS``), 7 at a log interval of 8, so online mode's first decision comes
-at the first line. Eight waited for the second (issue 16: 8 iterations of gbs 8 on the H200, 0.65 s eager),
-ten for two more."""
+at the first line; eight would wait for the second line (one log interval more), ten for two more."""
 MAX_KEPT = 512
 """At most this many measurements are kept (the oldest leave first): bounds the cost of an update."""
 MAX_GROUPS = 7
@@ -242,14 +241,14 @@ def at_newest(positions: np.ndarray, values: np.ndarray) -> tuple[float, float]:
     position where they have a trend across the window.
 
     A plain average over the window is the value of about half a window ago: while the noise scale grows
-    (the loss falling fast), the GPT-125M runs of issue 16 had 0.7-0.85 of the noise scale centred on the
-    moment from it, over their first 1-6M tokens (``bench/noise_lag.py``), a bias towards small batches
-    where the batch decisions are made. So each column whose :data:`MIN_TREND_GROUPS` or more
-    median-of-means groups all have positive means, and whose group means rise or fall with position by
-    the Mann-Kendall test (:func:`has_trend`; a level that only scatters keeps its plain average, which a
-    fitted slope would only make noisier), is carried along the Theil-Sen slope of its log group means (the
-    median of the pairwise slopes, which a minority of bad groups moves little) to the newest position:
-    the median over groups of their means carried so. Log, because ``|G|^2`` falls about geometrically.
+    (the loss falling fast), a GPT-125M run's plain average is 0.7-0.85 of the noise scale centred on the
+    moment over its first 1-6M tokens, a bias towards small batches where the batch decisions are made. So
+    each column whose :data:`MIN_TREND_GROUPS` or more median-of-means groups all have positive means, and
+    whose group means rise or fall with position by the Mann-Kendall test (:func:`has_trend`; a level that
+    only scatters keeps its plain average, which a fitted slope would only make noisier), is carried along the
+    Theil-Sen slope of its log group means (the median of the pairwise slopes, which a minority of bad groups
+    moves little) to the newest position: the median over groups of their means carried so. Log, because
+    ``|G|^2`` falls about geometrically.
     The result stays between the plain average and the newest group's mean: a trend that bends (a tiny
     run's ``tr(Sigma)`` rising fast, then slower) would carry it past what the newest measurements say.
     Other columns: the plain :func:`median_of_means`.

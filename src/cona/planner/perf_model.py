@@ -11,7 +11,7 @@ interleaved; GPipe has the same bubble but holds all micro-batches), plus the pi
 the activation each as Megatron scatters them), the data-parallel collectives that do not hide under the
 backward (or forward) pass, and the optimizer (memory-bound). Memory: weights, gradients and Adam state per
 ZeRO stage, activations of the micro-batches in flight, logits, plus the system's reserved memory for the OOM
-check. Formulas and their sources are in docs/benchmarks.md.
+check. Formulas and their sources are in docs/perf-model.md.
 """
 
 from __future__ import annotations

@@ -359,7 +359,7 @@ def _fallback_check(
 def _patience(state: PolicyState, settings: PolicySettings) -> int:
     """Evaluations below the break-even point before a fallback. A trial is judged at its first measured
     rate: the model had already said it loses, and what it was tried for, its throughput, is then measured;
-    waiting longer trains on at the batch that does not pay (on the H200, 2 more lines of gbs 64, ~2 s)."""
+    waiting longer trains on at the batch that does not pay (each line more costs a log interval of it)."""
     return 1 if state.current.trial else settings.fallback_patience
 
 

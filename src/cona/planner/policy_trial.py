@@ -16,14 +16,10 @@ from cona.planner.policy_types import Candidate, Measurement, PolicySettings, Po
 
 MIN_FITTED_ON = 1
 """Measured strategies a prediction must rest on before its margin, not perfect scaling, bounds a trial. One
-is enough since the one-point fit keeps the model's shape where the step is host-bound (71b8648). On the
-H200 in the twelfth session, the one-point predictions of a larger batch were within 4%: gbs 16 from gbs 8
-gave 1.03 and 0.99 compiled, and gbs 32 from gbs 16 gave 0.96 eager. Trials on perfect scaling from one
-point all fell back after 15-17 iterations that cost the ladder's early levels their time (issue 16). That
-happened going 8 -> 16 at 125M and 350M compiled and 16 -> 32 eager. (The fall-back target e5 recorded
-at 1.61 of its measured rate was no prediction: a 2-step line the switch had cut short had become gbs 8's
-rate; :func:`cona.metrics_record.stage_rates` leaves such lines out.) The raw model's predictions (0.74-1.08)
-keep perfect scaling."""
+is enough: the one-point fit keeps the model's shape where the step is host-bound, and predicts a doubled
+batch within about 4% (measured over predicted 0.96-1.03, eager and compiled), while a trial on perfect
+scaling from one point falls back after a line or two that cost the run's early time. The raw model's
+predictions (0.74-1.08 of the measured rate) keep perfect scaling."""
 
 
 def prediction_miss(candidate: Candidate, measured_tokens_per_s: float | None) -> float:
@@ -38,9 +34,9 @@ def prediction_miss(candidate: Candidate, measured_tokens_per_s: float | None) -
 def warming_up(current: Candidate, measurement: Measurement, settings: PolicySettings) -> bool:
     """Whether a trial's one measured line is so far below its fitted prediction (beyond the trial margin)
     that it may still hold the new shape's warm-up: then it is measured once more before it is judged.
-    Compiled, a new shape's graphs can warm up past the stage's first line: on the H200 (GPT-350M, gbs 32)
-    the trial's first measured line ran 220 ms a step and the next 89 ms, 1.00 of the prediction; judged on
-    the first, the trial's rate read 0.41 of it."""
+    Compiled, a new shape's graphs can warm up past the stage's first line: the trial's first measured line
+    can run at 0.4 of the prediction while the next meets it, and judged on the first the trial would fall
+    back for no reason."""
     measured = measurement.measured_tokens_per_s
     fitted = current.fitted_on >= MIN_FITTED_ON
     if not current.trial or not fitted or measurement.measured_intervals != 1 or not measured:

@@ -14,7 +14,7 @@ from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate
 from cona.strategy import Strategy
 
 DEFAULT_HYSTERESIS = 0.05
-"""Relative margin a switch must clear (AdaptDL uses 5 % on goodput, its issue #27)."""
+"""Relative margin a switch must clear (AdaptDL uses 5 % on goodput)."""
 
 Action = Literal["stay", "switch", "fallback"]
 
@@ -53,12 +53,11 @@ class PolicySettings:
     (:data:`cona.planner.policy_trial.MIN_FITTED_ON`) where its prediction, :attr:`trial_prediction_error`
     higher (or the run's largest miss, if larger), would pay."""
     trial_prediction_error: float = 0.15
-    """How far above a fitted prediction a candidate's throughput may turn out, for the trial rule: issue 16's
-    accuracy target. Eager on the H200 the fitted model met each strategy switched to within 15% (28 of 28
-    over two sessions), and none measured more than 1% above its prediction: a fitted trial can only pay
-    where the prediction is low, and the run's own largest miss widens the margin. At 25% the ninth
-    session's three fitted trials (gbs 16 -> 32 at noise scale 3.6 and 22.9, 32 -> 64 at 46) were all made,
-    measured at 0.99-1.06 of their predictions, and fell back; none is made at 15%."""
+    """How far above a fitted prediction a candidate's throughput may turn out, for the trial rule: the
+    fitted model's accuracy target. The fitted model meets the strategies a run switches to within 15%
+    (docs/benchmarks.md, planner accuracy) and rarely under-predicts: a fitted trial can only pay where the
+    prediction is low, and the run's own largest miss widens the margin. A wider margin (25%) makes trials
+    that measure at their predictions and fall back, each costing two switches."""
     fallback: bool = False
     fallback_ema_alpha: float = 0.1
     fallback_patience: int = 3

@@ -74,14 +74,14 @@ class BackendProfile:
 
 
 NATIVE_HOST = HostDispatch(block_s=1.125e-3, micro_batch_s=12.0e-3, step_block_s=0.36e-3)
-"""Compiled without CUDA graphs, from docs/benchmarks.md call 9 (host phases of GPT-125M, 12 blocks, mbs 8,
+"""Compiled without CUDA graphs, from a profile of the host phases of GPT-125M (12 blocks, mbs 8,
 gradient-noise inputs on every step): 25.5 ms of forward and backward dispatch per micro-batch and 4.3 ms per
 step (clip 1.54, optimizer 2.22, zeroing 0.06, interval sums 0.48). How the 25.5 ms splits into a fixed part
 and a part per block is not in the profile: 12 ms fixed is the least that keeps GPT-350M (24 blocks) mbs 8,
-measured device-bound at 47.85 ms (call 5), from being host-bound. Both rows are therefore not independent
+measured device-bound at 47.85 ms a step, from being host-bound. Both rows are therefore not independent
 checks of the host term (docs/perf-model.md)."""
 NATIVE_GRAPH_HOST = HostDispatch(block_s=0.59e-3, micro_batch_s=6.2e-3, step_block_s=0.275e-3)
-"""Compiled with CUDA graphs, the same profile in call 11: 13.2 ms of forward and backward per micro-batch,
+"""Compiled with CUDA graphs, the same profile: 13.2 ms of forward and backward per micro-batch,
 3.3 ms per step (clip 0.62, optimizer 2.19, zeroing 0.06, interval sums 0.43), split in the same ratio."""
 EAGER_HOST = HostDispatch(block_s=1.70e-3, micro_batch_s=18.1e-3, step_block_s=NATIVE_HOST.step_block_s)
 """Eager (nothing compiled), measured on an H100's host with ``bench/eager_step_shape.py`` (GPT-125M, mbs 8,
@@ -89,18 +89,17 @@ host-bound): the whole step took 41.6-42.3 ms, of which clipping and the optimiz
 forward and backward dispatch per micro-batch, against 22.9 ms compiled without graphs on the same host
 (1.66x: eager launches every unfused kernel). Split into a fixed part and a part per block in
 :data:`NATIVE_HOST`'s ratio; clipping and the optimizer are the same eager code in both modes (measured
-within 0.4 ms). Hosts differ by far more than a prior can know: another H100 host ran the same eager step
-device-bound in 17.5 ms (its dispatch at most 16.6 ms, clipping and the optimizer 3x faster too), and eager
-gbs 8-16 steps in online runs took 29-50 ms on the H200's hosts and 35-61 ms on the H100's (issue 16). This
-prior is the runs' typical host: :data:`NATIVE_HOST`'s 29.8 ms a step had sat at their fast end, and the
-first trials of e22-e26 were predicted 1.15-2.17x too fast (with this prior, 0.86-1.63 replayed)."""
+within 0.4 ms). Hosts differ by far more than a prior can know (the same eager step runs device-bound in
+17.5 ms on a fast host, and host-bound eager gbs 8-16 steps take 29-61 ms across hosts): this prior is a
+typical host, and a run's measured lines correct it (:mod:`cona.planner.step_shape`). A prior at the fast
+end of the hosts predicts a run's first trials up to 2x too fast."""
 EAGER_DEVICE_FACTOR = 1.38
-"""An eager step's device time over a compiled step's, same strategy and GPU: GPT-125M on the H200 took 50
-against 36 ms at mbs 32 and 93 against 68 ms at mbs 64 (1.39 and 1.37, docs/benchmarks.md, fourth session).
+"""An eager step's device time over a compiled step's, same strategy and GPU: GPT-125M took 50 against 36 ms
+at mbs 32 and 93 against 68 ms at mbs 64 (1.39 and 1.37).
 Eager runs the memory-bound kernels (norms, GELU, dropout, residual adds, the loss) one by one where
 torch.compile fuses them. Taken on the whole device time, matrix and memory alike: the split is not
 measured. Without it the prior put an eager gbs 32 at compiled speed, and two host-bound points (gbs 8 and
-16) cannot correct a device term that neither shows (pred/meas 1.29-1.45 at gbs 32, issue 16)."""
+16) cannot correct a device term that neither shows (gbs 32 predicted 1.29-1.45x too fast)."""
 MEGATRON_HOST = NATIVE_HOST
 """Eager PyTorch with fused kernels: taken as the native engine's uncaptured dispatch (not measured; at the
 sizes Megatron runs, a block's device time is tens of milliseconds and the host never binds)."""
@@ -155,10 +154,9 @@ def run_profile(backend: str, training: TrainingConfig) -> BackendProfile:
     """The profile of ``backend`` as a run of ``training`` uses it: CUDA graphs only where that run can
     capture them (compiled on the GPU with ``training.cuda_graphs``; the strategy's own conditions are the
     step model's), and an eager run's accelerator kernels at :data:`EAGER_DEVICE_FACTOR` and its dispatch at
-    :data:`EAGER_HOST`. An eager run, or one with graphs off, dispatches every kernel from the host: on the
-    H200 the graph profile put GPT-125M mbs 8 eager at 247k tokens/s, against 109k measured
-    (docs/benchmarks.md, third session), and a fit on that one point then under-predicted the larger
-    batches by a third."""
+    :data:`EAGER_HOST`. An eager run, or one with graphs off, dispatches every kernel from the host: the
+    graph profile puts GPT-125M mbs 8 eager at 2.3x its measured tokens/s, and a fit on that one point
+    under-predicts the larger batches by a third."""
     compiled = training.compiles_on("cuda")
     profile = backend_profile(backend).with_cuda_graphs(training.cuda_graphs and compiled)
     if backend == "native" and not compiled:

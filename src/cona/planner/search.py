@@ -41,8 +41,7 @@ BOOTSTRAP_SAMPLES = 10
 EI_STOP_FRACTION = 0.001
 """Stop when the largest expected improvement is below this fraction of the best throughput found (EI is
 computed on log throughput, so an EI of ``log(1 + f)`` is an expected ``f`` relative gain). 0.01 stopped
-too early: on 12 random frontiers, half of the searches ended more than 2% from the optimum
-(docs/benchmarks.md)."""
+too early: on 12 random frontiers, half of the searches ended more than 2% from the optimum."""
 MAX_GP_UPDATES = 60
 """Most Gaussian-process updates (one new evaluation each) after the bootstrap."""
 MAX_LOCAL_ROUNDS = 10

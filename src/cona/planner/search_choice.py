@@ -2,7 +2,7 @@
 vectorised model call over it is faster than Bayesian optimisation, by BO above that.
 
 Measured on this project's shared 2-core development machine (``bench/search_speed.py --crossover 5``,
-docs/benchmarks.md "Search choice"): the exhaustive search of the spaces CONA's models produce (1,914 to
+docs/benchmarks.md "Search speed"): the exhaustive search of the spaces CONA's models produce (1,914 to
 36,456 candidates, GPT 350M to 175B on 8 to 8,192 GPUs) took 3 to 39 ms; the Bayesian search of the same
 spaces 2.3 to 20 s, for the same best strategy or one up to 4% slower, and 3.0 to 61 s (median 7.2 s) on 5
 random frontiers. The vectorised model call costs about 2 us a candidate at 100k candidates and 3 to 4.4 us

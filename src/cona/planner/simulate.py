@@ -3,12 +3,12 @@
 :func:`cona.planner.plan.simulate` times every chain with the throughputs and the noise scale the policy is
 given, so it can only show the policy consistent with itself. Here the world and the policy differ:
 
-* **Throughput truth with a host-bound floor.** A strategy's true step time is
-  ``max(host_floor_s + micro_batches x per_micro_batch_s, model step time)`` (the shape measured on the
-  H200: a small per-GPU step is bound by Python and kernel launches, whose time grows with the micro-batches
-  per step, not with their size), where the model step time is the performance model's prediction. The
-  policy is told the model's throughput for the frontier (as before any measurement of it) and measures
-  the strategy it runs at its true throughput.
+* **Throughput truth with a host-bound floor.** A strategy's true step time is ``max(host_floor_s +
+  micro_batches x per_micro_batch_s, model step time)`` (the shape of a measured GPU step: a small per-GPU
+  step is bound by Python and kernel launches, whose time grows with the micro-batches per step, not with
+  their size), where the model step time is the performance model's prediction. The policy is told the model's
+  throughput for the frontier (as before any measurement of it) and measures the strategy it runs at its true
+  throughput.
 * **Measurement noise.** The running strategy's measured throughput and the noise scale the policy reads are
   the true ones times seeded log-normal noise, independently per segment (the truth itself is noise free).
 

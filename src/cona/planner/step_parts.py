@@ -2,7 +2,7 @@
 
 The performance model adds matrix arithmetic, memory traffic and exposed communication into the device's
 time and takes the larger of it and the host's dispatch (:mod:`cona.planner.perf_model`). Their priors miss
-by different ratios (on the H200 the matrix rate is optimistic and the traffic time pessimistic), and their
+by different ratios (a GPU's matrix rate can be optimistic while its traffic time is pessimistic), and their
 shares of a step change with the model's size, the micro-batch and the layout, so a correction fitted on
 measured steps scales each term apart (:mod:`cona.planner.step_shape`). The split is the model's own: a
 factor of infinity in :class:`~cona.planner.calibration_factors.Calibration` removes a term, so each part

@@ -1,13 +1,12 @@
 """How measured step times relate to the raw model's: the calibration the decisions use (pure).
 
-The model's step is ``max(host, matrix + memory + comm)`` (:class:`~cona.planner.step_parts.StepParts`).
-A measured run corrects it in *shape*, each term by its own factor, because each prior misses by its own
-ratio and the terms' shares change with the strategy and the model's size (one factor for the whole device
-fits one size and misses the others: on the H200 the matrix rate is optimistic and the traffic time
-pessimistic, so the error grew with the model, issue 19). Besides the profile's host dispatch the run may
-show host time the profile does not have (a host-bound GPU dispatching eagerly, issue 16; a CPU computing
-what it dispatches), fitted as ``host_step_s + host_micro_batch_s * m`` with ``m`` the micro-batches per
-pipeline stage. Two forms:
+The model's step is ``max(host, matrix + memory + comm)`` (:class:`~cona.planner.step_parts.StepParts`). A
+measured run corrects it in *shape*, each term by its own factor, because each prior misses by its own ratio
+and the terms' shares change with the strategy and the model's size (one factor for the whole device fits one
+size and misses the others: where the matrix rate is optimistic and the traffic time pessimistic, the error
+grows with the model). Besides the profile's host dispatch the run may show host time the profile does not
+have (a host-bound GPU dispatching eagerly; a CPU computing what it dispatches), fitted as ``host_step_s +
+host_micro_batch_s * m`` with ``m`` the micro-batches per pipeline stage. Two forms:
 
 * ``overlap``: ``max(host / host_efficiency + host_step_s + host_micro_batch_s * m, device)``: an
   asynchronous device, the host dispatching ahead of it (CUDA);
@@ -58,18 +57,16 @@ HOST_BOUND = 10.0
 PRIOR_DEVICE_TOLERANCE = 0.05
 """Where the model's own device (its factors at 1, only the host terms fitted) meets every measured point
 within this, that fit is taken: below a few percent the points cannot show a device factor (a strategy's
-metrics lines scatter by about 5% on a shared machine). Fitted freely, two host-bound eager points on the
-H200 whose step times differed by 3% and 7% (55.8 and 57.3 ms, 41.6 and 44.5 ms at gbs 8 and 16, two runs)
-made the device the bottleneck at gbs 16 (factor 0.46, 0.60) and predicted gbs 32 at 0.49 and 0.64 of its
-measured rate (issue 16); kept, 0.91 and 1.06. The price is on clean device-bound points the model already
-meets within 5%: ``bench/planner_validation.py``'s leave-one-out fits miss by 1.48% on average (at most
-6.1%) instead of 0.71% (1.5%)."""
+metrics lines scatter by about 5% on a shared machine). Fitted freely, two host-bound eager points whose step
+times differ by 3-7% (gbs 8 and 16) make the device the bottleneck at gbs 16 and predict gbs 32 at half its
+measured rate; with the model's device kept, within 10%. The price is on clean device-bound points the model
+already meets within 5%: ``bench/planner_validation.py``'s leave-one-out fits miss by 1.48% on average (at
+most 6.1%) instead of 0.71% (1.5%)."""
 DEVICE_PRIOR_ERROR = 0.10
-"""How far a card's own system file may miss a step's device time: GPT-125M's eager kernels on an H100 took
-7-8% less than the H100 file's device time (issue 16, ``bench/eager_step_shape.py``, two calls). Host
-floors miss by far more: eager 125M steps at gbs 8-16, host-bound, took 29-50 ms on the H200's hosts and
-35-61 ms on the H100's, against one prior for all (29.8 ms then, 42.8 ms since
-:data:`cona.planner.profiles.EAGER_HOST`)."""
+"""How far a card's own system file may miss a step's device time: GPT-125M's eager kernels take 7-8% less
+than the H100 file's device time (``bench/eager_step_shape.py``). Host floors miss by far more: host-bound
+eager GPT-125M steps at gbs 8-16 take 29-61 ms across hosts, against one prior for all
+(:data:`cona.planner.profiles.EAGER_HOST`)."""
 DEVICE_PARAMS = 3
 """The first parameters of a fit are the device's (see :data:`PRIOR_WEIGHTS`), the rest the host's."""
 LEAST_SQUARES = {"method": "dogbox"}
@@ -162,12 +159,12 @@ def _one_point_shape(parts: StepParts, measured_s: float, forms: tuple[Form, ...
     other term stays under the measured step: nothing measured says that term was off, and a factor on
     it too would move every strategy it bounds; except that a device-bound step measured too far over its
     device with a host floor near it corrects the host (:func:`_host_explains`). Only where the measured
-    step is under both terms does one factor scale the whole step. Issue 16, both on the H200 with GPT-125M:
+    step is under both terms does one factor scale the whole step. Two GPT-125M cases show why:
 
-    * compiled (CUDA graphs), gbs 8 stepped in 14.6 ms against a host floor of 16.6 ms and a device of
-      11.4 ms; one factor made gbs 16 16.9 ms, which then measured 19.9 ms (the device's 19.3 ms);
-    * eager, gbs 16 stepped in 39.3 ms against a host floor of 29.8 ms and a device of 26.6 ms (a slow host);
-      one factor made gbs 32 63.2 ms, which then measured 50.1 ms (the device's 48.0 ms): 0.79 of its rate.
+    * compiled (CUDA graphs), gbs 8 steps in 14.6 ms against a host floor of 16.6 ms and a device of
+      11.4 ms; one factor on both makes gbs 16 16.9 ms, which measures 19.9 ms (the device's 19.3 ms);
+    * eager, gbs 16 steps in 39.3 ms against a host floor of 29.8 ms and a device of 26.6 ms (a slow host);
+      one factor makes gbs 32 63.2 ms, which measures 50.1 ms (the device's 48.0 ms): 0.79 of its rate.
     """
     host, device = float(parts.host_s[0]), float(parts.device_s[0])
     form: Form = "overlap" if "overlap" in forms else "serial"  # without extra host time both are the max
@@ -183,10 +180,9 @@ def _one_point_shape(parts: StepParts, measured_s: float, forms: tuple[Form, ...
 def _host_explains(host: float, device: float, measured_s: float) -> bool:
     """Over a device-bound model step by more than the device's prior can miss, with a host floor within
     that of the device: the host, whose prior misses most, is what ran slow. Eager GPT-125M on an H100 with
-    its own system file (issue 16, e23): gbs 16 stepped in 39.9 ms over a device of 32.1 ms (its kernels
-    took 29.9 ms) and a host floor of 29.8 ms; the device corrected, gbs 8 kept the host floor (137k
-    tokens/s, 1.5-1.7x what it then measured) and a fall-back to it looked right at a noise scale of 2.3.
-    In e24 gbs 16 at 36.8 ms (1.15x the device) did the same at a noise scale of 3.2."""
+    its own system file: gbs 16 steps in 39.9 ms over a device of 32.1 ms (its kernels take 29.9 ms) and a
+    host floor of 29.8 ms. Corrected on the device, gbs 8 would keep the host floor, be predicted at 1.5-1.7x
+    its measured rate, and a fall-back to it would look right where it does not pay."""
     slack = 1.0 - DEVICE_PRIOR_ERROR
     return device > host >= device * slack and measured_s * slack > device
 

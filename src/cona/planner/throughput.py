@@ -3,9 +3,9 @@ performance model corrected in *shape* on every measured point (pure).
 
 A single factor anchored on the running strategy keeps the model's shape, and the shape is what is wrong: at
 small sizes on a GPU the step is host-bound (Python and kernel launches), so its time barely grows with the
-batch while the model's device time does (GPT-125M on an H200, issue 16: the model said 1.15x more tokens/s at
-gbs 16 than at gbs 8, the GPU gave 2.3x), and the device's terms miss by different ratios whose shares change
-with the strategy (issue 19). The correction (:mod:`cona.planner.step_shape`) scales each of the model's terms
+batch while the model's device time does (GPT-125M on an H200: the model says 1.15x more tokens/s at gbs 16
+than at gbs 8, the GPU gives 2.3x), and the device's terms miss by different ratios whose shares change with
+the strategy. The correction (:mod:`cona.planner.step_shape`) scales each of the model's terms
 (:mod:`cona.planner.step_parts`) by its own factor and adds the host time the run shows; the same code
 calibrates ``cona plan`` on a trace and the validation in ``bench/planner_validation.py``.
 """
@@ -172,8 +172,8 @@ def fitted_forms(system: System, backend: BackendProfile) -> tuple[Form, ...]:
     """The step forms a run's measurements may be fitted with. The native engine on an accelerator never
     waits for the device inside a step (the loss and norms stay there until a metrics line), so its step
     is the overlap of host and device. The serial form would read a host floor as device work done after
-    it: fitted on three eager H200 points (gbs 8-32) it put the device at 2.9x its kernels' speed plus
-    34 ms per step and predicted gbs 64 at 1.41x its measured rate (issue 16). Other backends, and CPUs,
+    it: fitted on three eager host-bound points (gbs 8-32) it puts the device at 2.9x its kernels' speed
+    plus 34 ms per step and predicts gbs 64 at 1.41x its measured rate. Other backends, and CPUs,
     may run host and device one after the other."""
     if system.asynchronous_dispatch and backend.name == "native":
         return ("overlap",)

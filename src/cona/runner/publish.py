@@ -77,11 +77,10 @@ def publish(global_step_dir: Path) -> Path:
 
 
 def import_checkpoint_reader_in_background() -> threading.Thread:
-    """Import what :func:`publish` verifies a checkpoint with (DCP, and torch with it) in a thread of its
-    own, so that the run's first publish does not wait for it: the runner starts without torch, and this
-    import took 1.6-1.9 s of the first publish on the 2-core CPU (``bench/switch_gaps.py``), 3-4 s of the
-    runner on the H200 host. Started while the first stage's workers start and train; not a daemon, so the
-    runner never exits in the middle of an import."""
+    """Import what :func:`publish` verifies a checkpoint with (DCP, and torch with it) in a thread of its own,
+    so that the run's first publish does not wait for it: the runner starts without torch, and this import
+    takes seconds (1.6-1.9 s on a 2-core CPU, more on some GPU hosts). Started while the first stage's workers
+    start and train; not a daemon, so the runner never exits in the middle of an import."""
 
     def load() -> None:
         import cona.engine.checkpoint_dcp  # noqa: F401 (what read_dcp_metadata imports)

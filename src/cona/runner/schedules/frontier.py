@@ -67,10 +67,10 @@ class FrontierSearch:
         """The steps of a stage's first line after its first step as a proxy point of ``strategy`` (the
         line the first decision is made at, before any steady line), where they ran the strategy's own
         step shape: they show this host's speed, which the prior cannot know (on a 2-core CPU the demo's
-        first strategy ran at 1/16 of its prior). Not where those steps measured the noise scale as pieces
-        of the micro-batch (:func:`cona.strategy.noise_step_pieces`): on an H100, eager GPT-125M gbs 8,
-        such a line ran 142 ms a step, its new piece shape warming up and the noise hooks running, against
-        30-33 ms for a whole step and 79-90 ms for steady pieces (issue 16, twenty-first session). Nor where a
+        first strategy runs at 1/16 of its prior). Not where those steps measured the noise scale as pieces
+        of the micro-batch (:func:`cona.strategy.noise_step_pieces`): such a line warms up the pieces' new
+        shape and runs the noise hooks, and can take 4x a whole step's time (eager GPT-125M at gbs 8). Nor
+        where a
         step after the first still warmed up a shape. Returns whether a point was added."""
         rest_s = record.after_first_step_s
         if rest_s is None or self.profile.name != "native" or (record.warmup_steps or 0) > 1:

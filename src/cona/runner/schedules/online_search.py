@@ -50,8 +50,8 @@ from cona.strategy import Strategy
 DECISIONS_NAME = run_files.DECISIONS
 POLL_INTERVAL_S = 0.05
 """Seconds between reads of the metrics file. A read that finds no new line opens the file and reads
-nothing; a decision waits half of this on average, and the workers train on meanwhile (at 0.5 s an eager
-gbs-8 run on the H200 switched at iteration 32 on the line of iteration 24: issue 16)."""
+nothing; a decision waits half of this on average, and the workers train on meanwhile (at 0.5 s, a
+host-bound eager run steps a whole log interval past the line it decided on)."""
 PRINT_EVERY_STAY = 5
 """Print one "stay" decision in this many (the first of each stage included)."""
 REMEASURE_CHANGE = 0.02
@@ -262,8 +262,8 @@ class StageSearch:
     def _current_rate(self) -> tuple[float | None, bool]:
         """The running strategy's rate and whether it was measured. Until the run has a steady line it is
         the estimator's (:meth:`FrontierSearch.add_first_line`): the first decision, a trial only, comes at
-        the first line, not 0.65 s later at the second (H200, eager GPT-125M at gbs 8; fixed gbs 16 reaches
-        the ladder's easiest levels 4.4-7.4 s after its first step: issue 16)."""
+        the first line, not a log interval later at the second (seconds that matter where a fixed run
+        reaches the easiest loss targets a few seconds after its first step)."""
         measured = self.measured_tokens_per_s()
         if measured is not None:
             return measured, True
