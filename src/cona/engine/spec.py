@@ -73,6 +73,9 @@ class StageSpec:
     """At the stop rule, neither save nor drop the state: the session's next stage continues it in place
     (a chain step whose next step switches in place, or a stage retrained up to an in-place switch that a
     kill interrupted)."""
+    warm_micro_batches: tuple[int, ...] = ()
+    """Micro-batch sizes the session may switch to in place after this stage: a helper process compiles
+    their graphs into the on-disk cache while the stage trains (:mod:`cona.engine.compile_warmup`)."""
     retraining: bool = False
     """A retraining that rebuilds the state an in-place switch kept in memory (after a kill): its result
     goes to its own file, and the stage's ``stage_result.json`` stays the stage's."""
@@ -158,6 +161,7 @@ class StageSpec:
         for name in ("run_dir", "workdir", "load_path"):
             if values.get(name) is not None:
                 values[name] = Path(values[name])
+        values["warm_micro_batches"] = tuple(values.get("warm_micro_batches", ()))
         return cls(**values)
 
     def write(self, path: Path) -> Path:

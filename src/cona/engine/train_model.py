@@ -312,6 +312,10 @@ class TrainingModel:
             self.scaler.update(found_inf=not bool(finite.item()))
         return finite
 
+    def drop_gradients(self) -> None:
+        """Drop the last step's gradients without an optimizer step (a step that only compiles)."""
+        self._drop_grads()
+
     def _drop_grads(self) -> None:
         """The one place gradients are zeroed (set to None, which frees them); see optimizer_step_pending."""
         for param in self._unique_params():

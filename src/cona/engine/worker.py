@@ -41,6 +41,7 @@ import torch.distributed as dist
 from cona import run_files
 from cona.atomic_files import write_json_atomic
 from cona.config import ConaConfig
+from cona.engine.compile_warmup import start_compile_warmup
 from cona.engine.parallel_dims import validate_layout
 from cona.engine.session import next_stage, release_stage_memory
 from cona.engine.session_files import SESSION_FLAG
@@ -127,6 +128,7 @@ def run_stage(
             verdict = verify_loaded(context, spec.load_path, iteration=progress.iteration)
             timings["verify_done"] = time.time()
     timings["setup_done"] = time.time()
+    start_compile_warmup(spec, device)
     try:
         reason = train_stage(context, progress)
     finally:

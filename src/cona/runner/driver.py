@@ -111,6 +111,9 @@ class Schedule(Protocol):
     def hands_over(self, state: RunState, step_num: int) -> bool:
         """Whether the stage, at its stop rule, hands its state to the next stage in place."""
 
+    def warm_micro_batches(self, state: RunState, step_num: int) -> tuple[int, ...]:
+        """Micro-batch sizes the session may switch to in place after the stage (compiled beside it)."""
+
     def recorded_result(self, stage: StageState, result_path: Path) -> StageResult | None:
         """A result the stage's workers wrote after the runner was killed, if it counts."""
 
@@ -345,6 +348,7 @@ class StageDriver:
             save_at_end=True,
             save_interval=self.run.config.training.save_interval,
             save_interval_minutes=self.run.config.training.save_interval_minutes,
+            warm_micro_batches=self.schedule.warm_micro_batches(state, stage.step_num),
         )
 
     # --- launching --------------------------------------------------------------------------------------

@@ -383,13 +383,18 @@ def finished_result(stage: StageState, result_path: Path) -> StageResult | None:
 
 
 def durations(timings: dict[str, float], launched: float | None) -> dict[str, float]:
-    """Seconds of the switch parts, from the worker's unix times: process start (launch until the worker
-    runs), load (model build, data and checkpoint load), verify (the probe loss of the loaded checkpoint),
-    first step, probe (the probe loss of the state to save) and save. Results of workers that measured no
-    probe have no load_done/probe_done: their load and save spans end and start at the neighbours."""
+    """Seconds of the start-up and switch parts, from the worker's unix times: process start (launch until
+    the worker runs, its imports included), load (model build, data and checkpoint load), verify (the probe
+    loss of the loaded checkpoint), first step (the compile included), probe (the probe loss of the state to
+    save) and save; within them, where the worker recorded them: imports (torch and CONA), model (build and
+    optimizer) and data (datasets and sample indices). Results of workers that measured no probe have no
+    load_done/probe_done: their load and save spans end and start at the neighbours."""
     load_end = timings.get("load_done", timings.get("setup_done"))
     spans = {
         "process_start_s": (launched, timings.get("process_start")),
+        "imports_s": (timings.get("imports_start"), timings.get("process_start")),
+        "model_s": (timings.get("process_start"), timings.get("model_done")),
+        "data_s": (timings.get("model_done"), timings.get("data_done")),
         "load_s": (timings.get("process_start"), load_end),
         "verify_s": (timings.get("load_done"), timings.get("verify_done")),
         "first_step_s": (timings.get("setup_done"), timings.get("first_step_done")),

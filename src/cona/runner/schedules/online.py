@@ -225,6 +225,16 @@ class OnlineSchedule:
     def hands_over(self, state: RunState, step_num: int) -> bool:
         return False  # an online stage hands over in place only when its switch request says so
 
+    def warm_micro_batches(self, state: RunState, step_num: int) -> tuple[int, ...]:
+        """Twice the stage's mbs, where an in-place switch may change mbs and the doubled batch stays within
+        ``--max-gbs``: the search moves to the next larger gbs, whose best strategy on the same layout
+        usually doubles mbs. Its graph compiles in a helper process while the stage trains."""
+        strategy = self.strategy(step_num)
+        doubled = 2 * strategy.mbs
+        if not (self.in_place and self.in_place_mbs) or doubled * strategy.dp > self.run.max_gbs:
+            return ()
+        return (doubled,)
+
     def recorded_result(self, stage: StageState, result_path: Path) -> StageResult | None:
         return saved_result(stage, result_path)
 

@@ -212,6 +212,15 @@ class ChainSchedule:
         following = self.strategy(step_num + 1)
         return self.strategy(step_num).same_layout(following, keep_mbs=not self.in_place_mbs)
 
+    def warm_micro_batches(self, state: RunState, step_num: int) -> tuple[int, ...]:
+        """The mbs of the later steps that this step's state reaches in place: their graphs compile in a
+        helper process while it trains (:mod:`cona.engine.compile_warmup`)."""
+        sizes, number = [], step_num
+        while number < len(self.chain.steps) and self.hands_over(state, number):
+            number += 1
+            sizes.append(self.strategy(number).mbs)
+        return tuple(sizes)
+
     def recorded_result(self, stage: StageState, result_path: Path) -> StageResult | None:
         return finished_result(stage, result_path)
 
