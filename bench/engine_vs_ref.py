@@ -269,7 +269,7 @@ def init_single_process_group(device: str) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="125m,350m,1.3b", help=f"comma list of {', '.join(SIZES)}")
     parser.add_argument("--mbs", default="8,16", help="comma list of micro-batch sizes")
     parser.add_argument(
