@@ -130,8 +130,8 @@ def _decoded(args: argparse.Namespace, ids: np.ndarray) -> str:
     too_large = ids[ids >= tokenizer.vocab_size]
     if too_large.size:
         raise DataError(
-            f"--doc {args.doc}: token id {int(too_large[0])} is not in the tokenizer's {tokenizer.vocab_size} "
-            f"entries; the dataset was made with another tokenizer"
+            f"--doc {args.doc}: token id {int(too_large[0])} is not in the tokenizer's "
+            f"{tokenizer.vocab_size} entries; the dataset was made with another tokenizer"
         )
     return repr(tokenizer.decode(ids.tolist()))
 
