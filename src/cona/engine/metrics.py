@@ -196,15 +196,22 @@ def build_metrics_logger(
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The plottable numbers of a record (finite numbers other than identifiers and time stamps)."""
+    """The plottable numbers of a record (finite numbers other than identifiers and time stamps) under
+    their tracker tags: ``eval/<name>`` for an ``eval_<name>`` key, ``train/<key>`` for every other, so
+    TensorBoard and W&B show the training and the evaluation curves in sections of their own."""
     return {
-        key: float(value)
+        tracker_tag(key): float(value)
         for key, value in record.items()
         if key not in _NOT_SCALARS
         and isinstance(value, int | float)
         and not isinstance(value, bool)
         and math.isfinite(value)
     }
+
+
+def tracker_tag(key: str) -> str:
+    """``eval_loss`` -> ``eval/loss``, ``loss`` -> ``train/loss``."""
+    return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
 
 
 def eval_ppl_label(record: Mapping[str, Any]) -> str:
