@@ -12,6 +12,7 @@ report, ``cona plan --trace``) agree on them. It imports nothing of CONA's, so e
                           online_stages.json       an online run's chosen stages
                           realized_chain.json      an online run as a chain file that replays it
                           fixed_chain.json         a fixed strategy as a one-stage chain
+                          wandb_run_id             the run's W&B id (wandb/: its files, by default)
                           mds_handover/            Megatron-DeepSpeed in-place switches: continue commands
                           stages/<N>/spec.json     what stage N runs (replay_spec.json: its replay)
                                      stage_result.json, plan.json, switch_check.json, pids.json,
@@ -34,6 +35,8 @@ RUNNER_STATE = "runner_state.json"
 ONLINE_STAGES = "online_stages.json"
 REALIZED_CHAIN = "realized_chain.json"
 FIXED_CHAIN = "fixed_chain.json"
+WANDB_RUN_ID = "wandb_run_id"
+"""The run's W&B id (one per run, kept by every resume; ``--fresh`` makes a new one)."""
 STAGES = "stages"
 
 SPEC = "spec.json"
@@ -54,7 +57,7 @@ MDS_HANDOVER = "mds_handover"
 """``<run_dir>/mds_handover/continue-<N>.json``: the runner's command to Megatron-DeepSpeed processes that
 handed a stage over in place at iteration N (``cona.backends.megatron_deepspeed.handover``)."""
 
-FRESH_FILES = (RUNNER_STATE, METRICS, SWITCH_REQUEST, DECISIONS, ONLINE_STAGES, REALIZED_CHAIN)
+FRESH_FILES = (RUNNER_STATE, METRICS, SWITCH_REQUEST, DECISIONS, ONLINE_STAGES, REALIZED_CHAIN, WANDB_RUN_ID)
 """What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""
 
 

@@ -220,19 +220,3 @@ def test_tensorboard_sink_writes_events(tmp_path):
 def test_spec_is_frozen(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         make_spec(tmp_path).stage = 2
-
-
-def test_wandb_sink_writes_an_offline_run(tmp_path):
-    pytest.importorskip("wandb")
-    from cona.engine.metrics import WandbSink
-
-    sink = WandbSink(
-        project="cona-test",
-        directory=str(tmp_path / "wandb"),
-        mode="offline",
-        run_name="run/1",
-        config={"stage": 1},
-    )
-    sink.write(record())
-    sink.close()
-    assert list((tmp_path / "wandb").rglob("offline-run-*-run-1"))

@@ -81,7 +81,8 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--run-name",
         default=None,
-        help="run directory name under training.log_root (default: UTC time + strategy)",
+        help="run directory name under training.log_root (default: fixed-<strategy>, chain-<chain file> or "
+        "online; the same command then resumes its run)",
     )
     parser.add_argument(
         "--master-port-base",

@@ -216,7 +216,7 @@ class StageDriver:
         if state.current is not None:
             if prepare_publisher is not None and self.schedule.may_publish:
                 prepare_publisher()
-            with RunTracker.open(self.run.config.training, self.run.run_dir.name, self.out) as tracker:
+            with RunTracker.open(self.run.config, self.run.run_dir, self.out) as tracker:
                 self.schedule.run_tracker = tracker  # decisions and switches for TensorBoard / W&B
                 while (current := state.current) is not None:
                     state = self.drive_stage(state, current.step_num)

@@ -4,8 +4,8 @@ Across nodes a stage needs what a chain run has: a run directory every node agre
 stage and publishing only when every node left it, and a run state that a rerun continues from. So the fixed
 strategy is written as the chain of one initial step (:func:`write_fixed_chain`) and run by
 :func:`cona.runner.schedules.sequence.run_chain`; its LR is the one single-node fixed mode uses too
-(``training.base_lr`` scaled from ``base_gbs`` to the gbs). The run name must be the same on every node, so
-its default names the strategy instead of the start time.
+(``training.base_lr`` scaled from ``base_gbs`` to the gbs). Its default run name is the strategy's, as on
+one node: the same on every node, and the same for a rerun, which resumes the run.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def fixed_chain(strategy: Strategy, iters: int) -> dict:
 
 
 def fixed_run_name(strategy: Strategy) -> str:
+    """``fixed-dp2_tp1_pp1_mbs2_gbs8``: the default run name of a fixed strategy (a rerun of the same command
+    finds its run by it)."""
     return f"fixed-dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}_mbs{strategy.mbs}_gbs{strategy.gbs}"
 
 
