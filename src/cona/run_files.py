@@ -9,6 +9,7 @@ report, ``cona plan --trace``) agree on them. It imports nothing of CONA's, so e
                           decisions.jsonl          the online search's decisions
                           switch_request.json      the search's request, read by the workers
                           runner_state.json        the stage driver's saved progress (resume)
+                          runner_end.json          how its newest runner left it (finished, stopped, failed)
                           online_stages.json       an online run's chosen stages
                           realized_chain.json      an online run as a chain file that replays it
                           fixed_chain.json         a fixed strategy as a one-stage chain
@@ -35,6 +36,8 @@ RUNNER_STATE = "runner_state.json"
 ONLINE_STAGES = "online_stages.json"
 REALIZED_CHAIN = "realized_chain.json"
 FIXED_CHAIN = "fixed_chain.json"
+RUNNER_END = "runner_end.json"
+"""How the newest runner of the run left it (:mod:`cona.runner.run_end`)."""
 WANDB_RUN_ID = "wandb_run_id"
 """The run's W&B id (one per run, kept by every resume; ``--fresh`` makes a new one)."""
 STAGES = "stages"
@@ -57,7 +60,16 @@ MDS_HANDOVER = "mds_handover"
 """``<run_dir>/mds_handover/continue-<N>.json``: the runner's command to Megatron-DeepSpeed processes that
 handed a stage over in place at iteration N (``cona.backends.megatron_deepspeed.handover``)."""
 
-FRESH_FILES = (RUNNER_STATE, METRICS, SWITCH_REQUEST, DECISIONS, ONLINE_STAGES, REALIZED_CHAIN, WANDB_RUN_ID)
+FRESH_FILES = (
+    RUNNER_STATE,
+    RUNNER_END,
+    METRICS,
+    SWITCH_REQUEST,
+    DECISIONS,
+    ONLINE_STAGES,
+    REALIZED_CHAIN,
+    WANDB_RUN_ID,
+)
 """What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""
 
 
@@ -97,6 +109,10 @@ def switch_request_path(run_dir: Path) -> Path:
 
 def runner_state_path(run_dir: Path) -> Path:
     return Path(run_dir) / RUNNER_STATE
+
+
+def runner_end_path(run_dir: Path) -> Path:
+    return Path(run_dir) / RUNNER_END
 
 
 def stages_path(run_dir: Path) -> Path:

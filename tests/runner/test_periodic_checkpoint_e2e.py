@@ -27,6 +27,7 @@ from cona.runner import stage_run
 from cona.runner.launch import run_stage
 from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import StageLaunch
+from cona.runner.views.status import collect_status, status_lines
 from cona.runner.worker_session import WorkerSession, stage_launcher
 
 HERE = Path(__file__).resolve().parent
@@ -113,6 +114,9 @@ def test_a_killed_fixed_run_resumes_with_the_same_command_from_its_periodic_chec
     assert (layout / "global_step4").is_dir() and not (layout / "global_step8").exists()
     killed_at = max(step.iteration for step in trained_steps(run_dir))
     assert 5 <= killed_at < 8
+    lines = dict(status_lines(collect_status(run_dir)))
+    assert lines["stage"].startswith("1 of 1 (killed: runner pid ")
+    assert lines["checkpoint"] == str(layout / newest_periodic(layout))  # not "none recorded yet"
     capfd.readouterr()
 
     # The same command again (on fresh ports: the killed stage's may still be held by the kernel).

@@ -42,6 +42,7 @@ from cona.runner.in_place import replay_in_place
 from cona.runner.launch import stage_master_port
 from cona.runner.nodes.across_nodes import node_topology, run_across_nodes
 from cona.runner.publish import import_checkpoint_reader_in_background, publish
+from cona.runner.run_end import record_runner_end
 from cona.runner.run_lock import lock_directory, run_locks
 from cona.runner.schedules.chain_options import ChainRun
 from cona.runner.schedules.online_options import OnlineRun
@@ -212,6 +213,15 @@ class StageDriver:
     def drive(self, prepare_publisher: Callable[[], object] | None = None) -> RunState:
         # before the run state is read: one runner at a time
         lock_directory(self.run.run_dir, "run directory")
+        try:
+            state = self._drive(prepare_publisher)
+        except BaseException as error:
+            record_runner_end(self.run.run_dir, error)  # for cona status, once the run's processes are gone
+            raise
+        record_runner_end(self.run.run_dir, None)
+        return state
+
+    def _drive(self, prepare_publisher: Callable[[], object] | None) -> RunState:
         state = self.schedule.open()
         if state.current is not None:
             if prepare_publisher is not None and self.schedule.may_publish:
