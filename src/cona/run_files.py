@@ -16,8 +16,8 @@ report, ``cona plan --trace``) agree on them. It imports nothing of CONA's, so e
                           wandb_run_id             the run's W&B id (wandb/: its files, by default)
                           mds_handover/            Megatron-DeepSpeed in-place switches: continue commands
                           stages/<N>/spec.json     what stage N runs (replay_spec.json: its replay)
-                                     stage_result.json, plan.json, switch_check.json, pids.json,
-                                     torchrun.log, rank<r>.log, steps/rank<r>.jsonl
+                                     stage_result.json, plan.json, switch_check.json, switch_in.json,
+                                     pids.json, torchrun.log, rank<r>.log, steps/rank<r>.jsonl
 
 A checkpoint's own files (``trainer_state.json``, ``manifest.json``, ...) live in the checkpoint layout under
 the workdir and belong to :mod:`cona.engine.checkpoint`.
@@ -48,6 +48,8 @@ REPLAY_RESULT = "replay_result.json"
 STAGE_RESULT = "stage_result.json"
 STAGE_PLAN = "plan.json"
 SWITCH_CHECK = "switch_check.json"
+SWITCH_IN = "switch_in.json"
+"""``stages/<N>/``: the start milestones of the stage's first attempt (what the switch into it cost)."""
 PIDS = "pids.json"
 TORCHRUN_LOG = "torchrun.log"
 """Node 0's; node ``k`` of a run across nodes writes ``torchrun.node<k>.log`` (:func:`torchrun_log_name`)."""

@@ -57,7 +57,16 @@ from cona.runner.stage_run import (
     switch_check_line,
     write_plan,
 )
-from cona.runner.state import RunState, StageState, advance, own_checkpoint, save_state, switch_cost, trained
+from cona.runner.state import (
+    RunState,
+    StageState,
+    advance,
+    first_attempt_timings,
+    own_checkpoint,
+    save_state,
+    switch_cost,
+    trained,
+)
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
@@ -303,7 +312,7 @@ class StageDriver:
         # Only workers this runner launched hold a state: a result recorded before a kill names gone ones.
         self.handed_over = number if result.handed_over and launched is not None else None
         self.schedule.check_result(stage, result, spec)
-        stage = trained(state.stage(number), result, launched)
+        stage = trained(state.stage(number), result, launched, first_attempt_timings(spec.switch_in_path))
         line = switch_check_line(stage)
         if line is not None:
             self.out(line)
