@@ -198,6 +198,7 @@ def _online_run(config_path: Path, run_root: Path, processes: int, system: str) 
         system=system,
         botorch=False,
         quiet=True,
+        prior_on_host=True,
         **DEMO_ONLINE,
     )
 

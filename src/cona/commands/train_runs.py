@@ -169,6 +169,7 @@ def online_run(flags: Any) -> OnlineRun:
         target_ppl=target_ppl,
         botorch=botorch_choice(flags),
         nodes=nodes,
+        prior_on_host=True,
         **_common(flags, config, flag(flags, "run_name") or "online", nodes.num_nodes),
     )
 
