@@ -192,3 +192,15 @@ def test_a_run_that_logged_nothing_leaves_no_wandb_run(tmp_path):
     with RunTracker.open(config, tmp_path / "run", lambda line: None):
         pass  # a fixed run stopped before its first metrics line: no decision, no switch
     assert not (tmp_path / "w" / "wandb").exists()
+
+
+def test_a_failing_wandb_stops_with_one_line_and_the_run_goes_on():
+    def no_login():
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    lines: list[str] = []
+    tracker = RunTracker(open_wandb=no_login, out=lines.append)
+    for iteration in (1, 2):
+        tracker.decision({"iteration": iteration, "noise_scale": 5.0})
+    tracker.close()
+    assert lines == ["W&B stopped: RuntimeError: api_key not configured (no-tty)"]

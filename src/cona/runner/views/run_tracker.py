@@ -111,8 +111,10 @@ class RunTracker:
         tensorboard: Any = None,
         open_wandb: Callable[[], Any] | None = None,
         metrics_path: Path | None = None,
+        out: Callable[[str], None] = print,
     ) -> None:
         self._tensorboard, self._open_wandb, self._wandb = tensorboard, open_wandb, None
+        self._out = out
         self._events: list[list[Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -146,14 +148,24 @@ class RunTracker:
             return _wandb_run(config, run_name, run_id, directory)
 
         return cls(
-            tensorboard=tensorboard, open_wandb=open_wandb, metrics_path=run_files.metrics_path(run_dir)
+            tensorboard=tensorboard,
+            open_wandb=open_wandb,
+            metrics_path=run_files.metrics_path(run_dir),
+            out=out,
         )
 
-    def _wandb_run(self) -> Any:
-        """The W&B run, opened at its first value (call holding the lock)."""
-        if self._wandb is None and self._open_wandb is not None:
-            self._wandb = self._open_wandb()
-        return self._wandb
+    def _log_wandb(self, values: Mapping[str, Any]) -> None:
+        """Log ``values`` to the W&B run, opening it at its first value (call holding the lock). W&B failing
+        (no login in online mode, a full disk) stops W&B with one line; the training goes on."""
+        if self._open_wandb is None:
+            return
+        try:
+            if self._wandb is None:
+                self._wandb = self._open_wandb()
+            self._wandb.log(dict(values))
+        except Exception as err:  # noqa: BLE001 (any W&B failure: the run must not die of its tracker)
+            self._out(f"W&B stopped: {type(err).__name__}: {err}")
+            self._open_wandb = None
 
     def _follow(self, tail: JsonlTail) -> None:
         while not self._stop.wait(FOLLOW_INTERVAL_S):
@@ -165,7 +177,7 @@ class RunTracker:
             values = scalars(record) if "backend" not in record and "iteration" in record else {}
             if values:
                 with self._lock:
-                    self._wandb_run().log({"iteration": int(record["iteration"]), **values})
+                    self._log_wandb({"iteration": int(record["iteration"]), **values})
 
     def decision(self, record: Mapping[str, Any]) -> None:
         """One evaluation of the online search (a ``decisions.jsonl`` record)."""
@@ -178,8 +190,7 @@ class RunTracker:
                 for name, value in values.items():
                     self._tensorboard.add_scalar(name, value, global_step=iteration)
                 self._tensorboard.flush()
-            if self._open_wandb is not None:
-                self._wandb_run().log({"iteration": iteration, **values})
+            self._log_wandb({"iteration": iteration, **values})
 
     def switch(
         self, *, stage: int, iteration: int, action: str, strategy: str, reason: str, in_place: bool = False
@@ -196,7 +207,7 @@ class RunTracker:
                 self._tensorboard.flush()
             if self._open_wandb is not None:
                 table = _import_wandb().Table(columns=EVENT_COLUMNS, data=[list(row) for row in self._events])
-                self._wandb_run().log({"iteration": iteration, "cona/stage": stage, EVENTS_TAG: table})
+                self._log_wandb({"iteration": iteration, "cona/stage": stage, EVENTS_TAG: table})
 
     def close(self) -> None:
         if self._follower is not None:
