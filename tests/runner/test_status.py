@@ -200,9 +200,9 @@ def dead_pid() -> int:
     return gone.pid
 
 
-def record_dead_stage(run_dir: Path, *, runner_pid: int) -> float:
+def record_dead_stage(run_dir: Path, *, runner_pid: int, started: float | None = None) -> float:
     """Stage 3's pids record of a runner and torchrun that are gone; returns its start time."""
-    started = time.time() - 5
+    started = time.time() - 5 if started is None else started
     record = {"host": socket.gethostname(), "node_rank": 0, "runner_pid": runner_pid, "started": started}
     record["torchrun_pid"] = dead_pid()
     (run_dir / "stages" / "3" / PIDS_FILE).write_text(json.dumps(record))
@@ -234,8 +234,15 @@ def test_a_run_whose_processes_are_gone_is_failed_stopped_or_killed_not_running(
     assert (
         ended(RunStopped(signal.SIGTERM)) == "3 of 3 (stopped by SIGTERM; the same command resumes the run)"
     )
-    record_dead_stage(run_dir, runner_pid=dead_pid())  # a later runner, killed: the older end is not its own
+    later = started + 10  # a later runner's launch, then killed: the older end is not its own
+    record_dead_stage(run_dir, runner_pid=dead_pid(), started=later)
     assert "(killed: runner pid" in dict(status_lines(collect_status(run_dir)))["stage"]
+
+
+def test_a_runner_that_failed_before_launching_a_stage_is_failed(tmp_path):
+    run_dir = running_copy(tmp_path)  # no pids record: no stage was launched
+    record_runner_end(run_dir, LaunchError("port 29500 is in use"))
+    assert dict(status_lines(collect_status(run_dir)))["stage"] == "3 of 3 (failed: port 29500 is in use)"
 
 
 def test_status_names_the_newest_periodic_checkpoint_of_a_killed_stage(tmp_path, monkeypatch):

@@ -159,23 +159,24 @@ def _stage_position(run: RunData) -> tuple[int | None, int | None, str, int | No
 
 def _dead_run_state(run_dir: Path, processes: Processes) -> str | None:
     """``failed: ...``, ``stopped by SIGTERM ...`` or ``killed ...`` for a run none of whose processes runs
-    on this host any more (from the newest runner's recorded end); None while one runs, or when this host
-    cannot tell (no pids record, or one written on another host)."""
+    on this host any more, from the newest runner's recorded end (one older than the newest stage's launch
+    is an earlier runner's); None while one runs, or when this host cannot tell (a stage's record written on
+    another host)."""
     records = processes.recorded
-    if not records or processes.workers or processes.launchers:
+    if processes.workers or processes.launchers:
         return None
     if any(record.runner_alive is None or record.runner_alive or record.torchrun_alive for record in records):
         return None
     end = read_runner_end(run_dir)
-    newest_runner = max(records, key=lambda record: record.started)
-    if end is None or end.pid != newest_runner.runner_pid or end.ended < newest_runner.started:
+    newest = max(records, key=lambda record: record.started, default=None)
+    if newest is not None and (end is None or end.ended < newest.started):
         return (
-            f"killed: runner pid {newest_runner.runner_pid} is gone and recorded no end (SIGKILL or a lost "
+            f"killed: runner pid {newest.runner_pid} is gone and recorded no end (SIGKILL or a lost "
             f"machine); the same command resumes the run"
         )
-    if end.how == "stopped":
+    if end is not None and end.how == "stopped":
         return f"{end.message}; the same command resumes the run"
-    if end.how == "failed":
+    if end is not None and end.how == "failed":
         return f"failed: {end.message}"
     return None
 
