@@ -53,6 +53,13 @@ def test_the_model_s_step_is_timed_at_each_micro_batch_size():
     assert [step.micro_batch for step in steps] == [1, 2] and all(step.seconds > 0 for step in steps)
 
 
+def test_a_slow_model_is_timed_at_one_size_in_two_steps(monkeypatch):
+    calls = []
+    monkeypatch.setattr("cona.engine.host_steps._step", lambda net, optimizer, tokens: calls.append(1) or 2.0)
+    assert time_host_steps(CONFIG.model, (1, 2), threads=1) == [HostStep(micro_batch=1, seconds=2.0)]
+    assert len(calls) == 2
+
+
 def test_a_cpu_run_chooses_its_first_stage_on_the_prior_fitted_to_its_host(tmp_path, monkeypatch):
     timed = [HostStep(micro_batch=1, seconds=0.5), HostStep(micro_batch=2, seconds=0.75)]
     monkeypatch.setattr("cona.engine.host_steps.time_host_steps", lambda model, sizes, threads: timed)

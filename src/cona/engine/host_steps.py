@@ -25,7 +25,8 @@ TIMED_STEPS = 3
 WARMUP_STEPS = 2
 """Untimed steps first: the first calls of a shape allocate and pick kernels."""
 SLOW_STEP_S = 1.0
-"""A warm-up step slower than this: the larger size is not timed (the probe stays within seconds)."""
+"""A first step slower than this: one more step is timed, and no larger size (the probe stays within a few
+steps of the model)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +49,11 @@ def time_host_steps(model: ModelConfig, micro_batches: tuple[int, ...], *, threa
     try:
         for micro_batch in micro_batches:
             tokens = torch.randint(0, model.vocab_size, (micro_batch, model.seq))
-            times = [_step(net, optimizer, tokens) for _ in range(WARMUP_STEPS + TIMED_STEPS)]
-            steps.append(HostStep(micro_batch=micro_batch, seconds=statistics.median(times[WARMUP_STEPS:])))
-            if times[0] > SLOW_STEP_S:
+            slow = _step(net, optimizer, tokens) > SLOW_STEP_S  # a large model: one more step, one size
+            warmup, timed = (0, 1) if slow else (WARMUP_STEPS - 1, TIMED_STEPS)
+            times = [_step(net, optimizer, tokens) for _ in range(warmup + timed)]
+            steps.append(HostStep(micro_batch=micro_batch, seconds=statistics.median(times[warmup:])))
+            if slow:
                 break
     finally:
         torch.set_num_threads(previous)
