@@ -25,14 +25,14 @@ def test_the_same_fixed_command_finds_its_run_and_its_one_wandb_run(tmp_path, ca
     config.write_text(json.dumps(raw))
     assert main(train_args(config, tmp_path / "work", iters=2)) == 0  # no --run-name
     run_dir = resolve_latest(tmp_path / "logs")
-    assert run_dir.name == "fixed-dp2_tp1_pp1_mbs2_gbs8"
+    assert run_dir.name == "fixed-dp2_tp1_pp1_mbs2_gbs8-iters2"
     capfd.readouterr()
 
     assert main(train_args(config, tmp_path / "work", iters=2)) == 0  # the same command again
     out = capfd.readouterr().out
     assert f"run {run_dir.name} already finished at iteration 2" in out, out
     runs = [path.name for path in (tmp_path / "logs").iterdir() if not path.name.startswith(".")]
-    assert sorted(runs) == ["fixed-dp2_tp1_pp1_mbs2_gbs8", "latest"]
+    assert sorted(runs) == ["fixed-dp2_tp1_pp1_mbs2_gbs8-iters2", "latest"]
 
     (folder,) = (run_dir / "wandb").glob("offline-run-*")  # one folder: no stage's, no empty "-cona" one
     run_id, rows = read_offline_run(folder)

@@ -82,8 +82,8 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--run-name",
         default=None,
-        help="run directory name under training.log_root (default: fixed-<strategy>, chain-<chain file> or "
-        "online; the same command then resumes its run)",
+        help="run directory name under training.log_root (default: fixed-<strategy>-iters<N>, "
+        "chain-<chain file> or online; the same command then resumes its run)",
     )
     parser.add_argument(
         "--master-port-base",

@@ -1,13 +1,13 @@
 """One fixed strategy on one node (``cona train --dp .. --iters N --workdir W``): a one-stage chain.
 
-The run directory is named by the strategy (``fixed-dp2_tp1_pp1_mbs2_gbs8``) unless ``--run-name`` names it,
-so the same command resumes the run as a chain's and an online run's do; the strategy is written into it as
-the chain of one initial step (``fixed_chain.json``) and run by the stage driver as every chain is
-(:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun; the last line
-says where it stopped and saved. Rerunning the same command resumes the run from its newest checkpoint
-(periodic ones included, ``training.save_interval[_minutes]``); ``--fresh`` starts it over; a run directory
-that holds no fixed run is refused, as is one made for another config, ``--iters`` or ``--workdir`` (the
-run state says which). The Megatron-DeepSpeed backend runs its fixed mode the same way, and so does a run
+The run directory is named by the strategy and its ``--iters`` (``fixed-dp2_tp1_pp1_mbs2_gbs8-iters100``)
+unless ``--run-name`` names it, so the same command resumes the run as a chain's and an online run's do; the
+strategy is written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage
+driver as every chain is (:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under
+torchrun; the last line says where it stopped and saved. Rerunning the same command resumes the run from its
+newest checkpoint (periodic ones included, ``training.save_interval[_minutes]``); ``--fresh`` starts it
+over; a run directory that holds no fixed run is refused, as is one made for another config or ``--workdir``
+(the run state says which). The Megatron-DeepSpeed backend runs its fixed mode the same way, and so does a run
 across nodes, whose every node derives the same name (:mod:`cona.runner.nodes.fixed_across_nodes`).
 """
 
@@ -55,7 +55,7 @@ class FixedRun:
     def open_run_dir(self) -> Path:
         """Make the run's directory, or take the one an earlier run of this name left (which the driver
         resumes, or refuses when it was another strategy or config), and say which on the first line."""
-        name = self.run_name or fixed_run_name(self.strategy)
+        name = self.run_name or fixed_run_name(self.strategy, self.iters)
         run_dir = Path(self.config.training.log_root).resolve() / check_run_name(name)
         if not run_dir.exists():
             run_dir = create_run_dir(Path(self.config.training.log_root), name)

@@ -26,10 +26,12 @@ def fixed_chain(strategy: Strategy, iters: int) -> dict:
     return {"steps": [step]}
 
 
-def fixed_run_name(strategy: Strategy) -> str:
-    """``fixed-dp2_tp1_pp1_mbs2_gbs8``: the default run name of a fixed strategy (a rerun of the same command
-    finds its run by it)."""
-    return f"fixed-dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}_mbs{strategy.mbs}_gbs{strategy.gbs}"
+def fixed_run_name(strategy: Strategy, iters: int) -> str:
+    """``fixed-dp2_tp1_pp1_mbs2_gbs8-iters100``: the default run name of a fixed strategy trained to
+    iteration ``iters`` (a rerun of the same command finds its run by it; another ``--iters`` is another
+    run)."""
+    layout = f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}_mbs{strategy.mbs}_gbs{strategy.gbs}"
+    return f"fixed-{layout}-iters{iters}"
 
 
 def write_chain(path: Path, chain: dict) -> None:
@@ -43,7 +45,7 @@ def write_fixed_chain(
     config: ConaConfig, strategy: Strategy, iters: int, run_name: str | None
 ) -> tuple[Path, str]:
     """Write the strategy's one-stage chain into its run directory; returns the chain file and run name."""
-    name = check_run_name(run_name or fixed_run_name(strategy))
+    name = check_run_name(run_name or fixed_run_name(strategy, iters))
     chain_path = Path(config.training.log_root) / name / run_files.FIXED_CHAIN
     write_chain(chain_path, fixed_chain(strategy, iters))
     return chain_path, name
