@@ -54,7 +54,8 @@ def test_the_wandb_line_says_why_it_is_off():
     )
     on = load_config_from({"wandb_mode": "offline", "wandb_project": "p"})
     line = wandb_notice(on, "r", "r-0123", Path("/runs/r"))
-    assert line.startswith("W&B: project p, mode offline, run r (id r-0123)") and "files in /runs/r" in line
+    assert line.startswith("W&B: project p, mode offline, run r (id r-0123)")
+    assert line.endswith("files in /runs/r (to sync: wandb sync /runs/r/wandb/offline-run-*)")
 
 
 def load_config_from(training: dict):

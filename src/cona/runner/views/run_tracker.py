@@ -64,9 +64,10 @@ def wandb_notice(
         return f"W&B is off: training.wandb_project is not set{alone}"
     if mode == "disabled":
         return f"W&B is off: training.wandb_mode is 'disabled' (training.wandb_project {project!r})"
+    sync = f" (to sync: wandb sync {directory}/wandb/offline-run-*)" if mode == "offline" else ""
     return (
         f"W&B: project {project}, mode {mode}, run {run_name} (id {run_id}): the training curves and CONA's "
-        f"decisions and switches; files in {directory}"
+        f"decisions and switches; files in {directory}{sync}"
     )
 
 
