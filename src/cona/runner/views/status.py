@@ -60,7 +60,7 @@ class RecordedProcesses:
     host: str
     runner_pid: int
     torchrun_pid: int
-    started: float = 0.0
+    started: float
     """Unix time the record was written (the stage's launch)."""
     returncode: int | None
     ended: bool
