@@ -313,7 +313,7 @@ def build(args: argparse.Namespace) -> dict[str, dict[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(PROJECT_ROOT / "data" / "bench"), help="the dataset's folder")
     parser.add_argument(
         "--work-dir", default=None, help="downloads, unpacked trees, jsonl (default OUT/../bench-build)"

@@ -48,7 +48,7 @@ def latency(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", type=Path, nargs="+", help="online run directories (or folders above them)")
     args = parser.parse_args(argv)
     for root in args.runs:

@@ -103,7 +103,7 @@ def spread(values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="runs' logs folders")
     parser.add_argument("--base-gbs", type=int, default=8)
     parser.add_argument("--noise-from", nargs="+", type=Path, default=[], help="online runs' logs folders")

@@ -62,7 +62,7 @@ def implied_noise_scale(small: tuple[int, float], large: tuple[int, float]) -> f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, required=True, help="an online run's logs folder")
     parser.add_argument("--fixed", nargs="+", required=True, help="GBS=TOKENS of fixed runs to one target")
     parser.add_argument("--base-gbs", type=int, default=8)

@@ -63,7 +63,7 @@ def summary(ratios: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("metrics", type=Path, nargs="+", help="online runs' metrics.jsonl")
     args = parser.parse_args(argv)
     every = []

@@ -43,7 +43,7 @@ def measure(calls: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

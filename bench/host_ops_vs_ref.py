@@ -98,7 +98,7 @@ def python_profile(step: Callable[[], object], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="125m")
     parser.add_argument("--mbs", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)

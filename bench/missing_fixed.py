@@ -94,7 +94,7 @@ def format_row(row: CallRow) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("work_dirs", nargs="+", type=Path, help="time_to_target.py --work-dir folders")
     parser.add_argument("--gbs", type=int, required=True, help="the fixed run to estimate where missing")
     parser.add_argument("--tokens", type=float, required=True, help="tokens it needed where it was measured")

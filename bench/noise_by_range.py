@@ -38,7 +38,7 @@ def measurements(records: list[dict]) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("metrics")
     parser.add_argument("--edges", required=True, help="sample-range edges, comma-separated")
     parser.add_argument("--fractions", default="0.75,0.33", help="tracker window fractions")

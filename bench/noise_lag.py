@@ -56,7 +56,7 @@ def by_range(ratios: list[tuple[float, float]], edges_m: list[float]) -> list[tu
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl files of online or fixed runs")
     parser.add_argument("--base-gbs", type=int, default=8, help="training.base_gbs of the runs")
     parser.add_argument("--half-window-tokens", type=float, default=0.25e6)

@@ -190,7 +190,7 @@ def report(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(SETUPS), default="tiny")
     parser.add_argument("--data", default="data/bench/bench_text_document", help="indexed dataset prefix")
     parser.add_argument("--gbs", type=int, default=None, help="default: the preset's")

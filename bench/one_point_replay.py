@@ -94,7 +94,7 @@ def model_steps(run_dir: Path, system: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, help="online runs' log directories")
     parser.add_argument("--system", default="h200_141g", help="the system the runs ran on")
     parser.add_argument(

@@ -86,7 +86,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="125m")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--mbs", default="8,16,32")

@@ -78,7 +78,7 @@ def refits(parts: StepParts, step_s: np.ndarray, forms, solver: dict, repeats: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     for name in ("demo", "h200"):

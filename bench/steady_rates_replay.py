@@ -27,7 +27,7 @@ def changed_evaluations(rates: list[float]) -> list[tuple[int, float, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="an online run's log folder (its metrics.jsonl)")
     args = parser.parse_args(argv)
     stages: dict[int, list[float]] = {}

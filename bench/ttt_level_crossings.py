@@ -79,7 +79,7 @@ def _ratios(over_best: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, required=True, help="a time_to_target.py --work-dir")
     parser.add_argument("--target-ppl", type=float, required=True)
     args = parser.parse_args(argv)

@@ -60,7 +60,7 @@ def stage_starts(records: list[dict[str, Any]], gbs: int) -> dict[int, list[floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, required=True, help="a time_to_target.py --work-dir")
     parser.add_argument("--gbs", type=int, required=True, help="the gbs whose steps and evaluations to time")
     args = parser.parse_args(argv)

@@ -115,7 +115,7 @@ def split_summary(runs: list[Settled]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("work_dirs", type=Path, nargs="+", help="time_to_target.py --work-dir folders")
     parser.add_argument("--target-ppl", type=float, required=True)
     parser.add_argument("--bins", default="1,3", help="settle points that split the groups, M tokens")

@@ -38,7 +38,7 @@ def startup_split(row: dict[str, Any], run_dir: Path) -> dict[str, float] | None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, required=True, help="time_to_target.py --out")
     parser.add_argument("--work-dir", type=Path, required=True, help="time_to_target.py --work-dir")
     args = parser.parse_args(argv)

@@ -30,3 +30,19 @@ def test_each_subcommand_has_help(name, capsys):
 def test_console_script_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "cona", "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("cona ")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--iter", "2"],  # --iters
+        ["strategies", "--gpus", "2", "--system", "cpu_gloo", "--gbs", "8", "--js"],  # --json
+        ["ckpt", "inspect", "x", "--js"],  # --json, a parser two levels down
+    ],
+)
+def test_an_abbreviated_flag_is_refused_not_read_as_the_whole_one(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    flag = next(arg for arg in reversed(argv) if arg.startswith("--") and arg not in ("--gpus",))
+    assert f"unrecognized arguments: {' '.join(argv[argv.index(flag) :])}" in capsys.readouterr().err

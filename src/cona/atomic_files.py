@@ -76,3 +76,17 @@ def write_atomic(path: Path, data: str | bytes, *, tmp: Path | None = None) -> P
 def write_json_atomic(path: Path, document: Any, *, indent: int | None = 1, sort_keys: bool = False) -> Path:
     """Replace ``path`` with ``document`` as JSON and a final newline; returns ``path``."""
     return write_atomic(path, json.dumps(document, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+def current_umask() -> int:
+    """The process's file mode creation mask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_umask_mode(path: Path) -> Path:
+    """Give ``path`` the mode a plain ``open`` would have given it (0666 less the umask): writers that
+    create their file 0600 (safetensors) would otherwise keep an export from the user's group."""
+    os.chmod(path, 0o666 & ~current_umask())
+    return Path(path)

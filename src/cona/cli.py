@@ -7,6 +7,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import Any
 
 from cona import __version__
 from cona.errors import ConaError, UsageError
@@ -35,8 +36,18 @@ COMMAND_MODULES = (
 )
 
 
+class WholeFlagParser(argparse.ArgumentParser):
+    """A parser that takes flags only as written in full: ``--iter 2`` is refused, not read as ``--iters``
+    (an abbreviation would silently change meaning once a second flag shares its prefix). Sub-commands
+    are made of the parent's class, so every parser of ``cona`` is one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = WholeFlagParser(
         prog="cona",
         description="Train language models under a chain of parallel strategies (dp, tp, pp, mbs, gbs).",
     )

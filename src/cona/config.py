@@ -241,7 +241,7 @@ class TrainingConfig:
     wandb_project: str | None = None
     """W&B project; W&B is off when omitted (``wandb_mode`` alone does not turn it on)."""
     wandb_dir: str | None = None
-    """Where W&B writes its files (W&B's default when omitted)."""
+    """Where W&B writes its files (below it, W&B's own ``wandb/``); the run directory when omitted."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """W&B's mode when ``wandb_project`` is set (offline: synced later with ``wandb sync``)."""
     tensorboard_dir: str | None = None

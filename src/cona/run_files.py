@@ -9,13 +9,15 @@ report, ``cona plan --trace``) agree on them. It imports nothing of CONA's, so e
                           decisions.jsonl          the online search's decisions
                           switch_request.json      the search's request, read by the workers
                           runner_state.json        the stage driver's saved progress (resume)
+                          runner_end.json          how its newest runner left it (finished, stopped, failed)
                           online_stages.json       an online run's chosen stages
                           realized_chain.json      an online run as a chain file that replays it
                           fixed_chain.json         a fixed strategy as a one-stage chain
+                          wandb_run_id             the run's W&B id (wandb/: its files, by default)
                           mds_handover/            Megatron-DeepSpeed in-place switches: continue commands
                           stages/<N>/spec.json     what stage N runs (replay_spec.json: its replay)
-                                     stage_result.json, plan.json, switch_check.json, pids.json,
-                                     torchrun.log, rank<r>.log, steps/rank<r>.jsonl
+                                     stage_result.json, plan.json, switch_check.json, switch_in.json,
+                                     pids.json, torchrun.log, rank<r>.log, steps/rank<r>.jsonl
 
 A checkpoint's own files (``trainer_state.json``, ``manifest.json``, ...) live in the checkpoint layout under
 the workdir and belong to :mod:`cona.engine.checkpoint`.
@@ -34,6 +36,10 @@ RUNNER_STATE = "runner_state.json"
 ONLINE_STAGES = "online_stages.json"
 REALIZED_CHAIN = "realized_chain.json"
 FIXED_CHAIN = "fixed_chain.json"
+RUNNER_END = "runner_end.json"
+"""How the newest runner of the run left it (:mod:`cona.runner.run_end`)."""
+WANDB_RUN_ID = "wandb_run_id"
+"""The run's W&B id (one per run, kept by every resume; ``--fresh`` makes a new one)."""
 STAGES = "stages"
 
 SPEC = "spec.json"
@@ -42,6 +48,8 @@ REPLAY_RESULT = "replay_result.json"
 STAGE_RESULT = "stage_result.json"
 STAGE_PLAN = "plan.json"
 SWITCH_CHECK = "switch_check.json"
+SWITCH_IN = "switch_in.json"
+"""``stages/<N>/``: the start milestones of the stage's first attempt (what the switch into it cost)."""
 PIDS = "pids.json"
 TORCHRUN_LOG = "torchrun.log"
 """Node 0's; node ``k`` of a run across nodes writes ``torchrun.node<k>.log`` (:func:`torchrun_log_name`)."""
@@ -54,7 +62,16 @@ MDS_HANDOVER = "mds_handover"
 """``<run_dir>/mds_handover/continue-<N>.json``: the runner's command to Megatron-DeepSpeed processes that
 handed a stage over in place at iteration N (``cona.backends.megatron_deepspeed.handover``)."""
 
-FRESH_FILES = (RUNNER_STATE, METRICS, SWITCH_REQUEST, DECISIONS, ONLINE_STAGES, REALIZED_CHAIN)
+FRESH_FILES = (
+    RUNNER_STATE,
+    RUNNER_END,
+    METRICS,
+    SWITCH_REQUEST,
+    DECISIONS,
+    ONLINE_STAGES,
+    REALIZED_CHAIN,
+    WANDB_RUN_ID,
+)
 """What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""
 
 
@@ -94,6 +111,10 @@ def switch_request_path(run_dir: Path) -> Path:
 
 def runner_state_path(run_dir: Path) -> Path:
     return Path(run_dir) / RUNNER_STATE
+
+
+def runner_end_path(run_dir: Path) -> Path:
+    return Path(run_dir) / RUNNER_END
 
 
 def stages_path(run_dir: Path) -> Path:

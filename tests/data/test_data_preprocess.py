@@ -261,3 +261,22 @@ def test_an_output_directory_that_cannot_be_made_is_one_line(
     assert main([*argv, "--vocab-file", str(vocab), "--merge-file", str(merges)]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and f"--output-prefix: cannot create {prefix.parent}" in error
+
+
+def test_inspect_decodes_a_document_with_the_flags_or_the_config_s_tokenizer(
+    tmp_path: Path, tokenizer_files, capsys, monkeypatch
+) -> None:
+    vocab, merges = tokenizer_files[0]
+    out = run(tmp_path, [{"text": "the cat sat"}, {"text": "on the mat."}], vocab, merges, append_eod=True)
+    files = ["--vocab-file", str(vocab), "--merge-file", str(merges)]
+    monkeypatch.chdir(tmp_path)  # no .conaconfig here or above: the flags name the tokenizer
+    assert main(["data", "inspect", str(out), "--doc", "1", *files]) == 0
+    assert "document 1 text: 'on the mat.<|endoftext|>'" in capsys.readouterr().out
+    assert main(["data", "inspect", str(out), "--doc", "0", "--json", *files]) == 0
+    assert json.loads(capsys.readouterr().out)["doc"]["text"] == "the cat sat<|endoftext|>"
+
+    config = {"model": {"layers": 1, "hidden": 8, "heads": 1, "seq": 8}}
+    config["training"] = {"vocab_file": str(vocab), "merge_file": str(merges)}
+    (tmp_path / ".conaconfig").write_text(json.dumps(config))
+    assert main(["data", "inspect", str(out), "--doc", "0"]) == 0
+    assert "document 0 text: 'the cat sat<|endoftext|>'" in capsys.readouterr().out

@@ -354,7 +354,7 @@ def report(line: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--real", action="store_true", help="the engine's GPT instead of the stand-in")
     parser.add_argument("--save", nargs="*", default=[])

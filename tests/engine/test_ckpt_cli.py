@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,19 @@ def test_export_writes_consolidated_safetensors(checkpoint, tmp_path: Path, caps
         metadata = handle.metadata()
     assert json.loads(metadata["tied_parameters"]) == [["tok_embeddings.weight", "output.weight"]]
     assert metadata["iteration"] == "5"
+
+
+def test_an_export_gets_the_mode_the_umask_gives(checkpoint, tmp_path: Path) -> None:
+    path, _ = checkpoint
+    previous = os.umask(0o022)
+    try:
+        assert main(["ckpt", "export", str(path), str(tmp_path / "shared.safetensors")]) == 0
+        os.umask(0o077)
+        assert main(["ckpt", "export", str(path), str(tmp_path / "private.safetensors")]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "shared.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "private.safetensors").stat().st_mode) == 0o600
 
 
 def test_export_refuses_incomplete_checkpoint_and_bad_out(checkpoint, tmp_path: Path, capsys) -> None:

@@ -7,11 +7,13 @@ own class saved with the engine's own checkpoint code, and transformers loading 
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 
+from cona.atomic_files import current_umask
 from cona.cli import main
 from cona.config import parse_config
 from cona.data.small_bpe import train_small_bpe
@@ -104,6 +106,7 @@ def test_without_vocab_file_writes_no_tokenizer(tmp_path: Path, capsys) -> None:
     assert main(["ckpt", "export", str(path), str(out), "--format", "hf"]) == 0
     assert "no tokenizer" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~current_umask()
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(out))
     tokens = torch.arange(model.config.seq).unsqueeze(0)
     with torch.no_grad():

@@ -194,34 +194,29 @@ def test_console_line_shows_the_main_numbers():
 
 def test_scalars_skip_identifiers_and_missing_values():
     values = scalars(record(eval_loss=None, loss=math.inf))
-    assert "iteration" not in values and "time" not in values and "stage" not in values
-    assert "eval_loss" not in values and "loss" not in values and "mfu" not in values
-    assert values["grad_norm"] == 0.75
+    assert not {"train/iteration", "train/time", "train/stage"} & set(values)
+    assert "eval/loss" not in values and "train/loss" not in values and "train/mfu" not in values
+    assert values["train/grad_norm"] == 0.75
+
+
+def test_the_trackers_tag_training_and_evaluation_scalars_apart():
+    values = scalars(record(eval_loss=4.0, eval_ppl=math.exp(4.0)))
+    assert values["train/loss"] == 5.5 and values["train/lr"] > 0
+    assert values["eval/loss"] == 4.0 and values["eval/ppl"] == pytest.approx(math.exp(4.0))
+    assert all(tag.startswith(("train/", "eval/")) for tag in values), values
 
 
 def test_tensorboard_sink_writes_events(tmp_path):
     sink = TensorBoardSink(directory=str(tmp_path / "tb"), run_name="run1")
-    sink.write(record())
+    sink.write(record(eval_loss=4.0))
     sink.close()
-    assert list((tmp_path / "tb" / "run1").glob("events.out.tfevents.*"))
+    (events,) = (tmp_path / "tb" / "run1").glob("events.out.tfevents.*")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert "train/loss" in tags and "eval/loss" in tags and "loss" not in tags
 
 
 def test_spec_is_frozen(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         make_spec(tmp_path).stage = 2
-
-
-def test_wandb_sink_writes_an_offline_run(tmp_path):
-    pytest.importorskip("wandb")
-    from cona.engine.metrics import WandbSink
-
-    sink = WandbSink(
-        project="cona-test",
-        directory=str(tmp_path / "wandb"),
-        mode="offline",
-        run_name="run/1",
-        config={"stage": 1},
-    )
-    sink.write(record())
-    sink.close()
-    assert list((tmp_path / "wandb").rglob("offline-run-*-run-1"))

@@ -92,8 +92,10 @@ def test_table_shows_the_split_and_why_the_first_wins(capsys, config_path):
         == 0
     )
     out = capsys.readouterr().out
-    for heading in ("dp/tp/pp", "compute", "bubble", "DP comm", "GiB/80", "tokens/s"):
+    for heading in ("dp/tp/pp", "compute", "bubble", "DP comm", "GiB per GPU", "tokens/s"):
         assert heading in out
+    title = " ".join(out.split())  # rich wraps the title
+    assert "memory in GiB per GPU of the 80 GiB each has" in title and "GiB/80" not in out  # not a quotient
     assert "faster than the best other layout" in out and "the largest difference is" in out
 
 

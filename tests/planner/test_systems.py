@@ -9,6 +9,7 @@ import pytest
 
 from cona.errors import PlanError
 from cona.planner import systems
+from cona.planner.systems import devices_mismatch, load_system
 
 SHIPPED = ("a100_80g", "a100_80g_2gpu_node", "h100_80g", "h200_141g", "a6000_48g_pcie", "cpu_gloo")
 
@@ -84,3 +85,19 @@ def test_groups_within_a_node_use_the_fast_link_and_share_the_nic_across_nodes()
     assert bandwidth[2] == pytest.approx(node / 8)  # one member per node: 8 such groups share the NIC
     assert bandwidth[3] == pytest.approx(node * 2 / 8)
     assert latency[1] == system.inter_node.latency_s
+
+
+def test_a_system_that_does_not_describe_the_run_s_devices_is_named():
+    cpu, a100 = load_system("cpu_gloo"), load_system("a100_80g_2gpu_node")
+    assert devices_mismatch(cpu, "cpu") is None
+    assert devices_mismatch(a100, "cuda", ["NVIDIA A100-SXM4-80GB"] * 2) is None
+    assert devices_mismatch(a100, "cuda") is None  # the node's GPUs unknown: nothing tells
+    assert devices_mismatch(a100, "cpu").startswith(
+        "--system a100_80g_2gpu_node describes GPUs, but this run trains on the CPU"
+    )
+    assert devices_mismatch(cpu, "cuda", ["NVIDIA H100 80GB HBM3"]).startswith(
+        "--system cpu_gloo describes CPU workers, but this run trains on GPUs"
+    )
+    assert devices_mismatch(a100, "cuda", ["NVIDIA H100 80GB HBM3"]).startswith(
+        "--system a100_80g_2gpu_node describes A100 GPUs, but this node has NVIDIA H100 80GB HBM3"
+    )

@@ -133,7 +133,7 @@ def test_a_fixed_strategy_across_nodes_runs_as_a_one_stage_chain(tmp_path, monke
     argv = ["train", "--config", str(config), "--workdir", str(tmp_path), "--device", "cpu", *fixed, *nodes]
     assert main([*argv, "--node-rank", "1"]) == 0
     (run,) = captured
-    assert run.run_dir.name == "fixed-dp2_tp1_pp2_mbs2_gbs8" and run.world_size == 4
+    assert run.run_dir.name == "fixed-dp2_tp1_pp2_mbs2_gbs8-iters6" and run.world_size == 4
     chain = load_chain(
         run.chain_path, config=load_config(config), world_size=4, dtype="fp32", workdir=tmp_path
     )

@@ -27,6 +27,8 @@ from cona.runner import stage_run
 from cona.runner.launch import run_stage
 from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import StageLaunch
+from cona.runner.state import SWITCH_IN_PARTS, durations
+from cona.runner.views.status import collect_status, status_lines
 from cona.runner.worker_session import WorkerSession, stage_launcher
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +50,15 @@ def with_training(config: Path, **training) -> Path:
     raw["training"].update(training)
     config.write_text(json.dumps(raw))
     return config
+
+
+def switched_parts(milestones: dict) -> dict[str, float]:
+    """The start parts of a switch that a stage's recorded milestones measure."""
+    return {
+        key: value
+        for key, value in durations(milestones, milestones["launch"]).items()
+        if key in SWITCH_IN_PARTS
+    }
 
 
 def newest_periodic(layout: Path) -> str:
@@ -113,6 +124,9 @@ def test_a_killed_fixed_run_resumes_with_the_same_command_from_its_periodic_chec
     assert (layout / "global_step4").is_dir() and not (layout / "global_step8").exists()
     killed_at = max(step.iteration for step in trained_steps(run_dir))
     assert 5 <= killed_at < 8
+    lines = dict(status_lines(collect_status(run_dir)))
+    assert lines["stage"].startswith("1 of 1 (killed: runner pid ")
+    assert lines["checkpoint"] == str(layout / newest_periodic(layout))  # not "none recorded yet"
     capfd.readouterr()
 
     # The same command again (on fresh ports: the killed stage's may still be held by the kernel).
@@ -181,10 +195,17 @@ def test_a_chain_killed_mid_stage_resumes_from_the_stage_s_periodic_checkpoint(t
     assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL, wait_status
     layout = tmp_path / "checkpoints" / "kill" / "gpt-tiny" / "z1" / "fp32" / "tp2_pp1_dp1_sp1"
     newest = newest_periodic(layout)
+    switched = json.loads((tmp_path / "logs" / "kill" / "stages" / "2" / "switch_in.json").read_text())
 
     lines: list[str] = []
     args.master_port_base = free_port_base(2)
     state = run_chain(train_runs.chain_run(args), out=lines.append)
+    # The switch 1->2 is charged what the killed attempt's start cost, not the rerun's start and its load of
+    # stage 2's own periodic checkpoint (resume downtime).
+    start = {
+        key: state.stage(2).switch_cost[key] for key in SWITCH_IN_PARTS if key in switched_parts(switched)
+    }
+    assert start == pytest.approx(switched_parts(switched)) and "process_start_s" in start
     iteration = int(newest.removeprefix("global_step"))
     resumed_at = f"iteration={iteration}, consumed_samples={24 + (iteration - 3) * 16}"
     assert lines[0].startswith(f"resuming run kill at stage 2 (running) from {layout / newest}, {resumed_at}")

@@ -12,12 +12,13 @@ import pytest
 from chain_fakes import TINY_CONFIG, FakeEngine, chain_run, seed_shaped_chain
 from test_online import StreamingEngine, tiny_online_run
 from test_sequence import setup_run
+from tests.wandb_offline import read_offline_run
 
 from cona.config import parse_config
 from cona.runner.schedules.online import run_online
 from cona.runner.schedules.online_search import DECISIONS_NAME
 from cona.runner.schedules.sequence import run_chain
-from cona.runner.views.run_tracker import RunTracker, decision_scalars, wandb_notice
+from cona.runner.views.run_tracker import RunTracker, decision_scalars, wandb_notice, wandb_run_id
 
 tensorboard = pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -52,15 +53,19 @@ def test_the_wandb_line_says_why_it_is_off():
         == "W&B is off: training.wandb_mode is 'disabled' (training.wandb_project 'p')"
     )
     on = load_config_from({"wandb_mode": "offline", "wandb_project": "p"})
-    assert wandb_notice(on, "r").startswith("W&B: project p, mode offline;") and "run r-cona" in wandb_notice(
-        on, "r"
-    )
+    line = wandb_notice(on, "r", "r-0123", Path("/runs/r"))
+    assert line.startswith("W&B: project p, mode offline, run r (id r-0123)")
+    assert line.endswith("files in /runs/r (to sync: wandb sync /runs/r/wandb/offline-run-*)")
 
 
 def load_config_from(training: dict):
     """The tiny config's training section with ``training``'s keys set."""
+    return config_with(training).training
+
+
+def config_with(training: dict):
     raw = {**TINY_CONFIG, "training": {**TINY_CONFIG["training"], **training}}
-    return parse_config(raw, source=None).training
+    return parse_config(raw, source=None)
 
 
 def test_decision_scalars_follow_the_record_and_skip_unknowns():
@@ -137,14 +142,66 @@ def test_a_chain_logs_one_event_per_step_to_the_next_strategy(tmp_path):
     assert len(event_texts(read_events(board / run.run_dir.name))) == 2
 
 
-def test_the_runner_writes_its_own_wandb_run_beside_the_workers(tmp_path):
+def offline_runs(directory: Path) -> list[Path]:
+    return sorted((directory / "wandb").glob("offline-run-*"))
+
+
+def append_metrics(run_dir: Path, *records: dict) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        metrics.writelines(json.dumps(record) + "\n" for record in records)
+
+
+def test_one_wandb_run_per_cona_run_kept_by_its_resumes_and_shared_by_no_other_run(tmp_path):
+    """The workers' curves, forwarded from metrics.jsonl, and CONA's signals go to one W&B run whose id is
+    the run's own: two runs of one name in two directories get two ids, a resume keeps its run's."""
     pytest.importorskip("wandb")
-    training = load_config_from(
-        {"wandb_project": "cona-test", "wandb_mode": "offline", "wandb_dir": str(tmp_path / "wandb")}
-    )
+    config = config_with({"wandb_project": "cona-test", "wandb_mode": "offline"})
+    first, second = tmp_path / "a" / "online", tmp_path / "b" / "online"
+    for run_dir in (first, second):
+        run_dir.mkdir(parents=True)
+        append_metrics(run_dir, {"stage": 1, "iteration": 1, "loss": 9.0})  # an earlier attempt's line
+        lines: list[str] = []
+        with RunTracker.open(config, run_dir, lines.append) as tracker:
+            append_metrics(run_dir, {"stage": 1, "iteration": 2, "loss": 7.0, "eval_loss": 6.5})
+            tracker.decision({"iteration": 2, "noise_scale": 50.0, "current": {"efficiency": 0.5}})
+            tracker.switch(
+                stage=2, iteration=2, action="switch", strategy="dp4/tp1/pp1 mbs2 gbs8", reason="w"
+            )
+        run_id = wandb_run_id(run_dir)
+        assert run_id.startswith("online-") and lines == [
+            wandb_notice(config.training, "online", run_id, run_dir)
+        ]
+        (folder,) = offline_runs(run_dir)  # the workers' curves and CONA's signals: one run
+        logged_id, rows = read_offline_run(folder)
+        assert logged_id == run_id
+        values = {key: value for row in rows for key, value in row.items()}
+        assert values["train/loss"] == 7.0 and values["eval/loss"] == 6.5  # not the earlier attempt's 9.0
+        assert values["cona/noise_scale"] == 50.0 and {row["iteration"] for row in rows} == {2}
+    assert wandb_run_id(first) != wandb_run_id(second)
+
+    kept = wandb_run_id(first)
+    with RunTracker.open(config, first, lambda line: None):  # a resume
+        append_metrics(first, {"stage": 1, "iteration": 3, "loss": 6.0})
+    assert wandb_run_id(first) == kept
+    assert [read_offline_run(folder)[0] for folder in offline_runs(first)] == [kept, kept]
+
+
+def test_a_run_that_logged_nothing_leaves_no_wandb_run(tmp_path):
+    pytest.importorskip("wandb")
+    config = config_with({"wandb_project": "cona-test", "wandb_dir": str(tmp_path / "w")})
+    (tmp_path / "run").mkdir()
+    with RunTracker.open(config, tmp_path / "run", lambda line: None):
+        pass  # a fixed run stopped before its first metrics line: no decision, no switch
+    assert not (tmp_path / "w" / "wandb").exists()
+
+
+def test_a_failing_wandb_stops_with_one_line_and_the_run_goes_on():
+    def no_login():
+        raise RuntimeError("api_key not configured (no-tty)")
+
     lines: list[str] = []
-    with RunTracker.open(training, "run/1", lines.append) as tracker:
-        tracker.decision({"iteration": 3, "noise_scale": 50.0, "current": {"efficiency": 0.5}})
-        tracker.switch(stage=2, iteration=3, action="switch", strategy="dp4/tp1/pp1 mbs2 gbs8", reason="wins")
-    assert lines == [wandb_notice(training, "run/1")]
-    assert list((tmp_path / "wandb").rglob("offline-run-*-run-1-cona"))
+    tracker = RunTracker(open_wandb=no_login, out=lines.append)
+    for iteration in (1, 2):
+        tracker.decision({"iteration": iteration, "noise_scale": 5.0})
+    tracker.close()
+    assert lines == ["W&B stopped: RuntimeError: api_key not configured (no-tty)"]

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from cona.config import TrainingConfig
+from cona.engine.spec import StageResult
 from cona.errors import ChainError
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.runner.noise_history import measured_noise_scale, noise_tracker
@@ -21,6 +22,7 @@ from cona.runner.state import (
     resume_line,
     save_state,
     switch_cost,
+    trained,
 )
 
 
@@ -150,6 +152,30 @@ def test_durations_split_out_the_switch_check():
     # A worker that loaded and saved without a probe (older results): the spans join up as before.
     unprobed = {k: v for k, v in timings.items() if k not in ("load_done", "verify_done", "probe_done")}
     assert durations(unprobed, None) == {"load_s": 2.625, "first_step_s": 0.375, "save_s": 1.0}
+
+
+def test_a_relaunched_stage_charges_its_switch_the_start_of_its_first_attempt_not_the_resume():
+    """Stopped after its first steps and relaunched by a rerun, the stage's start parts are the first
+    attempt's: the rerun's process start and its load of the stage's own periodic checkpoint are downtime."""
+    first = {"launch": 100.0, "process_start": 101.0, "load_done": 103.0, "verify_done": 103.5}
+    first |= {"setup_done": 103.75, "first_step_done": 104.0}
+    resumed = {"launch": 900.0, "process_start": 928.0, "load_done": 933.0, "setup_done": 933.25}
+    resumed |= {"first_step_done": 934.0, "train_done": 950.0, "probe_done": 950.5, "save_done": 952.0}
+    result = StageResult(
+        stage=2, reason="completed", last_iteration=8, consumed_samples=64, consumed_tokens=1024,
+        checkpoint="/x/global_step8", timings=resumed,
+    )  # fmt: skip
+    stage = advance(three_stages().stage(2), "running")
+    assert trained(stage, result, 900.0, first).timings == {
+        "process_start_s": 1.0,
+        "load_s": 2.0,
+        "verify_s": 0.5,
+        "first_step_s": 0.25,
+        "probe_s": 0.5,  # the stage's own end: what the next switch costs
+        "save_s": 1.5,
+    }
+    uninterrupted = dataclasses.replace(result, timings=first | {"train_done": 110.0, "save_done": 111.0})
+    assert trained(stage, uninterrupted, 99.5, first).timings["process_start_s"] == 1.5  # the runner's launch
 
 
 def test_switch_cost_counts_the_probe_before_the_save_and_the_check_after_the_load():

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -16,8 +17,11 @@ from pathlib import Path
 from rich.console import Console
 
 from cona.cli import main
+from cona.errors import LaunchError
 from cona.runner.launch import PIDS_FILE, Topology, record_exit, record_pids
 from cona.runner.run_dir import point_latest
+from cona.runner.run_end import record_runner_end
+from cona.runner.signals import RunStopped
 from cona.runner.state import load_state, save_state
 from cona.runner.views.status import (
     collect_status,
@@ -188,3 +192,80 @@ def test_a_finished_run_with_pids_records_says_so(tmp_path):
               "started": time.time(), "ended": time.time(), "returncode": 0}  # fmt: skip
     (run_dir / "stages" / "3" / PIDS_FILE).write_text(json.dumps(record))
     assert dict(status_lines(collect_status(run_dir)))["processes"] == "none (the run finished)"
+
+
+def dead_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def record_dead_stage(run_dir: Path, *, runner_pid: int, started: float | None = None) -> float:
+    """Stage 3's pids record of a runner and torchrun that are gone; returns its start time."""
+    started = time.time() - 5 if started is None else started
+    record = {"host": socket.gethostname(), "node_rank": 0, "runner_pid": runner_pid, "started": started}
+    record["torchrun_pid"] = dead_pid()
+    (run_dir / "stages" / "3" / PIDS_FILE).write_text(json.dumps(record))
+    return started
+
+
+def test_a_run_whose_processes_are_gone_is_failed_stopped_or_killed_not_running(tmp_path):
+    run_dir = running_copy(tmp_path)
+    runner = dead_pid()
+    started = record_dead_stage(run_dir, runner_pid=runner)
+    assert dict(status_lines(collect_status(run_dir)))["stage"] == (
+        f"3 of 3 (killed: runner pid {runner} is gone and recorded no end (SIGKILL or a lost machine); the "
+        f"same command resumes the run)"
+    )
+
+    def ended(error: BaseException | None) -> str:
+        record_runner_end(run_dir, error)
+        end = json.loads((run_dir / "runner_end.json").read_text())
+        (run_dir / "runner_end.json").write_text(json.dumps(end | {"pid": runner, "ended": started + 2}))
+        return dict(status_lines(collect_status(run_dir)))["stage"]
+
+    diverged = LaunchError(
+        "stage 3: rank 0 failed: TrainingDiverged: training diverged at iteration 7\nend of log"
+    )
+    assert (
+        ended(diverged)
+        == "3 of 3 (failed: stage 3: rank 0 failed: TrainingDiverged: training diverged at iteration 7)"
+    )
+    assert (
+        ended(RunStopped(signal.SIGTERM)) == "3 of 3 (stopped by SIGTERM; the same command resumes the run)"
+    )
+    later = started + 10  # a later runner's launch, then killed: the older end is not its own
+    record_dead_stage(run_dir, runner_pid=dead_pid(), started=later)
+    assert "(killed: runner pid" in dict(status_lines(collect_status(run_dir)))["stage"]
+
+
+def test_a_runner_that_failed_before_launching_a_stage_is_failed(tmp_path):
+    run_dir = running_copy(tmp_path)  # no pids record: no stage was launched
+    record_runner_end(run_dir, LaunchError("port 29500 is in use"))
+    assert dict(status_lines(collect_status(run_dir)))["stage"] == "3 of 3 (failed: port 29500 is in use)"
+
+
+def test_status_names_the_newest_periodic_checkpoint_of_a_killed_stage(tmp_path, monkeypatch):
+    run_dir = running_copy(tmp_path)
+    state = load_state(run_dir)
+    save_state(run_dir, state.with_stage(dataclasses.replace(state.stage(3), checkpoint=None)))
+    monkeypatch.chdir(tmp_path)  # the fixture's workdir is relative
+    layout = tmp_path / "work/checkpoints/run_chain_small/gpt-tiny/z1/fp32/tp2_pp1_dp2_sp1"
+    (layout / "global_step150").mkdir(parents=True)
+    (layout / "global_step160").mkdir()  # a save still in flight is no checkpoint: latest names 150
+    (layout / "latest").write_text("global_step150\n")
+    lines = dict(status_lines(collect_status(run_dir)))
+    assert lines["checkpoint"] == f"{layout.relative_to(tmp_path)}/global_step150"
+    assert (
+        lines["markers"] == "latest -> global_step150, latest_universal missing"
+    )  # a later stage may need it
+
+
+def test_a_finished_run_is_not_flagged_for_a_missing_latest_universal(tmp_path, monkeypatch):
+    run_dir = Path(shutil.copytree(FIXTURE, tmp_path / "run_chain_small")).resolve()
+    monkeypatch.chdir(tmp_path)
+    layout = tmp_path / "work/checkpoints/run_chain_small/gpt-tiny/z1/fp32/tp2_pp1_dp2_sp1"
+    (layout / "global_step180").mkdir(parents=True)
+    (layout / "latest").write_text("global_step180\n")
+    lines = dict(status_lines(collect_status(run_dir)))
+    assert lines["stage"] == "3 of 3 (finished)" and lines["markers"] == "latest -> global_step180"

@@ -10,6 +10,7 @@ import pytest
 from tests.torchrun_util import free_port_block
 
 from cona.cli import main
+from cona.commands.train_runs import node_gpu_names
 from cona.data.indexed import IndexedDatasetWriter
 
 VOCAB = 300
@@ -137,6 +138,27 @@ def test_workdir_defaults_to_the_current_directory_in_every_mode(tmp_path, monke
     for mode in (fixed, online):
         assert main(["train", "--config", str(config), *mode, "--device", "cpu"]) == 0
     assert [run.workdir for run in captured] == [tmp_path / "here"] * 2
+
+
+def test_an_online_run_warns_when_its_system_does_not_describe_its_devices(tmp_path, monkeypatch, capsys):
+    config = write_tiny_setup(tmp_path)
+    monkeypatch.setattr("cona.runner.schedules.online.run_online", lambda run, **_: None)
+    online = ["--gpus", "2", "--initial-gbs", "4", "--total-iters", "6", "--device", "cpu"]
+    assert main(["train", "--config", str(config), *online, "--system", "a100_80g_2gpu_node"]) == 0
+    assert capsys.readouterr().err == (
+        "cona: warning: --system a100_80g_2gpu_node describes GPUs, but this run trains on the CPU: its "
+        "predictions are for another machine (--system cpu_gloo describes CPU workers)\n"
+    )
+    assert main(["train", "--config", str(config), *online, "--system", "cpu_gloo"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_the_gpu_names_come_from_the_driver_without_starting_cuda(tmp_path):
+    for number, model in enumerate(["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"]):
+        (tmp_path / f"0000:0{number}:00.0").mkdir()
+        (tmp_path / f"0000:0{number}:00.0" / "information").write_text(f"Model: \t\t {model}\nIRQ: 1\n")
+    assert node_gpu_names(tmp_path) == ["NVIDIA H100 80GB HBM3"] * 2
+    assert node_gpu_names(tmp_path / "none") == []
 
 
 def test_missing_fixed_strategy_flags_are_named(tmp_path, capsys):

@@ -119,6 +119,7 @@ def run_export(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    from cona.atomic_files import give_umask_mode
     from cona.engine.checkpoint import load_model_tensors, read_checkpoint_info, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(args.path)
@@ -140,6 +141,7 @@ def run_export(args: argparse.Namespace) -> int:
         save_file(
             {name: tensor.contiguous() for name, tensor in tensors.items()}, str(args.out), metadata=metadata
         )
+        give_umask_mode(args.out)
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"OUT: cannot write {args.out}: {err}") from None
     total = sum(t.numel() for t in tensors.values())

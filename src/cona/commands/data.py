@@ -9,10 +9,19 @@ from pathlib import Path
 
 import numpy as np
 
+from cona.config_file import load_config
 from cona.data.bert_vocab import train_bert_vocab
 from cona.data.demo import obtain_demo_data
 from cona.data.indexed import IndexedDataset
-from cona.errors import DataError
+from cona.data.tokenizer import (
+    GPT2_BPE,
+    TOKENIZER_TYPES,
+    Tokenizer,
+    cached_tokenizer,
+    files_fingerprint,
+    tokenizer_files,
+)
+from cona.errors import ConfigError, DataError
 
 
 def register(subparsers) -> None:
@@ -26,7 +35,22 @@ def register(subparsers) -> None:
     inspect.add_argument("prefix", metavar="PREFIX", help="dataset path without .bin/.idx")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.add_argument(
-        "--doc", type=int, default=None, metavar="K", help="also print the token ids of document K"
+        "--doc",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also print document K: its token ids and its text (decoded with the tokenizer of the flags "
+        "below, else of the config's training.vocab_file)",
+    )
+    inspect.add_argument(
+        "--vocab-file", type=Path, default=None, help="GPT-2 vocab.json, or WordPiece vocab.txt"
+    )
+    inspect.add_argument("--merge-file", type=Path, default=None, help="GPT-2 merges.txt (GPT2BPETokenizer)")
+    inspect.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES))
+    inspect.add_argument(
+        "--config",
+        default=None,
+        help="config whose tokenizer decodes --doc (default: .conaconfig in cwd or a parent, if any)",
     )
     inspect.set_defaults(func=_inspect)
     demo = actions.add_parser(
@@ -85,13 +109,50 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         if ids is not None:
             summary["doc"] = {"index": args.doc, "ids": ids.tolist()}
+            tokenizer = _tokenizer(args)
+            if tokenizer is not None:
+                summary["doc"]["text"] = tokenizer.decode(ids.tolist())
         print(json.dumps(summary))
         return 0
     for key, value in summary.items():
         print(f"{key:>22}: {value}")
     if ids is not None:
         print(f"document {args.doc} ({len(ids)} tokens): {' '.join(map(str, ids.tolist()))}")
+        print(f"document {args.doc} text: {_decoded(args, ids)}")
     return 0
+
+
+def _decoded(args: argparse.Namespace, ids: np.ndarray) -> str:
+    """The document's text, or why it cannot be shown."""
+    tokenizer = _tokenizer(args)
+    if tokenizer is None:
+        return "not decoded: pass --vocab-file (and --merge-file for GPT-2 BPE) or --config"
+    too_large = ids[ids >= tokenizer.vocab_size]
+    if too_large.size:
+        raise DataError(
+            f"--doc {args.doc}: token id {int(too_large[0])} is not in the tokenizer's "
+            f"{tokenizer.vocab_size} entries; the dataset was made with another tokenizer"
+        )
+    return repr(tokenizer.decode(ids.tolist()))
+
+
+def _tokenizer(args: argparse.Namespace) -> Tokenizer | None:
+    """The tokenizer the flags name, else the config's (None when neither names one)."""
+    if args.vocab_file is not None:
+        kind, vocab, merges = args.tokenizer_type or GPT2_BPE, args.vocab_file, args.merge_file
+    else:
+        try:
+            training = load_config(args.config).training
+        except ConfigError:
+            if args.config is not None:
+                raise
+            return None  # no .conaconfig around: the ids alone
+        if training.vocab_file is None:
+            return None
+        kind, vocab = args.tokenizer_type or training.tokenizer_type, Path(training.vocab_file)
+        merges = Path(training.merge_file) if training.merge_file is not None else None
+    files = tokenizer_files(kind, vocab, merges)
+    return cached_tokenizer(kind, tuple(map(str, files)), files_fingerprint(files))
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -5,9 +5,10 @@ The config is embedded here (the tiny GPT of ``examples/tiny/.conaconfig``); its
 ``--data`` (default: a checkout's ``data/demo`` when started from the checkout, else ``demo/`` in the user
 data directory, ``$XDG_DATA_HOME/cona`` or ``~/.local/share/cona``: :func:`cona.data.demo.default_demo_dir`),
 obtained there first when missing; it is written into the demo's own directory ``<out>/<UTC time>/``
-together with the logs and checkpoints. The job is online strategy chaining
-(:mod:`cona.runner.schedules.online`):
-4 CPU worker processes, or one per GPU when GPUs are visible.
+together with the logs and checkpoints (``--out``: default a checkout's ``runs/demo``, else ``runs/demo`` in
+the user data directory: :func:`cona.data.demo.default_demo_runs`); the first line names that directory.
+The job is online strategy chaining (:mod:`cona.runner.schedules.online`): 4 CPU worker processes, or one
+per GPU when GPUs are visible.
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("runs") / "demo",
-        help="where the demo's runs go (default: %(default)s in the current directory)",
+        default=None,
+        metavar="DIR",
+        help="where the demo's runs go (default: ./runs/demo in a checkout, where ./data/demo exists, else "
+        "$XDG_DATA_HOME/cona/runs/demo or ~/.local/share/cona/runs/demo); the first line names the directory",
     )
     parser.add_argument(
         "--data",
@@ -125,11 +128,12 @@ def _demo(args: argparse.Namespace) -> int:
         raise UsageError(f"cona demo --gpus: must be at least 1, got {processes}")
     data_dir = _demo_data_dir(args.data)
     _ensure_demo_data(data_dir)
-    run_root = new_run_root(args.out, datetime.now(UTC))
+    run_root = new_run_root(_demo_out(args.out), datetime.now(UTC))
     config_path = run_root / ".conaconfig"
     config_path.write_text(json.dumps(demo_config(data_dir, run_root, device=device), indent=1) + "\n")
     print(
-        f"cona demo: {processes} {'GPU' if device == 'cuda' else 'CPU'} processes, config {config_path}",
+        f"cona demo: {processes} {'GPU' if device == 'cuda' else 'CPU'} processes; writing to {run_root} "
+        f"(--out chooses another place), config {config_path}",
         flush=True,
     )
     from cona.runner.schedules.online import run_online  # imports torch and the planner
@@ -194,8 +198,15 @@ def _online_run(config_path: Path, run_root: Path, processes: int, system: str) 
         system=system,
         botorch=False,
         quiet=True,
+        prior_on_host=True,
         **DEMO_ONLINE,
     )
+
+
+def _demo_out(given: Path | None) -> Path:
+    from cona.data.demo import default_demo_runs
+
+    return given if given is not None else default_demo_runs()
 
 
 def _demo_data_dir(given: Path | None) -> Path:

@@ -158,11 +158,12 @@ def _print_table(header: dict, rows: list[dict], shown: int, capacity_gib: float
     title = (
         f"{header['model']} on {header['gpus']} x {header['system']}, gbs {header['gbs']}: "
         f"{header['method']} search, {header['evaluations']} of {header['space_size']} strategies "
-        f"evaluated in {header['search_seconds']:.2f} s; times in seconds per iteration"
+        f"evaluated in {header['search_seconds']:.2f} s; times in seconds per iteration; memory in GiB "
+        f"per GPU of the {capacity_gib:g} GiB each has"
     )
     table = Table(title=title, title_justify="left")
     headings = ("#", "dp/tp/pp", "mbs x m", "ZeRO", "recompute", "SP", "v", "iter s")
-    for name in (*headings, *(label for _, label in TIME_TERMS), f"GiB/{capacity_gib:g}", "tokens/s"):
+    for name in (*headings, *(label for _, label in TIME_TERMS), "GiB per GPU", "tokens/s"):
         table.add_column(name, justify="left" if name in ("dp/tp/pp", "recompute") else "right", no_wrap=True)
     for row in rows[:shown]:
         table.add_row(

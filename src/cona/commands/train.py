@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 from cona.commands.config_flags import add_config_flags
 from cona.commands.flag_types import finite_float, port_base, positive_int
 from cona.commands.search_flags import add_search_flags
-from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run
+from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run, system_warning
 from cona.errors import UsageError
 from cona.layout_rules import LayoutSizes, check_layout
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
@@ -81,7 +82,8 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--run-name",
         default=None,
-        help="run directory name under training.log_root (default: UTC time + strategy)",
+        help="run directory name under training.log_root (default: fixed-<strategy>-iters<N>, "
+        "chain-<chain file> or online; the same command then resumes its run)",
     )
     parser.add_argument(
         "--master-port-base",
@@ -233,16 +235,20 @@ def _train_online(args: argparse.Namespace, mds: bool) -> None:
             "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
             f"drop {', '.join(others)}"
         )
+    run = online_run(args)
+    warning = system_warning(run)
+    if warning is not None:
+        print(f"cona: warning: {warning}", file=sys.stderr, flush=True)
     if mds:
         from cona.backends.megatron_deepspeed.run import BACKEND_NAME, run_mds_online
 
-        run = dataclasses.replace(online_run(args), backend=BACKEND_NAME)
+        run = dataclasses.replace(run, backend=BACKEND_NAME)
         run_mds_online(run, _mds_environment(args), in_place=not getattr(args, "restart_workers", False))
         return
     from cona.runner.schedules.online import run_online  # imports torch: not at `cona --help` time
 
     with _console_and_launcher(args) as (console, launcher):
-        run_online(online_run(args), launcher=launcher, out=console.message)
+        run_online(run, launcher=launcher, out=console.message)
 
 
 @contextmanager

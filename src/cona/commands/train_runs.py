@@ -21,6 +21,7 @@ from cona.commands.search_flags import botorch_choice
 from cona.config import ConaConfig, TrainingConfig
 from cona.config_file import load_config
 from cona.errors import LaunchError, UsageError
+from cona.planner.systems import devices_mismatch, load_system
 from cona.runner.fixed import FixedRun
 from cona.runner.launch import resolve_port_base
 from cona.runner.nodes.multinode import NodePlacement, resolve_placement
@@ -168,8 +169,31 @@ def online_run(flags: Any) -> OnlineRun:
         target_ppl=target_ppl,
         botorch=botorch_choice(flags),
         nodes=nodes,
+        prior_on_host=True,
         **_common(flags, config, flag(flags, "run_name") or "online", nodes.num_nodes),
     )
+
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+"""One directory per GPU, with its model name in ``information`` (read without starting CUDA)."""
+
+
+def system_warning(run: OnlineRun) -> str | None:
+    """Why the run's ``--system`` does not describe the devices it trains on, if it does not
+    (:func:`cona.planner.systems.devices_mismatch`)."""
+    return devices_mismatch(load_system(run.system), run.device_type, node_gpu_names())
+
+
+def node_gpu_names(root: Path = NVIDIA_GPUS) -> list[str]:
+    """The model names of this node's NVIDIA GPUs as the driver lists them (empty where it does not)."""
+    names = []
+    for information in sorted(root.glob("*/information")):
+        try:
+            lines = information.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        names += [line.split(":", 1)[1].strip() for line in lines if line.startswith("Model:")]
+    return names
 
 
 def _budget(flags: Any, training: TrainingConfig) -> tuple[int | None, int | None, float | None]:

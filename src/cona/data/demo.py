@@ -64,6 +64,16 @@ def default_demo_dir(cwd: Path | None = None) -> Path:
     return checkout if checkout.exists() else user_data_dir() / "demo"
 
 
+def default_demo_runs(cwd: Path | None = None) -> Path:
+    """Where ``cona demo`` writes its runs when ``--out`` is not given: ``runs/demo`` of the checkout it is
+    started from (where :func:`default_demo_dir` finds the checkout's data), else ``runs/demo`` in the user
+    data directory, so a demo started from any other directory leaves nothing there."""
+    here = cwd if cwd is not None else Path.cwd()
+    return (
+        here / "runs" / "demo" if (here / CHECKOUT_DEMO_DIR).exists() else user_data_dir() / "runs" / "demo"
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoData:
     out_dir: Path

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from cona.atomic_files import give_umask_mode
 from cona.config import ModelConfig, TrainingConfig
 from cona.engine.checkpoint import load_model_tensors, read_checkpoint_info, resolve_checkpoint
 from cona.errors import CheckpointError
@@ -291,7 +292,8 @@ def _save_weights(tensors: dict[str, torch.Tensor], out: Path, checkpoint: Path)
             str(out),
             metadata={"format": "pt", "source": str(checkpoint)},
         )
-    except SafetensorError as err:
+        give_umask_mode(out)
+    except (SafetensorError, OSError) as err:
         raise CheckpointError(f"OUT_DIR: cannot write {out}: {err}") from None
 
 

@@ -1,6 +1,7 @@
 """Where the metrics of a stage go: ``metrics.jsonl`` (what the runner and the search read; its schema is
-:class:`cona.metrics_record.MetricsRecord`), W&B and TensorBoard (the same scalars, when configured) and one
-console line per log interval. Rank 0 only.
+:class:`cona.metrics_record.MetricsRecord`), TensorBoard (the same scalars, when configured) and one console
+line per log interval. Rank 0 only. W&B gets them from the runner, which follows ``metrics.jsonl``
+(:mod:`cona.runner.views.run_tracker`): one process writes a run's one W&B run, however many stages it has.
 
 Also the device peak table behind ``mfu`` (model FLOPs utilisation): achieved model FLOP/s over the peak
 dense FLOP/s of the GPUs in use, with the model FLOPs of :func:`cona.planner.flops.training_flops_per_token`.
@@ -99,38 +100,6 @@ class ConsoleSink:
         self._console.file.flush()
 
 
-class WandbSink:
-    """W&B run ``run_name``; every stage of a run resumes the same W&B run, so the curves continue."""
-
-    def __init__(
-        self, *, project: str, directory: str | None, mode: str, run_name: str, config: Mapping[str, Any]
-    ) -> None:
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError(
-                "training.wandb_project is set but wandb is not installed (pip install 'cona[tracking]')"
-            ) from None
-        if directory is not None:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-        run_id = re.sub(r"[^A-Za-z0-9._-]", "-", run_name)[:64]
-        self._run = wandb.init(
-            project=project,
-            dir=directory,
-            mode=mode,
-            name=run_name,
-            id=run_id,
-            resume="allow",
-            config=dict(config),
-        )
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        self._run.log(scalars(record), step=int(record["iteration"]))
-
-    def close(self) -> None:
-        self._run.finish()
-
-
 class TensorBoardSink:
     """TensorBoard events under ``<tensorboard_dir>/<run_name>``."""
 
@@ -173,38 +142,34 @@ def build_metrics_logger(
     metrics_path: Path,
     training: TrainingConfig,
     run_name: str,
-    run_config: Mapping[str, Any],
     console: IO[str] | None,
 ) -> MetricsLogger:
     """The sinks this config asks for (call on rank 0 only)."""
     sinks: list[MetricsSink] = [JsonlSink(metrics_path)]
     if console is not None:
         sinks.append(ConsoleSink(console))
-    if training.wandb_project is not None and training.wandb_mode != "disabled":
-        sinks.append(
-            WandbSink(
-                project=training.wandb_project,
-                directory=training.wandb_dir,
-                mode=training.wandb_mode,
-                run_name=run_name,
-                config=run_config,
-            )
-        )
     if training.tensorboard_dir is not None:
         sinks.append(TensorBoardSink(directory=training.tensorboard_dir, run_name=run_name))
     return MetricsLogger(sinks)
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The plottable numbers of a record (finite numbers other than identifiers and time stamps)."""
+    """The plottable numbers of a record (finite numbers other than identifiers and time stamps) under
+    their tracker tags: ``eval/<name>`` for an ``eval_<name>`` key, ``train/<key>`` for every other, so
+    TensorBoard and W&B show the training and the evaluation curves in sections of their own."""
     return {
-        key: float(value)
+        tracker_tag(key): float(value)
         for key, value in record.items()
         if key not in _NOT_SCALARS
         and isinstance(value, int | float)
         and not isinstance(value, bool)
         and math.isfinite(value)
     }
+
+
+def tracker_tag(key: str) -> str:
+    """``eval_loss`` -> ``eval/loss``, ``loss`` -> ``train/loss``."""
+    return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
 
 
 def eval_ppl_label(record: Mapping[str, Any]) -> str:

@@ -109,6 +109,12 @@ class StageSpec:
         return run_files.stage_path(self.run_dir, self.stage)
 
     @property
+    def switch_in_path(self) -> Path:
+        """Where rank 0 keeps the start milestones of the stage's first attempt (``timings`` of
+        :class:`StageResult` up to ``first_step_done``)."""
+        return self.stage_dir / run_files.SWITCH_IN
+
+    @property
     def switch_request_path(self) -> Path:
         return run_files.switch_request_path(self.run_dir)
 

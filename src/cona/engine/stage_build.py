@@ -280,7 +280,6 @@ def _rank0_logger(spec: StageSpec, console: IO[str] | None) -> MetricsLogger | N
         metrics_path=spec.metrics_path,
         training=spec.config.training,
         run_name=spec.run_dir.name,
-        run_config=spec.to_dict(),
         console=console,
     )
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cona.atomic_files import write_json_atomic
 from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
 from cona.engine.divergence import DivergenceWatch
 from cona.engine.interval_sums import IntervalSums
@@ -121,6 +122,15 @@ def train_stage(ctx: StageContext, progress: Progress) -> str:
     return reason
 
 
+def _record_switch_in(spec: StageSpec, timings: dict[str, float]) -> None:
+    """Keep the start milestones of the stage's first attempt that reached a step (``switch_in.json``):
+    what the switch into the stage cost. A relaunch after a stop or a kill leaves them (its start is resume
+    downtime, not switch cost), as does a replay of the stage."""
+    path = spec.switch_in_path
+    if not spec.retraining and not path.exists():
+        write_json_atomic(path, timings)
+
+
 def _train_steps(ctx: StageContext, progress: Progress) -> str:
     spec = ctx.spec
     interval = IntervalSums()
@@ -134,6 +144,8 @@ def _train_steps(ctx: StageContext, progress: Progress) -> str:
             out.loss.item()  # once per stage: the milestone is the first step finished on the device
             ctx.timings["first_step_done"] = time.time()
             interval.first_step_s = time.perf_counter() - interval.started
+            if ctx.logger is not None:  # rank 0
+                _record_switch_in(spec, ctx.timings)
         boundary = step_boundary(spec.switch_request_path, ctx.control_group, ctx.runner_watch, ctx.periodic)
         switch = boundary.switch
         if switch == RUNNER_GONE:

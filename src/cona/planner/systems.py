@@ -10,6 +10,7 @@ an efficiency. Datasheet numbers carry their sources in the file; efficiencies a
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -92,6 +93,33 @@ class System:
             known = ", ".join(sorted(self.gpu.matrix_tflops))
             raise PlanError(f"system {self.name} has no {used} rate (it has: {known})")
         return used
+
+
+def devices_mismatch(system: System, device_type: str, gpu_names: Sequence[str] = ()) -> str | None:
+    """Why ``system`` does not describe the devices a run is on (None: it does, or nothing tells), in one
+    line: a CPU system (no asynchronous dispatch) for a GPU run or a GPU system for a CPU run, or a shipped
+    GPU system whose GPU (its name's first part, ``a100`` of ``a100_80g_2gpu_node``) is not in the name of
+    this node's GPUs (``gpu_names``: empty when unknown). Its predictions would be another machine's."""
+    cpu_system = not system.asynchronous_dispatch
+    if device_type == "cpu" and not cpu_system:
+        return (
+            f"--system {system.name} describes GPUs, but this run trains on the CPU: its predictions are for "
+            f"another machine (--system cpu_gloo describes CPU workers)"
+        )
+    if device_type == "cuda" and cpu_system:
+        return (
+            f"--system {system.name} describes CPU workers, but this run trains on GPUs (cona systems lists "
+            f"GPU systems)"
+        )
+    gpu = system.name.split("_")[0]
+    shipped = system.name in available_systems()
+    if device_type == "cuda" and shipped and gpu_names and not any(gpu in name.lower() for name in gpu_names):
+        return (
+            f"--system {system.name} describes {gpu.upper()} GPUs, but this node has "
+            f"{', '.join(sorted(set(gpu_names)))}: its predictions are for another machine (cona systems "
+            f"lists them)"
+        )
+    return None
 
 
 def available_systems() -> list[str]:

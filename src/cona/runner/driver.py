@@ -42,6 +42,7 @@ from cona.runner.in_place import replay_in_place
 from cona.runner.launch import stage_master_port
 from cona.runner.nodes.across_nodes import node_topology, run_across_nodes
 from cona.runner.publish import import_checkpoint_reader_in_background, publish
+from cona.runner.run_end import record_runner_end
 from cona.runner.run_lock import lock_directory, run_locks
 from cona.runner.schedules.chain_options import ChainRun
 from cona.runner.schedules.online_options import OnlineRun
@@ -56,7 +57,16 @@ from cona.runner.stage_run import (
     switch_check_line,
     write_plan,
 )
-from cona.runner.state import RunState, StageState, advance, own_checkpoint, save_state, switch_cost, trained
+from cona.runner.state import (
+    RunState,
+    StageState,
+    advance,
+    first_attempt_timings,
+    own_checkpoint,
+    save_state,
+    switch_cost,
+    trained,
+)
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
 
@@ -215,11 +225,20 @@ class StageDriver:
     def drive(self, prepare_publisher: Callable[[], object] | None = None) -> RunState:
         # before the run state is read: one runner at a time
         lock_directory(self.run.run_dir, "run directory")
+        try:
+            state = self._drive(prepare_publisher)
+        except BaseException as error:
+            record_runner_end(self.run.run_dir, error)  # for cona status, once the run's processes are gone
+            raise
+        record_runner_end(self.run.run_dir, None)
+        return state
+
+    def _drive(self, prepare_publisher: Callable[[], object] | None) -> RunState:
         state = self.schedule.open()
         if state.current is not None:
             if prepare_publisher is not None and self.schedule.may_publish:
                 prepare_publisher()
-            with RunTracker.open(self.run.config.training, self.run.run_dir.name, self.out) as tracker:
+            with RunTracker.open(self.run.config, self.run.run_dir, self.out) as tracker:
                 self.schedule.run_tracker = tracker  # decisions and switches for TensorBoard / W&B
                 while (current := state.current) is not None:
                     state = self.drive_stage(state, current.step_num)
@@ -296,7 +315,7 @@ class StageDriver:
         # Only workers this runner launched hold a state: a result recorded before a kill names gone ones.
         self.handed_over = number if result.handed_over and launched is not None else None
         self.schedule.check_result(stage, result, spec)
-        stage = trained(state.stage(number), result, launched)
+        stage = trained(state.stage(number), result, launched, first_attempt_timings(spec.switch_in_path))
         line = switch_check_line(stage)
         if line is not None:
             self.out(line)

@@ -1,14 +1,14 @@
 """One fixed strategy on one node (``cona train --dp .. --iters N --workdir W``): a one-stage chain.
 
-The run directory is named by the UTC time and the layout unless ``--run-name`` names it; the strategy is
-written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage driver as every
-chain is (:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under torchrun; the
-last line
-says where it stopped and saved. Rerunning the same command with the same ``--run-name`` resumes the run
-from its newest checkpoint (periodic ones included, ``training.save_interval[_minutes]``); ``--fresh``
-starts it over; a run directory that holds no fixed run is refused. The Megatron-DeepSpeed backend runs its
-fixed mode the same way; across nodes the run name is the strategy's, so that every node agrees on it
-(:mod:`cona.runner.nodes.fixed_across_nodes`).
+The run directory is named by the strategy and its ``--iters`` (``fixed-dp2_tp1_pp1_mbs2_gbs8-iters100``)
+unless ``--run-name`` names it, so the same command resumes the run as a chain's and an online run's do; the
+strategy is written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage
+driver as every chain is (:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under
+torchrun; the last line says where it stopped and saved. Rerunning the same command resumes the run from its
+newest checkpoint (periodic ones included, ``training.save_interval[_minutes]``); ``--fresh`` starts it
+over; a run directory that holds no fixed run is refused, as is one made for another config or ``--workdir``
+(the run state says which). The Megatron-DeepSpeed backend runs its fixed mode the same way, and so does a run
+across nodes, whose every node derives the same name (:mod:`cona.runner.nodes.fixed_across_nodes`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from cona.config import ConaConfig
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
-from cona.runner.nodes.fixed_across_nodes import fixed_chain, write_chain
-from cona.runner.run_dir import check_run_name, create_run_dir, default_run_name, point_latest
+from cona.runner.nodes.fixed_across_nodes import fixed_chain, fixed_run_name, write_chain
+from cona.runner.run_dir import check_run_name, create_run_dir, point_latest
 from cona.runner.schedules.chain_options import ChainRun
 from cona.strategy import Strategy
 
@@ -44,7 +44,8 @@ class FixedRun:
     device_type: str
     """``cpu`` or ``cuda``, as the workers will resolve it."""
     run_name: str | None = None
-    """The run directory's name under ``training.log_root``; None: the UTC time and the layout."""
+    """The run directory's name under ``training.log_root``; None: the strategy's
+    (:func:`cona.runner.nodes.fixed_across_nodes.fixed_run_name`)."""
     base_port: int | None = DEFAULT_MASTER_PORT_BASE
     """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
     quiet: bool = False
@@ -54,13 +55,11 @@ class FixedRun:
     def open_run_dir(self) -> Path:
         """Make the run's directory, or take the one an earlier run of this name left (which the driver
         resumes, or refuses when it was another strategy or config), and say which on the first line."""
-        strategy = self.strategy
-        name = self.run_name or default_run_name(f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}")
+        name = self.run_name or fixed_run_name(self.strategy, self.iters)
         run_dir = Path(self.config.training.log_root).resolve() / check_run_name(name)
         if not run_dir.exists():
             run_dir = create_run_dir(Path(self.config.training.log_root), name)
-            how = "" if self.run_name else f" (after an interruption, add --run-name {name} to resume it)"
-            print(f"run directory: {run_dir}{how}", flush=True)
+            print(f"run directory: {run_dir}", flush=True)
             return run_dir
         if not (run_dir / run_files.FIXED_CHAIN).is_file():
             raise LaunchError(

@@ -157,7 +157,7 @@ def worker_env(
     (torchrun would set OMP_NUM_THREADS=1, which leaves cores idle on CPU)."""
     env = dict(base)
     env["PYTHONUNBUFFERED"] = "1"
-    cores = cpu_count if cpu_count is not None else _usable_cores()
+    cores = cpu_count if cpu_count is not None else usable_cores()
     env["OMP_NUM_THREADS"] = str(max(1, cores // nproc_per_node))
     if device_type == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run must not pick up a GPU through device "auto"
@@ -355,7 +355,8 @@ def _tail(path: Path) -> list[str]:
     return [line.strip() for line in lines if line.strip()][-_LOG_TAIL_LINES:]
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

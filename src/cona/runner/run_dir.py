@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from datetime import UTC, datetime
 from pathlib import Path
 
 from cona import run_files
@@ -20,12 +19,6 @@ from cona.errors import LaunchError
 
 LATEST_NAME = run_files.LATEST
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
-
-
-def default_run_name(label: str, now: datetime | None = None) -> str:
-    """``20261129-091500-dp2_tp1_pp1``: a UTC timestamp (sorts by start time) then what the run does."""
-    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{label}"
 
 
 def check_run_name(name: str) -> str:

@@ -148,10 +148,29 @@ def advance(stage: StageState, status: Status, **changes: Any) -> StageState:
     return dataclasses.replace(stage, status=status, **changes)
 
 
-def trained(stage: StageState, result: StageResult, launched: float | None) -> StageState:
+SWITCH_IN_PARTS = ("process_start_s", "load_s", "verify_s", "first_step_s")
+"""The parts of a switch that the stage switched into spends: measured on its first attempt."""
+
+
+def trained(
+    stage: StageState,
+    result: StageResult,
+    launched: float | None,
+    first_attempt: dict[str, float] | None = None,
+) -> StageState:
     """The stage moved to ``trained`` with what its workers' result reports: the checkpoint saved at its
     end, the counters there, the switch parts' seconds (``launched``: when the runner started the attempt,
-    None if it was started before a kill) and the verification of the checkpoint it loaded."""
+    None if it was started before a kill) and the verification of the checkpoint it loaded. ``first_attempt``:
+    the start milestones of the stage's first attempt that reached a step (``switch_in.json``); when an
+    earlier attempt than the result's measured them, its start parts are the switch's, and the relaunch's
+    (a stopped or killed run's resume) are not booked as switch cost."""
+    timings = durations(result.timings, launched)
+    if first_attempt is not None and first_attempt.get("process_start") != result.timings.get(
+        "process_start"
+    ):
+        earlier = durations(first_attempt, first_attempt.get("launch"))
+        timings = {key: value for key, value in timings.items() if key not in SWITCH_IN_PARTS}
+        timings |= {key: value for key, value in earlier.items() if key in SWITCH_IN_PARTS}
     return advance(
         stage,
         "trained",
@@ -159,7 +178,7 @@ def trained(stage: StageState, result: StageResult, launched: float | None) -> S
         last_iteration=result.last_iteration,
         consumed_samples=result.consumed_samples,
         consumed_tokens=result.consumed_tokens,
-        timings=durations(result.timings, launched),
+        timings=timings,
         switch_check=result.switch_check,
     )
 
@@ -361,6 +380,18 @@ def _own_latest(stage: StageState, layout_dir: Path, owner: str) -> Path | None:
     if not isinstance(iteration, int) or (owner and isinstance(saver, str) and saver != owner):
         return None
     return info.path if stage.start_iteration < iteration <= stage.target_iteration else None
+
+
+def first_attempt_timings(path: Path) -> dict[str, float] | None:
+    """The start milestones ``switch_in.json`` kept (None: no attempt of the stage reached a step, or the
+    file is unreadable)."""
+    try:
+        raw = read_json(path)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    return {key: float(value) for key, value in raw.items() if isinstance(value, int | float)}
 
 
 def saved_result(stage: StageState, result_path: Path) -> StageResult | None:

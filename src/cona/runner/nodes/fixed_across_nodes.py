@@ -4,8 +4,8 @@ Across nodes a stage needs what a chain run has: a run directory every node agre
 stage and publishing only when every node left it, and a run state that a rerun continues from. So the fixed
 strategy is written as the chain of one initial step (:func:`write_fixed_chain`) and run by
 :func:`cona.runner.schedules.sequence.run_chain`; its LR is the one single-node fixed mode uses too
-(``training.base_lr`` scaled from ``base_gbs`` to the gbs). The run name must be the same on every node, so
-its default names the strategy instead of the start time.
+(``training.base_lr`` scaled from ``base_gbs`` to the gbs). Its default run name is the strategy's, as on
+one node: the same on every node, and the same for a rerun, which resumes the run.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ def fixed_chain(strategy: Strategy, iters: int) -> dict:
     return {"steps": [step]}
 
 
-def fixed_run_name(strategy: Strategy) -> str:
-    return f"fixed-dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}_mbs{strategy.mbs}_gbs{strategy.gbs}"
+def fixed_run_name(strategy: Strategy, iters: int) -> str:
+    """``fixed-dp2_tp1_pp1_mbs2_gbs8-iters100``: the default run name of a fixed strategy trained to
+    iteration ``iters`` (a rerun of the same command finds its run by it; another ``--iters`` is another
+    run)."""
+    layout = f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}_mbs{strategy.mbs}_gbs{strategy.gbs}"
+    return f"fixed-{layout}-iters{iters}"
 
 
 def write_chain(path: Path, chain: dict) -> None:
@@ -41,7 +45,7 @@ def write_fixed_chain(
     config: ConaConfig, strategy: Strategy, iters: int, run_name: str | None
 ) -> tuple[Path, str]:
     """Write the strategy's one-stage chain into its run directory; returns the chain file and run name."""
-    name = check_run_name(run_name or fixed_run_name(strategy))
+    name = check_run_name(run_name or fixed_run_name(strategy, iters))
     chain_path = Path(config.training.log_root) / name / run_files.FIXED_CHAIN
     write_chain(chain_path, fixed_chain(strategy, iters))
     return chain_path, name

@@ -4,7 +4,10 @@ engine-valid: :mod:`cona.layout_rules`) and the throughput the decisions should 
 
 from __future__ import annotations
 
-from cona.config import ConaConfig
+import dataclasses
+from typing import TYPE_CHECKING
+
+from cona.config import ConaConfig, ModelConfig
 from cona.errors import PlanError
 from cona.metrics_record import MetricsRecord
 from cona.planner.plan import space_options
@@ -12,8 +15,21 @@ from cona.planner.policy import Candidate
 from cona.planner.profiles import run_profile
 from cona.planner.search_choice import search_strategies
 from cona.planner.systems import System
-from cona.planner.throughput import Point, StepParts, ThroughputEstimator, fitted_forms, model_step_parts
-from cona.strategy import Strategy, noise_step_pieces
+from cona.planner.throughput import (
+    Point,
+    StepParts,
+    ThroughputEstimator,
+    fit_shape,
+    fitted_forms,
+    model_step_parts,
+)
+from cona.strategy import Strategy, configured_strategy, noise_step_pieces
+
+if TYPE_CHECKING:
+    from cona.engine.host_steps import HostStep
+
+PROBED_MICRO_BATCHES = (1, 2)
+"""The micro-batch sizes a CPU run's prior is fitted on: two shapes of the host's step."""
 
 
 class FrontierSearch:
@@ -81,6 +97,29 @@ class FrontierSearch:
         self.add_measurement(strategy, tokens_per_s, source=source, proxy=True)
         return True
 
+    def fit_prior(self, steps: list[HostStep], *, world_size: int, cores: int, threads: int) -> str:
+        """Fit the prior (the shape the estimator predicts with until the run measures a strategy) on a CPU
+        host's timed steps of the whole model (:func:`cona.engine.host_steps.time_host_steps`, one process
+        with ``threads`` threads), each taken as a one-process strategy of that micro-batch whose worker
+        gets its share of the ``cores`` the run's ``world_size`` workers divide; returns the line that says
+        so."""
+        share = min(1.0, cores / (world_size * threads))
+        strategies = [
+            configured_strategy(
+                self.config.training, dp=1, tp=1, pp=1, mbs=step.micro_batch, gbs=step.micro_batch
+            )
+            for step in steps
+        ]
+        seconds = [step.seconds / share for step in steps]
+        shape = fit_shape(self.model_steps(strategies), seconds, self.estimator.forms)
+        self.estimator = dataclasses.replace(self.estimator, shape=shape)
+        timed = ", ".join(f"mbs {step.micro_batch} {step.seconds * 1e3:.1f} ms" for step in steps)
+        return (
+            f"prior fitted to this host: the model's step timed at {timed} (1 process, {threads} thread"
+            f"{'s' if threads != 1 else ''}), each worker taken at {share:.2g} of that speed ({world_size} "
+            f"workers on {cores} cores)"
+        )
+
     def model_steps(self, strategies: list[Strategy]) -> StepParts:
         """The raw model's steps of ``strategies`` in the parts the estimator corrects."""
         return model_step_parts(self.config.model, strategies, self.system, self.dtype, backend=self.profile)
@@ -130,3 +169,15 @@ class FrontierSearch:
         # Every candidate of the space is one the engine trains (the space applies cona.layout_rules).
         strategies = [result.candidates[row] for row in range(len(result.candidates))]
         return (strategies, self.model_steps(strategies)) if strategies else ([], None)
+
+
+def fit_prior_on_host(frontier: FrontierSearch, model: ModelConfig, processes_per_node: int) -> str:
+    """Time the model's step on this host's CPU and fit the frontier's prior on it (a CPU run, before its
+    first stage is chosen); returns the line that says so."""
+    from cona.engine.host_steps import time_host_steps  # imports torch
+    from cona.runner.launch import usable_cores
+
+    cores = usable_cores()
+    threads = max(1, cores // processes_per_node)  # what each worker gets (cona.runner.launch.worker_env)
+    steps = time_host_steps(model, PROBED_MICRO_BATCHES, threads=threads)
+    return frontier.fit_prior(steps, world_size=processes_per_node, cores=cores, threads=threads)

@@ -37,6 +37,7 @@ from cona.runner.nodes.multinode import cona_command
 from cona.runner.publish import import_checkpoint_reader_in_background, publish
 from cona.runner.run_dir import point_latest
 from cona.runner.schedules.chain import content_digest
+from cona.runner.schedules.frontier import fit_prior_on_host
 from cona.runner.schedules.online_memory import Memory, resumed_memory, tracker_at_resume
 from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.schedules.online_search import (
@@ -186,6 +187,9 @@ class OnlineSchedule:
 
     def _start(self) -> RunState:
         run = self.run
+        if run.prior_on_host and run.device_type == "cpu" and run.backend == "native":
+            per_node = run.world_size if run.nodes.num_nodes == 1 else run.nodes.gpus_per_node
+            self.out(fit_prior_on_host(self.frontier, run.config.model, per_node))
         first = self.frontier(run.initial_gbs)
         if first is None:
             raise ChainError(

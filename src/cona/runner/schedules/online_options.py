@@ -45,6 +45,10 @@ class OnlineRun:
     """Where this node stands in a multi-node run (one node by default); node 0 searches and decides."""
     backend: str = "native"
     """Who trains the stages (``--backend``): its performance profile predicts the candidates."""
+    prior_on_host: bool = False
+    """On a CPU, fit the planner's prior on the model's steps timed on this host before the first stage is
+    chosen (:func:`cona.runner.schedules.frontier.fit_prior_on_host`); ``cona train`` and ``cona demo`` do.
+    Off, the prior is the system file's alone (tests that need a prior independent of the host)."""
 
     def mode_args(self) -> list[str]:
         """The flags that decide this run's stages, for the runners node 0 starts on the other hosts."""

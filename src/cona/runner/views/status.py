@@ -4,6 +4,11 @@ Stage and target come from the run state (chains) or the stage specs (a fixed-st
 and throughput from the last metrics line; the checkpoint from the stage results and run state, with the
 ``latest`` / ``latest_universal`` markers beside it; the decision from ``decisions.jsonl``.
 
+A run none of whose processes runs any more is not "running" whatever its run state says: it finished,
+failed or was stopped (the runner's recorded end, :mod:`cona.runner.run_end`), or was killed (no end
+recorded). The checkpoint shown is the newest complete one of any kind: a stage's last, or a periodic one its
+layout's ``latest`` marker names.
+
 Liveness: the runner records its own and torchrun's process ids (and torchrun's exit) per stage and node in
 ``stages/<N>/pids*.json`` (:func:`cona.runner.launch.run_stage`); the newest stage's record is checked with
 signal 0 on the host that wrote it, and on Linux against the process's start time in ``/proc``, so a pid
@@ -28,10 +33,12 @@ from rich.table import Table
 
 from cona import run_files
 from cona.engine.checkpoint_info import LATEST, LATEST_UNIVERSAL, STEP_DIR
+from cona.engine.checkpoint_paths import run_checkpoints
 from cona.metrics_record import MetricsRecord
 from cona.processes import PROC, pid_alive
 from cona.processes import process_state as process_state  # re-exported: it lived here
 from cona.runner.publish import read_marker
+from cona.runner.run_end import read_runner_end
 from cona.runner.state import ONLINE_CHAIN
 from cona.runner.views.report import RunData, load_run, strategy_label
 
@@ -53,6 +60,8 @@ class RecordedProcesses:
     host: str
     runner_pid: int
     torchrun_pid: int
+    started: float
+    """Unix time the record was written (the stage's launch)."""
     returncode: int | None
     ended: bool
     """torchrun's exit was recorded."""
@@ -104,6 +113,9 @@ def collect_status(run_dir: Path, *, now: float | None = None, proc_root: Path =
     strategy = spec.get("strategy") if spec else None
     if strategy is None and last is not None:
         strategy = last.to_dict()
+    processes = run_processes(run.run_dir, proc_root)
+    if stage_state != "finished":
+        stage_state = _dead_run_state(run.run_dir, processes) or stage_state
     return RunStatus(
         run=run,
         stage=stage,
@@ -114,9 +126,9 @@ def collect_status(run_dir: Path, *, now: float | None = None, proc_root: Path =
         target_tokens=spec.get("max_tokens") if spec else None,
         last_record=last,
         last_eval=evals[-1] if evals else None,
-        checkpoint=_last_checkpoint(run),
+        checkpoint=_newest_checkpoint(run),
         last_decision=run.decisions[-1] if run.decisions else None,
-        processes=run_processes(run.run_dir, proc_root),
+        processes=processes,
         record_age_s=(now if now is not None else time.time()) - float(last.time) if last else None,
     )
 
@@ -145,17 +157,58 @@ def _stage_position(run: RunData) -> tuple[int | None, int | None, str, int | No
     return stage, None, "finished" if stage in run.stage_results else "running", target
 
 
-def _last_checkpoint(run: RunData) -> CheckpointStatus | None:
-    """The newest checkpoint the run recorded (stage results and run state), with its layout's markers."""
+def _dead_run_state(run_dir: Path, processes: Processes) -> str | None:
+    """``failed: ...``, ``stopped by SIGTERM ...`` or ``killed ...`` for a run none of whose processes runs
+    on this host any more, from the newest runner's recorded end (one older than the newest stage's launch
+    is an earlier runner's); None while one runs, or when this host cannot tell (a stage's record written on
+    another host)."""
+    records = processes.recorded
+    if processes.workers or processes.launchers:
+        return None
+    if any(record.runner_alive is None or record.runner_alive or record.torchrun_alive for record in records):
+        return None
+    end = read_runner_end(run_dir)
+    newest = max(records, key=lambda record: record.started, default=None)
+    if newest is not None and (end is None or end.ended < newest.started):
+        return (
+            f"killed: runner pid {newest.runner_pid} is gone and recorded no end (SIGKILL or a lost "
+            f"machine); the same command resumes the run"
+        )
+    if end is not None and end.how == "stopped":
+        return f"{end.message}; the same command resumes the run"
+    if end is not None and end.how == "failed":
+        return f"failed: {end.message}"
+    return None
+
+
+def _newest_checkpoint(run: RunData) -> CheckpointStatus | None:
+    """The newest complete checkpoint of the run, of any kind: what its stage results and run state recorded
+    (a stage's last), and what the ``latest`` / ``latest_universal`` markers of its own checkpoint folders
+    name (a periodic one a stage saved before it was stopped or killed); with its layout's markers."""
     recorded = [(number, result.get("checkpoint")) for number, result in run.stage_results.items()]
     if run.state is not None:
         recorded += [(stage.step_num, stage.checkpoint) for stage in run.state.stages]
-    recorded = [(number, path) for number, path in recorded if path]
-    if not recorded:
+    candidates = [(_step_of(path), 1, Path(path)) for _, path in recorded if path]
+    candidates += [(_step_of(str(path)), 0, path) for path in _marked_checkpoints(run)]
+    if not candidates:
         return None
-    path = Path(max(recorded, key=lambda item: (item[0], _step_of(item[1])))[1])
+    path = max(candidates, key=lambda item: item[:2])[2]
     markers = {name: read_marker(path.parent / name) for name in (LATEST, LATEST_UNIVERSAL)}
     return CheckpointStatus(path=path, exists=path.is_dir(), markers=markers)
+
+
+def _marked_checkpoints(run: RunData) -> list[Path]:
+    """The checkpoints the markers of the run's own checkpoint folder name (markers name only complete
+    ones)."""
+    workdirs = {run.state.workdir} if run.state is not None and run.state.workdir else set()
+    workdirs |= {spec["workdir"] for spec in run.specs.values() if isinstance(spec.get("workdir"), str)}
+    found = []
+    for workdir in workdirs:
+        for marker in run_checkpoints(Path(workdir), run.name).rglob("latest*"):
+            name = read_marker(marker) if marker.name in (LATEST, LATEST_UNIVERSAL) else None
+            if name and (marker.parent / name).is_dir():
+                found.append(marker.parent / name)
+    return found
 
 
 def _step_of(path: str) -> int:
@@ -197,6 +250,7 @@ def _read_pids(path: Path, stage: int, proc_root: Path) -> RecordedProcesses | N
         host=host,
         runner_pid=runner_pid,
         torchrun_pid=torchrun_pid,
+        started=started,
         returncode=raw.get("returncode"),
         ended="ended" in raw,
         runner_alive=pid_alive(runner_pid, started, proc_root) if here else None,
@@ -255,7 +309,7 @@ def status_lines(status: RunStatus) -> list[tuple[str, str]]:
         ]
     lines += [
         ("checkpoint", _checkpoint_text(status.checkpoint)),
-        ("markers", _markers_text(status.checkpoint)),
+        ("markers", _markers_text(status.checkpoint, finished=status.stage_state == "finished")),
         ("decision", _decision_text(status.last_decision)),
         ("processes", _process_text(status)),
     ]
@@ -303,11 +357,18 @@ def _checkpoint_text(checkpoint: CheckpointStatus | None) -> str:
     return f"{checkpoint.path}{'' if checkpoint.exists else ' (missing on disk: pruned or moved)'}"
 
 
-def _markers_text(checkpoint: CheckpointStatus | None) -> str:
+def _markers_text(checkpoint: CheckpointStatus | None, *, finished: bool) -> str:
+    """The layout's markers; a missing ``latest_universal`` is said only while the run goes on (a later
+    stage may need it), never for a finished run, which has no later stage."""
     if checkpoint is None:
         return "-"
+    markers = {
+        name: target
+        for name, target in checkpoint.markers.items()
+        if target or not (finished and name == LATEST_UNIVERSAL)
+    }
     return ", ".join(
-        f"{name} -> {target}" if target else f"{name} missing" for name, target in checkpoint.markers.items()
+        f"{name} -> {target}" if target else f"{name} missing" for name, target in markers.items()
     )
 
 

@@ -1,0 +1,60 @@
+"""What an offline W&B run folder holds, read back from its transaction log (``run-<id>.wandb``): the run's
+id and the rows it logged. The log is LevelDB's log format (32 KiB blocks of records, each with a 7-byte
+header: checksum, length, type) after W&B's own 7-byte file header, each record a ``Record`` protobuf."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32768
+HEADER = 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def _chunks(data: bytes):
+    position, pending = HEADER, b""
+    while position + HEADER <= len(data):
+        left = BLOCK - position % BLOCK
+        if left < HEADER:  # a block's tail too short for a header is padding
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + HEADER])
+        if kind == 0 and length == 0:
+            position += left
+            continue
+        chunk = data[position + HEADER : position + HEADER + length]
+        position += HEADER + length
+        if kind == FULL:
+            yield chunk
+        elif kind == FIRST:
+            pending = chunk
+        elif kind == MIDDLE:
+            pending += chunk
+        elif kind == LAST:
+            yield pending + chunk
+
+
+def read_offline_run(folder: Path) -> tuple[str, list[dict[str, Any]]]:
+    """The run id and the logged rows (user keys only) of one ``offline-run-*`` folder."""
+    from wandb.proto import wandb_internal_pb2
+
+    (log,) = Path(folder).glob("run-*.wandb")
+    data = log.read_bytes()
+    assert data[:4] == b":W&B", f"{log}: not a W&B transaction log"
+    run_id, rows = "", []
+    for raw in _chunks(data):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run_id = record.run.run_id
+        elif kind == "history":
+            row = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            rows.append({key: value for key, value in row.items() if not key.startswith("_")})
+    return run_id, rows
