@@ -52,6 +52,7 @@ def test_a_log_axis_has_a_labelled_tick_near_every_value():
 def test_a_log_axis_shows_plain_numbers():
     ticks = labelled_ticks(log_axes([4500, 2500, 1200, 700, 380]))
     assert {"500", "1k", "1.5k", "2k", "3k"} <= set(ticks.values())
+    assert {"0.7", "1", "2"} <= set(labelled_ticks(log_axes([0.9, 1.5, 30])).values())  # not 700m
 
 
 def test_spread_moves_boxes_only_as_far_as_their_neighbours_need():

@@ -12,7 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
 from matplotlib.legend import Legend
 from matplotlib.text import Annotation, Text
-from matplotlib.ticker import EngFormatter, LogLocator, NullLocator
+from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, NullLocator
 
 LOG_TICK_SUBS = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
 """Labelled ticks of a log axis spanning less than :data:`FEW_DECADES`: each value lies within a factor
@@ -49,7 +49,12 @@ def label_log_axis(ax: Axes) -> None:
         below, above = ticks[ticks <= low * (1 + 1e-9)], ticks[ticks >= high * (1 - 1e-9)]
         if len(below) and len(above):  # the axis from a labelled tick to a labelled tick
             ax.set_ylim(below.max(), above.min())
-    ax.yaxis.set_major_formatter(EngFormatter(sep=""))
+    ax.yaxis.set_major_formatter(FuncFormatter(plain_number))
+
+
+def plain_number(value: float, position: int | None = None) -> str:
+    """A tick's value as a reader writes it: 1.5k and 2M above a thousand, 0.7 (not 700m) below one."""
+    return EngFormatter(sep="")(value, position) if abs(value) >= 1000 else f"{value:g}"
 
 
 @dataclass(frozen=True)
