@@ -75,7 +75,8 @@ class Stage:
     tokens: int
     """Tokens the stage consumed."""
     tokens_per_s: float | None
-    """Median of its logged intervals (the first one, which holds the warm-up, left out)."""
+    """Its measured rate: the median of its steady log intervals (the first, which holds its start-up, left
+    out), as the policy and the console's summary take it."""
     eval_ppl: float | None
     """Its last evaluation's perplexity, None when it evaluated none."""
     stopped: str | None
@@ -115,7 +116,7 @@ class TrainResult:
         finished = run.state.last_finished if run.state is not None else None
         return cls(
             run_dir=run.run_dir.resolve(),
-            stages=_stages(stage_summaries(run), first=_first_iteration(run)),
+            stages=tuple(_stage(summary) for summary in stage_summaries(run)),
             final_loss=float(last.loss) if last is not None else None,
             final_perplexity=float(evaluated[-1]) if evaluated else None,
             iterations=int(last.iteration) if last is not None else 0,
@@ -125,29 +126,17 @@ class TrainResult:
         )
 
 
-def _first_iteration(run: Any) -> int:
-    """The run's first trained iteration: after the checkpoint its first stage loaded (recorded in the
-    run state), else its first logged one."""
-    if run.state is not None and run.state.stages and run.state.stages[0].start_iteration is not None:
-        return run.state.stages[0].start_iteration + 1
-    return int(run.records[0].iteration) if run.records else 1
-
-
-def _stages(summaries: list[Any], *, first: int) -> tuple[Stage, ...]:
-    """The report's stage summaries (:func:`cona.runner.views.report.stage_summaries`) as stages, each
-    from the iteration after the previous one's last."""
-    return tuple(
-        Stage(
-            number=summary.stage,
-            **{key: summary.strategy[key] for key in ("dp", "tp", "pp", "mbs", "gbs")},
-            first_iteration=summaries[index - 1].last_iteration + 1 if index else first,
-            last_iteration=summary.last_iteration,
-            tokens=summary.end_tokens - summary.start_tokens,
-            tokens_per_s=summary.tokens_per_s,
-            eval_ppl=summary.last_eval_ppl,
-            stopped=summary.reason,
-        )
-        for index, summary in enumerate(summaries)
+def _stage(summary: Any) -> Stage:
+    """A stage summary of the report (:func:`cona.runner.views.report.stage_summaries`) as a stage."""
+    return Stage(
+        number=summary.stage,
+        **{key: summary.strategy[key] for key in ("dp", "tp", "pp", "mbs", "gbs")},
+        first_iteration=summary.first_iteration,
+        last_iteration=summary.last_iteration,
+        tokens=summary.end_tokens - summary.start_tokens,
+        tokens_per_s=summary.tokens_per_s,
+        eval_ppl=summary.last_eval_ppl,
+        stopped=summary.reason,
     )
 
 

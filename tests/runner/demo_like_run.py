@@ -40,7 +40,7 @@ def write_demo_like_run(run_dir: Path, *, seed: int = 0, start: float = 1.8e9) -
         step_s = 0.15 * gbs**0.6 * rng.uniform(0.9, 1.1)
         timings = {"launch": clock, "process_start": clock + start_up}
         timings["first_step_done"] = timings["process_start"] + first_step
-        first_iteration = iteration
+        first_iteration = logged = iteration
         for _ in range(iterations):
             iteration += 1
             samples += gbs
@@ -52,13 +52,14 @@ def write_demo_like_run(run_dir: Path, *, seed: int = 0, start: float = 1.8e9) -
                 "consumed_tokens": samples * SEQ, "loss": 8.35 - 0.0045 * samples + rng.normal(0, 0.01),
                 "lr": 1e-3, **strategy, "step_time_s": step_s, "tokens_per_s": gbs * SEQ / step_s,
                 "grad_norm": 1.5, "gns_small_sqr": 5.8, "gns_big_sqr": 3.0 + rng.uniform(0, 0.5),
-                "gns_small_batch": 1, "gns_big_batch": max(2, gbs), "steps_in_interval": LOG_INTERVAL,
+                "gns_small_batch": 1, "gns_big_batch": max(2, gbs), "steps_in_interval": iteration - logged,
                 "skipped_steps": 0, "time": logged_at,
             }  # fmt: skip
             if iteration % EVAL_INTERVAL == 0:
                 record["eval_ppl"] = 4000.0 * np.exp(-samples / 150)
                 record["eval_loss"] = float(np.log(record["eval_ppl"]))
             metrics.append(record)
+            logged = iteration
         timings["train_done"] = timings["first_step_done"] + (iterations - 1) * step_s
         timings["save_done"] = timings["train_done"] + (1.0 if number < 3 else 0.0)
         clock = timings["save_done"] + 0.05

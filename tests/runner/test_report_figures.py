@@ -153,6 +153,10 @@ def test_the_console_and_the_page_give_a_stage_the_same_wall_time_and_rate(run_d
         assert row["wall_s"] == summary.wall_s == launched_to_saved
         assert row["tokens_per_s"] == summary.tokens_per_s
     assert report[0].wall_s > report[0].end_time - report[0].start_time  # the start-up counts
+    spans = [(summary.first_iteration, summary.last_iteration) for summary in report]
+    assert spans[0][0] == 1 and all(
+        now[0] == before[1] + 1 for before, now in zip(spans, spans[1:], strict=False)
+    )
     page = build_report([run_dir], tmp_path / "report").html.read_text()
     assert f"<td>{report[0].wall_s:.4g}</td>" in page
     assert html.escape(STAGE_COLUMNS_CAPTION) in page

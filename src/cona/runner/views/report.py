@@ -76,6 +76,7 @@ class StageSummary:
     stage: int
     strategy: dict[str, int]
     first_iteration: int
+    """The first iteration it trained (its first logged line's, less the other steps that line reports)."""
     last_iteration: int
     start_tokens: int
     """Tokens consumed when the stage started (the previous stage's last record; 0 for the first)."""
@@ -219,7 +220,7 @@ def stage_summaries(run: RunData) -> list[StageSummary]:
             StageSummary(
                 stage=stage,
                 strategy={key: int(getattr(last, key) or 0) for key in STRATEGY_KEYS},
-                first_iteration=int(records[0].iteration),
+                first_iteration=int(records[0].iteration) - (records[0].steps_in_interval or 1) + 1,
                 last_iteration=int(last.iteration),
                 start_tokens=summaries[-1].end_tokens if summaries else 0,
                 end_tokens=int(last.consumed_tokens),
