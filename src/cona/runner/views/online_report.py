@@ -13,8 +13,8 @@ from cona.runner.state import RunState
 from cona.strategy import Strategy
 
 STAGE_COLUMNS_CAPTION = (
-    "wall s: the stage's launch to the end of its save (its start-up, load and first step included); "
-    "tokens/s: the median of its steady log intervals, as the policy measured it"
+    "wall s: the stage's launch to the end of its save (start-up and load included); "
+    "tokens/s: the median of its steady log intervals"
 )
 """What the summary's timing columns count (``cona report``'s stage table says the same)."""
 
