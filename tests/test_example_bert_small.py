@@ -52,7 +52,7 @@ def test_a_small_bert_step_is_cpu_sized_and_bert_large_is_the_gpu_example() -> N
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_the_small_bert_example_trains_a_few_iterations_quickly(tmp_path: Path) -> None:
+def test_the_small_bert_example_trains_a_few_iterations(tmp_path: Path) -> None:
     data = tmp_path / "bert"
     sentences = [text.lower() for text in ENGLISH_SAMPLE if text.strip()]
     corpus = write_jsonl(
