@@ -7,6 +7,7 @@ and at its data paths a small tokenizer and dataset made here instead of the dem
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -111,6 +112,27 @@ def test_load_model_gives_the_saved_models_logits(tmp_path: Path) -> None:
         torch.testing.assert_close(model(tokens), saved.eval()(tokens), rtol=0, atol=0)
     with pytest.raises(ConaError, match="does not exist"):
         cona.load_model(tmp_path / "nowhere")
+
+
+def test_a_train_result_reads_a_chain_run_directory() -> None:
+    run_dir = ROOT / "tests" / "runner" / "fixtures" / "run_chain_small"
+    result = cona.TrainResult.read(run_dir)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert (result.final_loss, result.iterations, result.tokens) == (
+        lines[-1]["loss"],
+        lines[-1]["iteration"],
+        lines[-1]["consumed_tokens"],
+    )
+    assert result.final_perplexity == [line["eval_ppl"] for line in lines if "eval_ppl" in line][-1]
+    spans = [
+        (stage.number, stage.gbs, stage.first_iteration, stage.last_iteration) for stage in result.stages
+    ]
+    assert spans == [(1, 8, 1, 50), (2, 16, 51, 110), (3, 32, 111, 180)]
+    assert sum(stage.tokens for stage in result.stages) == result.tokens
+    assert result.checkpoint == Path(
+        "work/checkpoints/run_chain_small/gpt-tiny/z1/fp32/tp2_pp1_dp2_sp1/global_step180"
+    )
+    assert result.realized_chain == Path("realized_chain.json")  # the chain file the run recorded
 
 
 def doc_example() -> str:

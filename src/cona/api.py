@@ -148,7 +148,7 @@ def _realized_chain(run_dir: Path, state: Any) -> Path | None:
         return realized.resolve()
     if state is None or state.chain_path == ONLINE_CHAIN:
         return None
-    return Path(state.chain_path).resolve()
+    return Path(state.chain_path)  # as the run recorded it (cona.train records it absolute)
 
 
 def train(
@@ -205,7 +205,7 @@ def _settings(
         which = f"got {' and '.join(f'{name}=' for name in given)}" if given else "got none"
         raise UsageError(f"cona.train: give one of chain=, online= or fixed= ({which})")
     if chain is not None:
-        return {"chain": Path(chain), "gpus": gpus}
+        return {"chain": Path(chain).absolute(), "gpus": gpus}
     if gpus is not None:
         raise UsageError(f"cona.train: gpus= goes with chain=; {given[0]}= says its own processes")
     if online is not None:
