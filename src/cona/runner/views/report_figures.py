@@ -3,7 +3,8 @@ one colour per run; a switch is a dashed vertical line tagged above the axes wit
 led into, and the legend beside lists each run's stages with their strategies (the key to the tags and to
 the timeline's bands). The bar figures give each run a row of its own.
 
-Each ``draw_*`` function returns the file it wrote, or None when no run has the data it plots.
+Each figure's builder returns the figure, or None when no run has the data it plots; :func:`draw_figures`
+collects them (the figure tests measure their texts), :func:`draw_all` writes them as PNGs.
 """
 
 from __future__ import annotations
