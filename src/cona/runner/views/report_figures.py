@@ -43,6 +43,7 @@ from cona.runner.views.report_axes import (
 )
 
 DPI = 110
+"""The figures' resolution: their texts are measured and placed at the resolution they are written at."""
 KEY_FONTSIZE = 7.5
 BAND_HEIGHT = 0.8
 """A timeline band's height (rows of the band axes)."""
@@ -133,7 +134,7 @@ def _loss_figure(
     colors = run_colors(len(runs))
     switch_label = "switch (shaded: downtime)" if axis == "time" else "switch"
     handles = _key_handles(runs, stages, colors, switch_label=switch_label if switched else None)
-    figure = Figure(figsize=(9, _key_height(6.5 if has_eval else 4, handles)), layout="constrained")
+    figure = Figure(figsize=(9, _key_height(6.5 if has_eval else 4, handles)), layout="constrained", dpi=DPI)
     axes = figure.subplots(2 if has_eval else 1, 1, sharex=True, squeeze=False)[:, 0]
     tags: list[SwitchTag] = []
     last_values: list[Annotation] = []
@@ -279,7 +280,7 @@ def _strategy_figure(
         return None
     colors = run_colors(len(runs))
     handles = _key_handles(runs, stages, colors, switch_label=None)
-    figure = Figure(figsize=(9, _key_height(3.2 + 0.6 * len(runs), handles)), layout="constrained")
+    figure = Figure(figsize=(9, _key_height(3.2 + 0.6 * len(runs), handles)), layout="constrained", dpi=DPI)
     gbs_ax, band_ax = figure.subplots(
         2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 0.6 + 0.5 * len(runs)]}
     )
@@ -331,7 +332,7 @@ def _noise_figure(runs: Sequence[RunData]) -> Figure | None:
     series = [noise_series(run) for run in runs]
     if not any(series):
         return None
-    figure = Figure(figsize=(9, 6), layout="constrained")
+    figure = Figure(figsize=(9, 6), layout="constrained", dpi=DPI)
     noise_ax, efficiency_ax = figure.subplots(2, 1, sharex=True)
     colors = run_colors(len(runs))
     for run, points, color in zip(runs, series, colors, strict=True):
@@ -416,7 +417,9 @@ def _bar_rows(
     """A figure of bar charts, one row per run of ``indices`` (titled with the run's name when there are
     several runs), each ``slots`` bars of ``slot_in`` inches wide, sharing the value axis."""
     figure = Figure(
-        figsize=(max(7.0, slot_in * slots + 3.0), 0.6 + BAR_ROW_IN * len(indices)), layout="constrained"
+        figsize=(max(7.0, slot_in * slots + 3.0), 0.6 + BAR_ROW_IN * len(indices)),
+        layout="constrained",
+        dpi=DPI,
     )
     axes = list(figure.subplots(len(indices), 1, sharey=True, squeeze=False)[:, 0])
     for ax, index in zip(axes, indices, strict=True):
