@@ -228,6 +228,16 @@ def stage_rates(records: Iterable[MetricsRecord]) -> list[float]:
     return rates
 
 
+def measured_tokens_per_s(records: Iterable[MetricsRecord]) -> float | None:
+    """A stage's measured rate, as the policy takes it: the median of its steady lines' tokens/s
+    (:func:`stage_rates`, then :func:`steady_rates`); None when it logged no steady line."""
+    steady = sorted(steady_rates(stage_rates(records)))
+    if not steady:
+        return None
+    middle = len(steady) // 2
+    return steady[middle] if len(steady) % 2 else (steady[middle - 1] + steady[middle]) / 2
+
+
 def steady_rates(rates: list[float]) -> list[float]:
     """The tokens/s of a stage's lines that measure its steady rate: the first line (start-up, the first
     step) left out, and after it each leading line :data:`WARMUP_RATE_JUMP` times slower than the next.

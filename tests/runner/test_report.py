@@ -108,6 +108,8 @@ def test_runs_of_the_same_name_are_told_apart(tmp_path):
     runs = [load_run(copy_fixture(tmp_path / parent)) for parent in ("online", "fixed")]
     assert [run.name for run in distinct_names(runs)] == ["online/run_chain_small", "fixed/run_chain_small"]
     assert [run.name for run in distinct_names(runs[:1])] == ["run_chain_small"]
+    demos = [load_run(copy_fixture(tmp_path / stamp / "logs")) for stamp in ("061722", "061838")]
+    assert [run.name for run in distinct_names(demos)] == ["061722/run_chain_small", "061838/run_chain_small"]
 
 
 def make_fixed_run(run_dir: Path) -> Path:

@@ -9,7 +9,7 @@ from matplotlib.text import Text
 from tests.runner.test_status import FIXTURE
 
 from cona.runner.views.report import load_run, stage_summaries
-from cona.runner.views.report_axes import SwitchLabel, draw_switch_labels, label_log_axis, legend_beside
+from cona.runner.views.report_axes import SwitchTag, draw_switch_tags, label_log_axis, legend_beside, spread
 from cona.runner.views.report_figures import _loss_figure
 
 
@@ -52,23 +52,30 @@ def test_a_log_axis_has_a_labelled_tick_near_every_value():
 def test_a_log_axis_shows_plain_numbers():
     ticks = labelled_ticks(log_axes([4500, 2500, 1200, 700, 380]))
     assert {"500", "1k", "1.5k", "2k", "3k"} <= set(ticks.values())
+    assert {"0.7", "1", "2"} <= set(labelled_ticks(log_axes([0.9, 1.5, 30])).values())  # not 700m
 
 
-def test_close_switch_labels_are_moved_apart_and_far_ones_stay_at_their_line():
+def test_spread_moves_boxes_only_as_far_as_their_neighbours_need():
+    # three 10-wide boxes wanting one centre, one far away: the three side by side, the far one in place
+    assert spread([50, 50, 50, 200], [10, 10, 10, 10], 2, 0, 300) == [50, 62, 74, 200]
+    assert spread([295, 296], [10, 10], 2, 0, 300) == [283, 295]  # pushed back inside the right end
+    assert spread([1], [10], 2, 0, 300) == [5]  # and inside the left end
+
+
+def test_close_switch_tags_are_moved_apart_above_the_axes_and_far_ones_stay_at_their_line():
     figure = Figure(figsize=(9, 4))
     FigureCanvasAgg(figure)
     ax = figure.subplots()
     ax.plot([0, 100], [0, 1])
     xs = [20.0, 20.3, 20.6, 70.0]
-    texts = draw_switch_labels(
-        figure, [SwitchLabel(ax, x, f"dp{i} tp1 pp1 mbs2 gbs8", "C0") for i, x in enumerate(xs)]
-    )
+    texts = draw_switch_tags(figure, [SwitchTag(ax, x, str(i + 2), "C0") for i, x in enumerate(xs)])
     renderer = figure.canvas.get_renderer()
     boxes = sorted((text_box(text, renderer) for text in texts), key=lambda box: box.x0)
     for left, right in zip(boxes, boxes[1:], strict=False):
-        assert left.x1 <= right.x0, "two switch labels overlap"
+        assert left.x1 <= right.x0, "two switch tags overlap"
+    assert all(box.y0 >= ax.bbox.y1 for box in boxes), "a tag is on the plotted data"
     far_line = ax.transData.transform((70.0, 0.0))[0]
-    assert 0 < boxes[-1].x0 - far_line < 8  # a label with room stays beside its line
+    assert abs((boxes[-1].x0 + boxes[-1].x1) / 2 - far_line) < 0.5  # a tag with room stays over its line
 
 
 def test_the_legend_is_beside_the_axes_not_on_them():
@@ -90,5 +97,5 @@ def test_the_loss_figure_of_two_runs_keeps_its_legend_off_the_lines():
     figure.draw_without_rendering()
     renderer = figure.canvas.get_renderer()
     top = figure.axes[0]
-    assert top.get_legend().get_window_extent(renderer).x0 >= top.get_window_extent(renderer).x1
+    assert figure.legends[0].get_window_extent(renderer).x0 >= top.get_window_extent(renderer).x1
     assert "373.1" in [text.get_text() for text in figure.axes[1].texts]  # the final perplexity, written out

@@ -1,48 +1,21 @@
 """``cona train``: one fixed strategy (``--dp D --tp T --pp P --gbs G --mbs M --iters N [--workdir W]``), a
 chain (``--chain FILE``) or online search (``--gpus N`` alone).
 
-The flags become a typed run description (:mod:`cona.commands.train_runs`) and nothing below this module
-sees them; every mode then runs through the one stage driver (:mod:`cona.runner.driver`): a chain from its
-file (:mod:`cona.runner.schedules.sequence`; a fixed strategy is a one-stage chain, its layout checked before
-anything
-is launched), online mode from the policy (:mod:`cona.runner.schedules.online`). Every mode also runs across
-nodes
-(--num-nodes, --hostfile; :mod:`cona.runner.nodes.across_nodes`). ``--backend megatron-deepspeed --repo-path
-PATH``
-(``--repo-path`` alone implies it) runs the fixed and chain modes through a Megatron-DeepSpeed checkout
-(:mod:`cona.backends.megatron_deepspeed`).
+This module only parses the flags: :func:`cona.commands.train_modes.run_training` runs the mode they ask for,
+as ``cona.train`` (:mod:`cona.api`) does from its arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cona.commands.config_flags import add_config_flags
 from cona.commands.flag_types import finite_float, port_base, positive_int
 from cona.commands.search_flags import add_search_flags
-from cona.commands.train_runs import chain_run, fixed_run, fixed_strategy, online_run, system_warning
-from cona.errors import UsageError
-from cona.layout_rules import LayoutSizes, check_layout
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 
-if TYPE_CHECKING:
-    from cona.backends.megatron_deepspeed.environment import MdsEnvironment
-    from cona.runner.stage_run import Launcher
-    from cona.runner.views.console import RunConsole
-
-FIXED_STRATEGY_FLAGS = ("dp", "tp", "pp", "gbs", "mbs", "iters")
-MULTI_NODE_FLAGS = ("num_nodes", "gpus_per_node", "hostfile", "master_addr", "node_rank", "no_ssh")
 BACKENDS = ("native", "megatron-deepspeed")
-ONLINE_FLAGS = (
-    "system", "initial_gbs", "max_gbs", "total_iters", "total_tokens", "target_ppl", "botorch", "no_botorch"
-)  # fmt: skip
 
 
 def register(subparsers) -> None:
@@ -190,150 +163,7 @@ def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from cona.runner.signals import stop_on_signals
+    from cona.commands.train_modes import run_training
 
-    with stop_on_signals():  # SIGTERM/SIGINT stop the workers and leave the run resumable
-        mds = _megatron_deepspeed(args)
-        if args.chain is not None:
-            _train_chain(args, mds)
-        elif args.gpus is not None or _given(args, ONLINE_FLAGS):
-            _train_online(args, mds)
-        else:
-            _train_fixed(args, mds)
+    run_training(args)
     return 0
-
-
-def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    """The flags among ``names`` that the command line gave."""
-    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
-
-
-def _train_chain(args: argparse.Namespace, mds: bool) -> None:
-    for names in (FIXED_STRATEGY_FLAGS, ONLINE_FLAGS):
-        given = _given(args, names)
-        if given:
-            raise UsageError(
-                f"cona train: --chain takes the strategies from the chain file; drop {', '.join(given)}"
-            )
-    if mds:
-        from cona.backends.megatron_deepspeed.run import run_mds_chain
-
-        environment = _mds_environment(args)
-        run_mds_chain(chain_run(args), environment, keep_workers=not getattr(args, "restart_workers", False))
-        return
-    from cona.runner.schedules.sequence import run_chain  # imports torch: not at `cona --help`
-
-    with _console_and_launcher(args) as (console, launcher):
-        run_chain(chain_run(args), launcher=launcher, out=console.message)
-
-
-def _train_online(args: argparse.Namespace, mds: bool) -> None:
-    _refuse_switch_in_place(args)
-    others = _given(args, FIXED_STRATEGY_FLAGS)
-    if others:
-        raise UsageError(
-            "cona train: online mode (--gpus or --num-nodes without --chain) chooses the strategies; "
-            f"drop {', '.join(others)}"
-        )
-    run = online_run(args)
-    warning = system_warning(run)
-    if warning is not None:
-        print(f"cona: warning: {warning}", file=sys.stderr, flush=True)
-    if mds:
-        from cona.backends.megatron_deepspeed.run import BACKEND_NAME, run_mds_online
-
-        run = dataclasses.replace(run, backend=BACKEND_NAME)
-        run_mds_online(run, _mds_environment(args), in_place=not getattr(args, "restart_workers", False))
-        return
-    from cona.runner.schedules.online import run_online  # imports torch: not at `cona --help` time
-
-    with _console_and_launcher(args) as (console, launcher):
-        run_online(run, launcher=launcher, out=console.message)
-
-
-@contextmanager
-def _console_and_launcher(args: argparse.Namespace) -> Iterator[tuple[RunConsole, Launcher]]:
-    """The console of a chain or online run and its stage launcher (a worker session unless
-    ``--restart-workers``), shown through the console."""
-    from cona.runner.views.console import RunConsole
-    from cona.runner.worker_session import stage_launcher
-
-    console = RunConsole.for_stdout(quiet=args.quiet)
-    with stage_launcher(restart_workers=getattr(args, "restart_workers", False)) as launcher:
-        yield console, console.launcher(launcher)
-
-
-def _train_fixed(args: argparse.Namespace, mds: bool) -> None:
-    online = _given(args, ONLINE_FLAGS)
-    if online:
-        raise UsageError(f"cona train: {', '.join(online)} go with --gpus (online mode)")
-    across_nodes = [
-        f"--{name.replace('_', '-')}" for name in MULTI_NODE_FLAGS if getattr(args, name) not in (None, False)
-    ]
-    _refuse_for_one_stage(args)
-    config, strategy = fixed_strategy(args)
-    from cona.runner.views.console import RunConsole
-
-    console = RunConsole.for_stdout(quiet=args.quiet)
-    check_layout(LayoutSizes.of_config(config.model), strategy, strategy.world_size)
-    if across_nodes:  # a one-stage chain; each node checks its own GPUs
-        from cona.runner.nodes.fixed_across_nodes import write_fixed_chain
-        from cona.runner.schedules.sequence import run_chain, torchrun_launcher
-
-        chain_path, run_name = write_fixed_chain(config, strategy, args.iters, args.run_name)
-        run = chain_run(args, chain=chain_path, run_name=run_name)
-        if mds:
-            from cona.backends.megatron_deepspeed.run import run_mds_chain
-
-            run_mds_chain(run, _mds_environment(args))
-            return
-        run_chain(run, launcher=console.launcher(torchrun_launcher), out=console.message)
-        return
-    run = fixed_run(args, config, strategy)
-    if mds:
-        from cona.backends.megatron_deepspeed.run import train_fixed
-
-        train_fixed(run, _mds_environment(args))
-        return
-    from cona.runner.fixed import run_fixed
-
-    run_fixed(run, console)
-
-
-def _refuse_for_one_stage(args: argparse.Namespace) -> None:
-    """What a single fixed stage cannot take, and the fixed strategy's flags it needs."""
-    if getattr(args, "restart_workers", False):  # one stage: there is nothing to restart
-        raise UsageError("cona train: --restart-workers goes with --chain or online mode")
-    _refuse_switch_in_place(args)
-    missing = [f"--{name}" for name in FIXED_STRATEGY_FLAGS if getattr(args, name) is None]
-    if missing:
-        raise UsageError(
-            f"cona train: missing {', '.join(missing)} (a fixed strategy needs --dp --tp --pp "
-            f"--gbs --mbs --iters)"
-        )
-
-
-def _refuse_switch_in_place(args: argparse.Namespace) -> None:
-    if getattr(args, "switch_in_place", False):
-        raise UsageError(
-            "cona train: --switch-in-place goes with --chain (online mode switches in place whenever the "
-            "layout stays and the workers are kept)"
-        )
-
-
-def _mds_environment(args: argparse.Namespace) -> MdsEnvironment:
-    from cona.backends.megatron_deepspeed.environment import resolve_environment
-
-    return resolve_environment(args.repo_path, args.mds_python, args.mds_shim, os.environ)
-
-
-def _megatron_deepspeed(args: argparse.Namespace) -> bool:
-    """Whether the run goes through a Megatron-DeepSpeed checkout (``--repo-path`` alone implies it)."""
-    if args.backend == "native" and args.repo_path is not None:
-        raise UsageError(
-            "cona train: --repo-path names a Megatron-DeepSpeed checkout; drop it or --backend native"
-        )
-    mds = args.backend == "megatron-deepspeed" or args.repo_path is not None
-    if not mds and (args.mds_python is not None or args.mds_shim is not None):
-        raise UsageError("cona train: --mds-python and --mds-shim go with --backend megatron-deepspeed")
-    return mds

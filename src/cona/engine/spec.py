@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,10 @@ class StageResult:
         path.parent.mkdir(parents=True, exist_ok=True)
         return write_json_atomic(path, dataclasses.asdict(self))
 
+    @property
+    def wall_s(self) -> float | None:
+        return stage_wall_s(self.timings)
+
     @classmethod
     def read(cls, path: Path) -> StageResult:
         try:
@@ -227,3 +232,13 @@ class StageResult:
             raise LaunchError(f"stage result {path} does not exist: the stage did not finish") from None
         except (json.JSONDecodeError, TypeError) as err:
             raise LaunchError(f"stage result {path} is not a stage result: {err}") from None
+
+
+def stage_wall_s(timings: Mapping[str, Any]) -> float | None:
+    """A stage's wall time (seconds), as the console's summary and the report give it: from its launch (the
+    runner started it) to the end of its save, so its start-up, load and first step count (the switch into
+    it); None when either time is not recorded."""
+    launch, saved = timings.get("launch"), timings.get("save_done")
+    if isinstance(launch, int | float) and isinstance(saved, int | float):
+        return float(saved) - float(launch)
+    return None

@@ -88,9 +88,9 @@ def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
     )
 
 
-def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
+def run_fixed(run: FixedRun, console: RunConsole) -> Path:
     """Train the one stage to ``run.iters`` through the stage driver and print where it stopped; returns
-    its result."""
+    the run directory."""
     from cona.runner.schedules.sequence import run_chain  # imports torch
     from cona.runner.stage_run import torchrun_launcher
 
@@ -104,4 +104,4 @@ def run_fixed(run: FixedRun, console: RunConsole) -> StageResult:
         f"stage {result.stage} {result.reason} at iteration {result.last_iteration} "
         f"({result.consumed_tokens:,} tokens); checkpoint: {result.checkpoint}; metrics: {spec.metrics_path}"
     )
-    return result
+    return run_dir

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cona import run_files
 from cona.engine.spec import StageResult
-from cona.metrics_record import read_metrics, stage_rates, steady_rates
+from cona.metrics_record import measured_tokens_per_s, read_metrics
 from cona.runner.state import RunState
 from cona.strategy import Strategy
+
+STAGE_COLUMNS_CAPTION = (
+    "wall s: the stage's launch to the end of its save (start-up and load included); "
+    "tokens/s: the median of its steady log intervals"
+)
+"""What the summary's timing columns count (``cona report``'s stage table says the same)."""
 
 
 def realized_chain(state: RunState, stages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -41,9 +46,10 @@ def realized_chain(state: RunState, stages: list[dict[str, Any]]) -> dict[str, A
 
 
 def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per trained stage: strategy, iterations, tokens, wall seconds, mean tokens/s (its steady log intervals:
-    :func:`cona.metrics_record.steady_rates` of its ``stage_rates``), the tokens/s predicted when it was
-    chosen, and the last eval perplexity."""
+    """Per trained stage: strategy, iterations, tokens, wall seconds (:attr:`StageResult.wall_s`: its launch
+    to the end of its save), its measured tokens/s (:func:`cona.metrics_record.measured_tokens_per_s`: the
+    median of its steady log intervals), the tokens/s predicted when it was chosen, and the last eval
+    perplexity."""
     records = read_metrics(run_files.metrics_path(run_dir))
     rows = []
     previous_iteration, previous_tokens = 0, 0
@@ -52,11 +58,9 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
             continue
         span = range(previous_iteration + 1, stage.last_iteration + 1)  # not a killed attempt's lines past it
         own = [r for r in records if r.stage == stage.step_num and (r.iteration or 0) in span]
-        rates = steady_rates(stage_rates(own))
         evals = [r.eval_ppl for r in own if r.eval_ppl is not None]
         result_path = run_files.stage_result_path(run_dir, stage.step_num)
-        timings = StageResult.read(result_path).timings if result_path.is_file() else {}
-        wall = timings.get("save_done", 0.0) - timings.get("launch", 0.0) if timings else None
+        wall = StageResult.read(result_path).wall_s if result_path.is_file() else None
         rows.append(
             {
                 "stage": stage.step_num,
@@ -64,7 +68,7 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
                 "iterations": stage.last_iteration - previous_iteration,
                 "tokens": (stage.consumed_tokens or 0) - previous_tokens,
                 "wall_s": wall,
-                "tokens_per_s": statistics.fmean(rates) if rates else None,
+                "tokens_per_s": measured_tokens_per_s(own),
                 "predicted_tokens_per_s": stages[stage.step_num - 1].get("predicted_tokens_per_s"),
                 "prediction_basis": prediction_basis(stages[stage.step_num - 1]),
                 "eval_ppl": evals[-1] if evals else None,
@@ -119,7 +123,7 @@ def print_summary(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"online run {run_dir.name}")
+    table = Table(title=f"online run {run_dir.name}", caption=STAGE_COLUMNS_CAPTION, caption_justify="left")
     columns = ("stage", "why", "strategy", "iterations", "tokens", "wall s", "tokens/s", "predicted",
                "from", "pred/meas", "eval ppl")  # fmt: skip
     for column in columns:

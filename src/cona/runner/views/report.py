@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from cona import run_files
+from cona.engine.spec import stage_wall_s
 from cona.errors import ChainError, ConaError, not_found
 from cona.jsonl import is_number, read_json, read_json_lines
-from cona.metrics_record import MetricsRecord
+from cona.metrics_record import MetricsRecord, measured_tokens_per_s
 from cona.planner.efficiency import NoiseScaleTracker, statistical_efficiency
 from cona.runner.state import RunState, durations, load_state, switch_cost
 
@@ -75,6 +76,7 @@ class StageSummary:
     stage: int
     strategy: dict[str, int]
     first_iteration: int
+    """The first iteration it trained (its first logged line's, less the other steps that line reports)."""
     last_iteration: int
     start_tokens: int
     """Tokens consumed when the stage started (the previous stage's last record; 0 for the first)."""
@@ -89,7 +91,11 @@ class StageSummary:
     train_end: float
     """Unix time its training ended (its last record when not recorded)."""
     tokens_per_s: float | None
-    """Median over the stage's records, leaving out the first when there are more (it holds warm-up)."""
+    """Its measured rate: the median of its steady log intervals (:func:`measured_tokens_per_s`, as the
+    policy and the console's summary take it)."""
+    wall_s: float | None
+    """Its launch to the end of its save (:func:`cona.engine.spec.stage_wall_s`, as the console's summary
+    gives it); None where the stage result does not record both."""
     last_eval_ppl: float | None
     reason: str | None
     """Why it stopped (stage_result.json); None while it runs."""
@@ -207,8 +213,6 @@ def stage_summaries(run: RunData) -> list[StageSummary]:
     for stage, records in _records_by_stage(run.records):
         result = run.stage_results.get(stage, {})
         timings = result.get("timings", {})
-        speeds = [_finite(record.tokens_per_s) for record in records[1:] or records]
-        speeds = sorted(speed for speed in speeds if speed is not None)
         evals = [_finite(record.eval_ppl) for record in records]
         evals = [value for value in evals if value is not None]
         last = records[-1]
@@ -216,7 +220,7 @@ def stage_summaries(run: RunData) -> list[StageSummary]:
             StageSummary(
                 stage=stage,
                 strategy={key: int(getattr(last, key) or 0) for key in STRATEGY_KEYS},
-                first_iteration=int(records[0].iteration),
+                first_iteration=int(records[0].iteration) - (records[0].steps_in_interval or 1) + 1,
                 last_iteration=int(last.iteration),
                 start_tokens=summaries[-1].end_tokens if summaries else 0,
                 end_tokens=int(last.consumed_tokens),
@@ -224,7 +228,8 @@ def stage_summaries(run: RunData) -> list[StageSummary]:
                 end_time=timings.get("save_done", float(last.time)),
                 ready_time=timings.get("first_step_done", _interval_start(records[0])),
                 train_end=timings.get("train_done", float(last.time)),
-                tokens_per_s=speeds[len(speeds) // 2] if speeds else None,
+                tokens_per_s=measured_tokens_per_s(records),
+                wall_s=stage_wall_s(timings),
                 last_eval_ppl=evals[-1] if evals else None,
                 reason=result.get("reason"),
             )

@@ -45,14 +45,30 @@ def build_report(
 
 
 def distinct_names(runs: Sequence[RunData]) -> list[RunData]:
-    """The runs, those whose names clash renamed ``<parent>/<name>`` (two log roots' ``dp1``, say)."""
-    names = [run.name for run in runs]
-    return [
-        dataclasses.replace(run, name=f"{run.run_dir.resolve().parent.name}/{run.name}")
-        if names.count(run.name) > 1
-        else run
-        for run in runs
-    ]
+    """The runs, those whose names clash renamed ``<ancestor>/<name>`` by the nearest directory above them
+    whose name tells them apart (two log roots' ``dp1``: their parents; three demos' ``logs/online``:
+    their time-stamped directories)."""
+    named = []
+    for run in runs:
+        twins = [other.run_dir.resolve() for other in runs if other.name == run.name]
+        if len(twins) < 2:
+            named.append(run)
+            continue
+        ancestors = run.run_dir.resolve().parents
+        depth = next(
+            (
+                level
+                for level in range(len(ancestors))
+                if _ancestor_names(twins, level).count(ancestors[level].name) == 1
+            ),
+            0,
+        )
+        named.append(dataclasses.replace(run, name=f"{ancestors[depth].name}/{run.name}"))
+    return named
+
+
+def _ancestor_names(paths: Sequence[Path], level: int) -> list[str]:
+    return [path.parents[level].name if level < len(path.parents) else "" for path in paths]
 
 
 def _stderr(message: str) -> None:

@@ -1,7 +1,10 @@
 """The PNG figures of ``cona report`` (matplotlib, Agg, no pyplot state). Several runs share each figure,
-one colour per run; a switch is a dashed vertical line labelled with the strategy it switched to.
+one colour per run; a switch is a dashed vertical line tagged above the axes with the number of the stage it
+led into, and the legend beside lists each run's stages with their strategies (the key to the tags and to
+the timeline's bands). The bar figures give each run a row of its own.
 
-Each ``draw_*`` function returns the file it wrote, or None when no run has the data it plots.
+Each figure's builder returns the figure, or None when no run has the data it plots; :func:`draw_figures`
+collects them (the figure tests measure their texts), :func:`draw_all` writes them as PNGs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.text import Annotation
 from matplotlib.ticker import EngFormatter
 
 from cona.planner.efficiency import MIN_SAMPLES
@@ -28,9 +32,27 @@ from cona.runner.views.report import (
     stage_summaries,
     switch_costs,
 )
-from cona.runner.views.report_axes import SwitchLabel, draw_switch_labels, label_log_axis, legend_beside
+from cona.runner.views.report_axes import (
+    SwitchTag,
+    draw_switch_tags,
+    final_layout,
+    label_log_axis,
+    legend_beside,
+    separate_vertically,
+    tag_room_pt,
+)
 
 DPI = 110
+"""The figures' resolution: their texts are measured and placed at the resolution they are written at."""
+KEY_FONTSIZE = 7.5
+BAND_HEIGHT = 0.8
+"""A timeline band's height (rows of the band axes)."""
+BAND_MARGIN_PX = 8.0
+"""Least room (pixels) between a band's label and its edges."""
+BAR_ROW_IN = 3.0
+"""Height of a run's row of bars (inches)."""
+KEY_ENTRY_IN = 0.17
+"""Height of one legend entry at :data:`KEY_FONTSIZE` (inches)."""
 SWITCH_STYLE = {"linestyle": "--", "linewidth": 1.0, "alpha": 0.8}
 PART_NAMES = {
     "probe_s": "probe loss before save",
@@ -56,6 +78,16 @@ def run_colors(count: int) -> list[str]:
 
 
 def draw_all(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
+    """Write every figure the runs have data for (``<name>.png``); returns the files by name."""
+    written = {}
+    for name, figure in draw_figures(runs).items():
+        path = out_dir / f"{name}.png"
+        figure.savefig(path, dpi=DPI)
+        written[name] = path
+    return written
+
+
+def draw_figures(runs: Sequence[RunData]) -> dict[str, Figure]:
     """Every figure the runs have data for, by name (see :data:`FIGURE_NAMES`)."""
     stages = [stage_summaries(run) for run in runs]
     unit, divisor = _time_unit(runs, stages)
@@ -67,14 +99,8 @@ def draw_all(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
         "throughput": lambda: _throughput_figure(runs, stages),
         "switch_costs": lambda: _switch_cost_figure(runs),
     }
-    written = {}
-    for name, draw in drawers.items():
-        figure = draw()
-        if figure is not None:
-            path = out_dir / f"{name}.png"
-            figure.savefig(path, dpi=DPI)
-            written[name] = path
-    return written
+    figures = {name: draw() for name, draw in drawers.items()}
+    return {name: figure for name, figure in figures.items() if figure is not None}
 
 
 def _time_unit(runs: Sequence[RunData], stages: Sequence[Sequence[StageSummary]]) -> tuple[str, float]:
@@ -104,11 +130,15 @@ def _loss_figure(
     if not any(run.metrics for run in runs):
         return None
     has_eval = any(record.get("eval_ppl") is not None for run in runs for record in run.metrics)
-    figure = Figure(figsize=(9, 6.5 if has_eval else 4), layout="constrained")
-    axes = figure.subplots(2 if has_eval else 1, 1, sharex=True, squeeze=False)[:, 0]
+    switched = any(len(run_stages) > 1 for run_stages in stages)
     colors = run_colors(len(runs))
-    switch_labels: list[SwitchLabel] = []
-    for run, run_stages, color in zip(runs, stages, colors, strict=True):
+    switch_label = "switch (shaded: downtime)" if axis == "time" else "switch"
+    handles = _key_handles(runs, stages, colors, switch_label=switch_label if switched else None)
+    figure = Figure(figsize=(9, _key_height(6.5 if has_eval else 4, handles)), layout="constrained", dpi=DPI)
+    axes = figure.subplots(2 if has_eval else 1, 1, sharex=True, squeeze=False)[:, 0]
+    tags: list[SwitchTag] = []
+    last_values: list[Annotation] = []
+    for row, (run, run_stages, color) in enumerate(zip(runs, stages, colors, strict=True)):
         x, loss = _x_values(run, run.metrics, axis, divisor), _column(run.metrics, "loss")
         if axis == "time":  # no line across a switch's downtime: nothing trained then
             x, loss = _break_at_stages(run.metrics, x, loss)
@@ -120,37 +150,40 @@ def _loss_figure(
             if axis == "time":
                 x, ppl = _break_at_stages(evals, x, ppl)
             axes[1].plot(x, ppl, "o-", color=color, markersize=4)
-            _label_last_value(axes[1], x, ppl, color)
+            last_values += _label_last_value(axes[1], x, ppl, color)
         for ax in axes:
             _mark_switches(ax, run, run_stages, axis=axis, divisor=divisor, color=color)
-        switch_labels += _switch_labels(axes[0], run, run_stages, axis=axis, divisor=divisor, color=color)
+        tags += _switch_tags(axes[0], run, run_stages, axis=axis, divisor=divisor, color=color, row=row)
     axes[0].set_ylabel("training loss (nats/token)")
     if has_eval:
         axes[1].set_ylabel("eval perplexity")
         axes[1].set_yscale("log")
         label_log_axis(axes[1])
     _x_axis(axes[-1], axis, unit)
-    switched = any(len(run_stages) > 1 for run_stages in stages)
     title = f"Loss vs {'wall time' if axis == 'time' else 'tokens'}"
-    axes[0].set_title(title + (" (dashed: switch to the labelled strategy)" if switched else ""))
-    switch_label = "switch (shaded: downtime)" if axis == "time" else "switch"
-    handles = _run_handles(runs, colors, switch_label=switch_label if switched else None)
-    legend_beside(axes[0], handles, fontsize=8)
+    rows = max((tag.row + 1 for tag in tags), default=0)
+    title += " (dashed: a switch into the tagged stage)" if switched else ""
+    axes[0].set_title(title, pad=tag_room_pt(rows))
+    legend_beside(axes[0], handles, fontsize=KEY_FONTSIZE)
     for ax in axes:
         ax.grid(alpha=0.3)
-    draw_switch_labels(figure, switch_labels)
+    draw_switch_tags(figure, tags)
+    separate_vertically(figure, last_values)
     return figure
 
 
-def _label_last_value(ax: Axes, x: np.ndarray, y: np.ndarray, color: str) -> None:
+def _label_last_value(ax: Axes, x: np.ndarray, y: np.ndarray, color: str) -> list[Annotation]:
     """The run's last finite value written beside its last point (the value the run ended at)."""
     finite = np.flatnonzero(np.isfinite(x) & np.isfinite(y))
-    if len(finite):
-        last = finite[-1]
+    if not len(finite):
+        return []
+    last = finite[-1]
+    return [
         ax.annotate(
             f"{y[last]:.4g}", (x[last], y[last]), xytext=(5, 0), textcoords="offset points",
             va="center", fontsize=7, color=color,
-        )  # fmt: skip
+        )
+    ]  # fmt: skip
 
 
 def _x_values(run: RunData, records: Sequence[dict], axis: str, divisor: float) -> np.ndarray:
@@ -200,24 +233,44 @@ def _switch_x(run: RunData, previous: StageSummary, axis: str, divisor: float) -
     return float(_elapsed(run, np.array([previous.train_end]), divisor)[0])
 
 
-def _switch_labels(
-    ax: Axes, run: RunData, stages: Sequence[StageSummary], *, axis: str, divisor: float, color: str
-) -> list[SwitchLabel]:
-    """The strategy each stage after the first switched to, at its switch line (drawn last, spread out)."""
+def _switch_tags(
+    ax: Axes, run: RunData, stages: Sequence[StageSummary], *, axis: str, divisor: float, color: str, row: int
+) -> list[SwitchTag]:
+    """The number of each stage after the first, over its switch line (drawn last, spread out)."""
     return [
-        SwitchLabel(ax=ax, x=_switch_x(run, previous, axis, divisor), text=stage.label, color=color)
+        SwitchTag(
+            ax=ax, x=_switch_x(run, previous, axis, divisor), text=str(stage.stage), color=color, row=row
+        )
         for previous, stage in zip(stages, stages[1:], strict=False)
     ]
 
 
-def _run_handles(runs: Sequence[RunData], colors: Sequence[str], *, switch_label: str | None) -> list:
-    """One legend entry per run, and one for the switch lines when ``switch_label`` is given."""
-    handles: list = [
-        Line2D([], [], color=color, label=run.name) for run, color in zip(runs, colors, strict=True)
-    ]
+def _key_handles(
+    runs: Sequence[RunData],
+    stages: Sequence[Sequence[StageSummary]],
+    colors: Sequence[str],
+    *,
+    switch_label: str | None,
+) -> list:
+    """The legend: each run's line, under it (when any run switched) its stages' numbers and strategies,
+    then the switch line's entry when ``switch_label`` is given."""
+    switched = any(len(run_stages) > 1 for run_stages in stages)
+    handles: list = []
+    for run, run_stages, color in zip(runs, stages, colors, strict=True):
+        handles.append(Line2D([], [], color=color, label=run.name))
+        if switched:
+            handles += [
+                Patch(facecolor="none", edgecolor="none", label=f"{stage.stage}: {stage.label}")
+                for stage in run_stages
+            ]
     if switch_label is not None:
         handles.append(Line2D([], [], color="grey", label=switch_label, **SWITCH_STYLE))
     return handles
+
+
+def _key_height(height: float, handles: Sequence) -> float:
+    """The figure's height (inches): ``height``, or more where the legend's entries need it."""
+    return max(height, KEY_ENTRY_IN * len(handles) + 0.6)
 
 
 def _strategy_figure(
@@ -225,43 +278,61 @@ def _strategy_figure(
 ) -> Figure | None:
     if not any(stages):
         return None
-    figure = Figure(figsize=(9, 3.2 + 0.6 * len(runs)), layout="constrained")
+    colors = run_colors(len(runs))
+    handles = _key_handles(runs, stages, colors, switch_label=None)
+    figure = Figure(figsize=(9, _key_height(3.2 + 0.6 * len(runs), handles)), layout="constrained", dpi=DPI)
     gbs_ax, band_ax = figure.subplots(
         2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 0.6 + 0.5 * len(runs)]}
     )
-    colors = run_colors(len(runs))
+    bands = []
     for row, (run, run_stages, color) in enumerate(zip(runs, stages, colors, strict=True)):
-        for index, stage in enumerate(run_stages):
+        for stage in run_stages:
             start, end = _elapsed(run, np.array([stage.start_time, stage.end_time]), divisor)
             gbs_ax.hlines(stage.strategy["gbs"], start, end, color=color, linewidth=2.5)
-            band_ax.barh(row, end - start, left=start, height=0.8, color=color, alpha=0.25, edgecolor=color)
-            band_ax.text(
-                (start + end) / 2,
-                row + (0.18 if index % 2 else -0.18),  # staggered, so narrow neighbours do not overlap
-                f"{stage.stage}: dp{stage.strategy['dp']} tp{stage.strategy['tp']} pp{stage.strategy['pp']}\n"
-                f"mbs{stage.strategy['mbs']} gbs{stage.strategy['gbs']}",
-                ha="center",
-                va="center",
-                fontsize=7,
+            band_ax.barh(
+                row, end - start, left=start, height=BAND_HEIGHT, color=color, alpha=0.25, edgecolor=color
             )
+            bands.append((row, float(start), float(end), stage))
     gbs_ax.set_ylabel("global batch (samples)")
     gbs_ax.set_yscale("log", base=2)
     gbs_ax.yaxis.set_major_formatter(EngFormatter(sep=""))
-    gbs_ax.set_title("Global batch and layout over time (a band per stage: its process start to its save)")
-    legend_beside(gbs_ax, _run_handles(runs, colors, switch_label=None), fontsize=8)
+    gbs_ax.set_title("Global batch and layout of each stage over time")
+    legend_beside(gbs_ax, handles, fontsize=KEY_FONTSIZE)
     gbs_ax.grid(alpha=0.3)
     gbs_ax.margins(x=0.03)
     band_ax.set_yticks(range(len(runs)), [run.name for run in runs], fontsize=8)
     band_ax.set_ylim(len(runs) - 0.45, -0.55)
     _x_axis(band_ax, "time", unit)
+    band_ax.set_xlabel(band_ax.get_xlabel() + "; a band: a stage, from its process start to its save")
+    _label_bands(figure, band_ax, bands)
     return figure
+
+
+def _label_bands(figure: Figure, ax: Axes, bands: Sequence[tuple[int, float, float, StageSummary]]) -> None:
+    """Write in each band its stage's number and layout where they fit inside it, else its number alone,
+    else nothing (the legend's key lists every stage)."""
+    renderer = final_layout(figure)  # the bands' widths in pixels
+    for row, start, end, stage in bands:
+        (left, bottom), (right, top) = ax.transData.transform(
+            [(start, row + BAND_HEIGHT / 2), (end, row - BAND_HEIGHT / 2)]
+        )
+        full = f"{stage.stage}: {stage.label.replace(' mbs', chr(10) + 'mbs')}"  # two lines: layout, batch
+        for text in (full, str(stage.stage)):
+            label = ax.text((start + end) / 2, row, text, ha="center", va="center", fontsize=7, clip_on=True)
+            box = label.get_window_extent(renderer)
+            if (
+                box.width <= abs(right - left) - BAND_MARGIN_PX
+                and box.height <= abs(top - bottom) - BAND_MARGIN_PX
+            ):
+                break
+            label.remove()
 
 
 def _noise_figure(runs: Sequence[RunData]) -> Figure | None:
     series = [noise_series(run) for run in runs]
     if not any(series):
         return None
-    figure = Figure(figsize=(9, 6), layout="constrained")
+    figure = Figure(figsize=(9, 6), layout="constrained", dpi=DPI)
     noise_ax, efficiency_ax = figure.subplots(2, 1, sharex=True)
     colors = run_colors(len(runs))
     for run, points, color in zip(runs, series, colors, strict=True):
@@ -282,14 +353,10 @@ def _noise_figure(runs: Sequence[RunData]) -> Figure | None:
         efficiency_ax.step(  # each value holds over the interval its record closes
             tokens, [point.efficiency for point in points], where="pre", color=color, label=run.name
         )
-    noise_ax.set_ylabel("samples")
+    noise_ax.set_ylabel(f"samples\n(noise scale from the {MIN_SAMPLES}th measurement)")
     noise_ax.set_yscale("log")
     label_log_axis(noise_ax)
-    noise_ax.set_title(
-        f"Gradient noise scale (smoothed two-batch estimate, from the {MIN_SAMPLES}th measurement) "
-        "and the gbs in use",
-        fontsize=11,
-    )
+    noise_ax.set_title("Gradient noise scale (smoothed two-batch estimate) and the gbs in use", fontsize=11)
     legend_beside(noise_ax, noise_ax.get_legend_handles_labels()[0], fontsize=8)
     efficiency_ax.axhline(1.0, color="grey", linewidth=0.8)
     efficiency_ax.set_ylabel("statistical efficiency\n(progress per sample vs base gbs)")
@@ -301,99 +368,143 @@ def _noise_figure(runs: Sequence[RunData]) -> Figure | None:
 
 
 def _throughput_figure(runs: Sequence[RunData], stages: Sequence[Sequence[StageSummary]]) -> Figure | None:
-    bars = []  # (run index, stage, measured, predicted)
+    rows = []  # (run index, [(stage, measured, predicted)])
     for index, (run, run_stages) in enumerate(zip(runs, stages, strict=True)):
         predicted = predicted_throughput(run, run_stages)
-        bars += [(index, stage, stage.tokens_per_s, predicted.get(stage.stage)) for stage in run_stages]
-    if not any(measured is not None for _, _, measured, _ in bars):
+        bars = [(stage, stage.tokens_per_s, predicted.get(stage.stage)) for stage in run_stages]
+        if any(measured is not None for _, measured, _ in bars):
+            rows.append((index, bars))
+    if not rows:
         return None
-    figure = Figure(figsize=(max(7.0, 1.3 * len(bars) + 2), 4.5), layout="constrained")
-    ax = figure.subplots()
-    colors = run_colors(len(runs))
-    positions = np.arange(len(bars))
-    any_predicted = any(predicted is not None for _, _, _, predicted in bars)
+    any_predicted = any(predicted is not None for _, bars in rows for _, _, predicted in bars)
     width = 0.38 if any_predicted else 0.6
     offset = width / 2 if any_predicted else 0.0
-    for position, (index, _, measured, predicted) in zip(positions, bars, strict=True):
-        if measured is not None:
-            ax.bar(position - offset, measured, width, color=colors[index])
-        if predicted is not None:
-            ax.bar(position + offset, predicted, width, color="white", edgecolor=colors[index], hatch="//")
-    tallest = max(value or 0.0 for _, _, measured, predicted in bars for value in (measured, predicted))
-    ax.set_ylim(0, tallest * 1.3)  # room for the legend above the bars
-    ax.set_xticks(positions, [_bar_label(runs, index, stage) for index, stage, _, _ in bars], fontsize=7)
-    ax.set_ylabel("tokens / s")
-    ax.yaxis.set_major_formatter(EngFormatter(sep=""))
-    ax.set_title("Throughput per stage: measured vs predicted")
+    colors = run_colors(len(runs))
+    figure, axes = _bar_rows(runs, [index for index, _ in rows], max(len(bars) for _, bars in rows), 1.3)
+    for ax, (index, bars) in zip(axes, rows, strict=True):
+        positions = np.arange(len(bars))
+        for position, (_, measured, predicted) in zip(positions, bars, strict=True):
+            if measured is not None:
+                ax.bar(position - offset, measured, width, color=colors[index])
+            if predicted is not None:
+                ax.bar(
+                    position + offset, predicted, width, color="white", edgecolor=colors[index], hatch="//"
+                )
+        ax.set_xticks(positions, [_bar_label(stage) for stage, _, _ in bars], fontsize=7)
+        ax.set_ylabel("tokens / s")
+        ax.yaxis.set_major_formatter(EngFormatter(sep=""))
+    _title_rows(figure, axes, "Throughput per stage: measured vs predicted")
+    predicted_label = "predicted (decisions.jsonl)" if any_predicted else "predicted: none recorded"
     handles = [
-        Patch(color="grey", label="measured (median of the stage's log intervals)"),
-        Patch(
-            facecolor="white",
-            edgecolor="grey",
-            hatch="//",
-            label="predicted (decisions.jsonl)"
-            if any_predicted
-            else "predicted: none recorded (no decisions.jsonl)",
-        ),
+        Patch(color="grey", label="measured (median of the stage's\nsteady log intervals)"),
+        Patch(facecolor="white", edgecolor="grey", hatch="//", label=predicted_label),
     ]
-    if len(runs) > 1:
-        handles += [Patch(color=color, label=run.name) for run, color in zip(runs, colors, strict=True)]
-    ax.legend(handles=handles, fontsize=8, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
+    legend_beside(axes[0], handles, fontsize=8)
     return figure
 
 
-def _bar_label(runs: Sequence[RunData], index: int, stage: StageSummary) -> str:
-    prefix = f"{runs[index].name}\n" if len(runs) > 1 else ""
+def _bar_label(stage: StageSummary) -> str:
     strategy = stage.strategy
     return (
-        f"{prefix}stage {stage.stage}\ndp{strategy['dp']} tp{strategy['tp']} pp{strategy['pp']}\n"
+        f"stage {stage.stage}\ndp{strategy['dp']} tp{strategy['tp']} pp{strategy['pp']}\n"
         f"mbs{strategy['mbs']} gbs{strategy['gbs']}"
     )
 
 
-def _switch_cost_figure(runs: Sequence[RunData]) -> Figure | None:
-    switches = [(run, cost) for run in runs for cost in switch_costs(run)]
-    if not switches:
-        return None
-    figure = Figure(figsize=(max(6.0, 1.1 * len(switches) + 3), 4.5), layout="constrained")
-    ax = figure.subplots()
-    positions = np.arange(len(switches))
-    bottoms = np.zeros(len(switches))
-    for part_index, part in enumerate(SWITCH_PARTS):
-        heights = np.array([cost.parts.get(part, 0.0) for _, cost in switches])
-        if not heights.any():
-            continue
-        ax.bar(positions, heights, 0.6, bottom=bottoms, color=f"C{part_index}", label=PART_NAMES[part])
-        bottoms += heights
-    charged = [charged_switch_costs(run, stage_summaries(run)).get(cost.into_stage) for run, cost in switches]
-    for position, value in zip(positions, charged, strict=True):
+def _bar_rows(
+    runs: Sequence[RunData], indices: Sequence[int], slots: int, slot_in: float
+) -> tuple[Figure, list]:
+    """A figure of bar charts, one row per run of ``indices`` (titled with the run's name when there are
+    several runs), each ``slots`` bars of ``slot_in`` inches wide, sharing the value axis."""
+    figure = Figure(
+        figsize=(max(7.0, slot_in * slots + 3.0), 0.6 + BAR_ROW_IN * len(indices)),
+        layout="constrained",
+        dpi=DPI,
+    )
+    axes = list(figure.subplots(len(indices), 1, sharey=True, squeeze=False)[:, 0])
+    for ax, index in zip(axes, indices, strict=True):
+        ax.set_xlim(-0.6, slots - 0.4)  # the same bar width in every row
+        ax.grid(axis="y", alpha=0.3)
+        if len(runs) > 1:
+            ax.set_title(runs[index].name, fontsize=9, color=run_colors(len(runs))[index], loc="left")
+    return figure, axes
+
+
+def _title_rows(figure: Figure, axes: Sequence[Axes], title: str) -> None:
+    """The figure's title: over the one row, or over the runs' rows."""
+    if len(axes) == 1 and not axes[0].get_title(loc="left"):
+        axes[0].set_title(title)
+    else:
+        figure.suptitle(title)
+
+
+def _value_labels(ax: Axes, positions: np.ndarray, values: Sequence[float | None]) -> None:
+    """Each bar's value (seconds) just above its top."""
+    for position, value in zip(positions, values, strict=True):
         if value is not None:
-            ax.hlines(value, position - 0.36, position + 0.36, colors="black", linestyles="--", linewidth=1.5)
-    tops = np.maximum(bottoms, [value or 0.0 for value in charged])
-    for position, total, top in zip(positions, bottoms, tops, strict=True):
-        ax.annotate(
-            f"{total:.1f} s",
-            (position, top),
-            xytext=(0, 3),
-            textcoords="offset points",
-            ha="center",
-            fontsize=8,
+            ax.annotate(
+                f"{value:.1f} s", (position, value), xytext=(0, 2), textcoords="offset points",
+                ha="center", va="bottom", fontsize=7,
+            )  # fmt: skip
+
+
+def _switch_cost_figure(runs: Sequence[RunData]) -> Figure | None:
+    rows = [(index, switch_costs(run)) for index, run in enumerate(runs)]
+    rows = [(index, costs) for index, costs in rows if costs]
+    if not rows:
+        return None
+    charged = {index: charged_switch_costs(runs[index], stage_summaries(runs[index])) for index, _ in rows}
+    any_charged = any(cost.into_stage in charged[index] for index, costs in rows for cost in costs)
+    width = 0.38 if any_charged else 0.6
+    offset = width / 2 if any_charged else 0.0
+    figure, axes = _bar_rows(runs, [index for index, _ in rows], max(len(costs) for _, costs in rows), 1.1)
+    tallest = 0.0
+    for ax, (index, costs) in zip(axes, rows, strict=True):
+        positions = np.arange(len(costs))
+        totals = np.zeros(len(costs))
+        for part_index, part in enumerate(SWITCH_PARTS):
+            heights = np.array([cost.parts.get(part, 0.0) for cost in costs])
+            if heights.any():
+                ax.bar(
+                    positions - offset,
+                    heights,
+                    width,
+                    bottom=totals,
+                    color=f"C{part_index}",
+                    label=PART_NAMES[part],
+                )
+                totals += heights
+        _value_labels(ax, positions - offset, list(totals))
+        values = [charged[index].get(cost.into_stage) for cost in costs]
+        for position, value in zip(positions, values, strict=True):
+            if value is not None:
+                ax.bar(position + offset, value, width, color="white", edgecolor="black", hatch="//")
+        _value_labels(ax, positions + offset, values)
+        ax.set_xticks(
+            positions, [f"stage {cost.into_stage - 1}\u2192{cost.into_stage}" for cost in costs], fontsize=8
         )
-    prefix = len(runs) > 1
-    labels = [
-        f"{run.name}\n" * prefix + f"stage {cost.into_stage - 1}\u2192{cost.into_stage}"
-        for run, cost in switches
-    ]
-    ax.set_xticks(positions, labels, fontsize=8)
-    ax.set_ylabel("seconds")
-    ax.set_ylim(0, tops.max() * 1.15)
-    ax.set_title("Switch cost by part (measured)")
-    handles, names = ax.get_legend_handles_labels()
-    handles, names = handles[::-1], names[::-1]  # top to bottom as stacked: the last part first
-    if any(value is not None for value in charged):
-        handles.append(Line2D([], [], color="black", linestyle="--", linewidth=1.5))
-        names.append("cost the policy charged\n(decisions.jsonl)")
-    ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(axis="y", alpha=0.3)
+        ax.set_ylabel("seconds")
+        tallest = max(tallest, totals.max(), *(value or 0.0 for value in values))
+    axes[0].set_ylim(0, tallest * 1.15)  # room for the values over the tallest bar
+    _title_rows(
+        figure,
+        axes,
+        "Switch cost by part (measured)" + (", and the cost the policy charged" if any_charged else ""),
+    )
+    handles, names = _switch_cost_legend(axes, any_charged)
+    legend_beside(axes[0], handles, names, fontsize=8)
     return figure
+
+
+def _switch_cost_legend(axes: Sequence[Axes], charged: bool) -> tuple[list, list[str]]:
+    """The parts as stacked (the last part first), each once, then the charged bar."""
+    parts: dict[str, object] = {}
+    for ax in axes:
+        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+            parts.setdefault(name, handle)
+    order = [PART_NAMES[part] for part in reversed(SWITCH_PARTS) if PART_NAMES[part] in parts]
+    handles, names = [parts[name] for name in order], order
+    if charged:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//"))
+        names.append("cost the policy charged\n(decisions.jsonl)")
+    return handles, names

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cona.runner.views.online_report import STAGE_COLUMNS_CAPTION
 from cona.runner.views.report import (
     SWITCH_PARTS,
     RunData,
@@ -116,7 +117,7 @@ def _fmt(value: Any) -> str:
 
 
 def _stage_table(runs: Sequence[RunData]) -> str:
-    headers = ["run", "stage", "strategy", "iterations", "tokens", "wall time (s)", "tokens/s (median)"]
+    headers = ["run", "stage", "strategy", "iterations", "tokens", "wall s", "tokens/s"]
     headers += ["predicted tokens/s", "last eval ppl", "stopped"]
     rows = []
     for run in runs:
@@ -130,14 +131,16 @@ def _stage_table(runs: Sequence[RunData]) -> str:
                     stage.label,
                     f"{stage.first_iteration}\u2013{stage.last_iteration}",
                     stage.end_tokens - stage.start_tokens,
-                    stage.end_time - stage.start_time,
+                    stage.wall_s,
                     stage.tokens_per_s,
                     predicted.get(stage.stage),
                     stage.last_eval_ppl,
                     stage.reason or "running",
                 ]
             )
-    return _table(headers, rows, {0, 2, 3, 9}) if rows else "<p>No metrics yet.</p>"
+    if not rows:
+        return "<p>No metrics yet.</p>"
+    return _table(headers, rows, {0, 2, 3, 9}) + f"<p>{html.escape(STAGE_COLUMNS_CAPTION)}.</p>"
 
 
 def _switch_table(runs: Sequence[RunData]) -> str:
