@@ -3,10 +3,12 @@ checksum manifest, and a failed save says why in one line. Each refusal names th
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -137,6 +139,34 @@ def test_an_edited_manifest_and_an_extra_file_are_refused(saved) -> None:
     rewrite_manifest(path)
     (path / "__9_0.distcp").write_bytes(b"planted")
     refused_on_load(config, path, rf"^{path}/__9_0.distcp: not in the checkpoint's manifest.json")
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent", "unlisted"])
+def test_metadata_pointing_outside_the_checkpoint_is_refused_on_load_and_export(
+    saved, tmp_path: Path, capsys, where: str
+) -> None:
+    """With ``.metadata`` and the manifest rewritten, a tensor record naming another checkpoint's shard
+    (an absolute path or ``..``) or a file the manifest does not list is refused; nothing is read from it."""
+    config, path = saved
+    model, optimizer = trained(config, steps=3)
+    other = save(tmp_path / "other", config, model, optimizer, 3)
+    target = {
+        "absolute": str(other / "__0_0.distcp"),
+        "parent": os.path.relpath(other / "__0_0.distcp", path),
+        "unlisted": "__7_0.distcp",
+    }[where]
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path=target)
+        for index, info in metadata.storage_data.items()
+    }
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    rewrite_manifest(path)
+    refusal = rf"^{path}/.metadata: tensor \S+ is stored at '{re.escape(target)}', "
+    refused_on_load(config, path, refusal)
+    out = tmp_path / "out.safetensors"
+    assert main(["ckpt", "export", str(path), str(out)]) == 1
+    assert f"{path}/.metadata: tensor " in capsys.readouterr().err and not out.exists()
 
 
 def test_a_checkpoint_without_a_manifest_is_refused(saved) -> None:
