@@ -120,6 +120,11 @@ def _add_chain_flags(parser: argparse.ArgumentParser) -> None:
         help="discard the run's state and start it over (else the same command resumes the run)",
     )
     chain.add_argument(
+        "--resume-diverged",
+        action="store_true",
+        help="resume a run whose last attempt stopped because training diverged (else refused)",
+    )
+    chain.add_argument(
         "--switch-in-place",
         action="store_true",
         help="a chain step that keeps the previous step's layout continues the state in the workers' memory "

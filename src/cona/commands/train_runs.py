@@ -87,6 +87,7 @@ def _common(flags: Any, config: ConaConfig, run_name: str, num_nodes: int) -> di
         "run_dir": run_dir,
         "base_port": resolve_port_base(flag(flags, "master_port_base"), num_nodes),
         "fresh": bool(flag(flags, "fresh")),
+        "resume_diverged": bool(flag(flags, "resume_diverged")),
         "quiet": bool(flag(flags, "quiet")),
     }
 
@@ -221,6 +222,7 @@ def fixed_run(flags: Any, config: ConaConfig, strategy: Strategy) -> FixedRun:
         base_port=resolve_port_base(flag(flags, "master_port_base"), num_nodes=1),
         quiet=bool(flag(flags, "quiet")),
         fresh=bool(flag(flags, "fresh")),
+        resume_diverged=bool(flag(flags, "resume_diverged")),
     )
 
 

@@ -169,6 +169,7 @@ def start_checkpoint(
     owner: str = "",
     background: bool = False,
     writer_group: dist.ProcessGroup | None = None,
+    move_latest: bool = True,
 ) -> PendingSave:
     """Collective: start saving model and optimizer state as ``<layout_dir>/global_step<iteration>``, with
     ``probe`` (a :class:`cona.engine.switch_check.ProbeRecord` as a dict) beside it when given. Also works
@@ -178,7 +179,8 @@ def start_checkpoint(
     ``background``: the shards are copied to host memory now and written by a thread, which agrees over
     ``writer_group`` (DCP ``async_save``; a gloo group of its own, so it never interleaves with training's
     collectives); else they are written before this returns. Nothing is published before
-    :meth:`PendingSave.finish`: the checksums, the manifest, the rename into place and ``latest``."""
+    :meth:`PendingSave.finish`: the checksums, the manifest, the rename into place and ``latest`` (left where
+    it is when not ``move_latest``: a state no rerun is to resume from)."""
     layout_dir = Path(layout_dir)
     final_dir = layout_dir / f"global_step{iteration}"
     with _save_failures(final_dir):
@@ -212,7 +214,8 @@ def start_checkpoint(
             )
             write_manifest(tmp_dir, fields, files)  # before the rename: a published checkpoint has one
             _publish(tmp_dir, final_dir)
-            _write_marker(layout_dir / LATEST, final_dir.name, owner)
+            if move_latest:
+                _write_marker(layout_dir / LATEST, final_dir.name, owner)
 
     return PendingSave(final_dir=final_dir, files_written=files_written, complete=complete)
 

@@ -36,6 +36,7 @@ from cona.engine.session import RunnerWatch, leave_orphaned
 from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.engine.step_trace import StepTrace
 from cona.engine.train_model import PendingStepOutput, TrainingModel
+from cona.errors import TrainingDiverged
 from cona.metrics_record import MetricsRecord
 from cona.planner.efficiency import MIN_SAMPLES
 
@@ -115,10 +116,15 @@ class StageContext:
 def train_stage(ctx: StageContext, progress: Progress) -> str:
     """Train until the stop rule or a switch request; returns the stop reason (see ``STOP_REASONS``).
     A periodic save still in flight at the end is finished (published) before this returns; after an
-    exception it is not (a rank that failed would never join), and its temporary is never loaded."""
+    exception it is not (a rank that failed would never join), and its temporary is never loaded. A stage
+    that ends in a state unfit to resume from (:meth:`DivergenceWatch.unfit_to_resume`) raises
+    :class:`TrainingDiverged` instead of ending, so that state is never saved as the stage's checkpoint."""
     reason = _train_steps(ctx, progress)
     if ctx.periodic is not None:
         ctx.periodic.close()
+    unfit = ctx.divergence.unfit_to_resume() if ctx.divergence is not None else None
+    if unfit is not None:  # every rank holds the same losses: all stop here
+        raise TrainingDiverged(f"training diverged by iteration {progress.iteration}: {unfit}")
     return reason
 
 
