@@ -115,17 +115,34 @@ class StageContext:
 
 def train_stage(ctx: StageContext, progress: Progress) -> str:
     """Train until the stop rule or a switch request; returns the stop reason (see ``STOP_REASONS``).
-    A periodic save still in flight at the end is finished (published) before this returns; after an
-    exception it is not (a rank that failed would never join), and its temporary is never loaded. A stage
+    A periodic save still in flight at the end is finished (published) before this returns, and so it is
+    when training diverged (every rank stops at the same metrics line); after another exception it is not
+    (a rank that failed would never join), and its temporary is never loaded. A stage
     that ends in a state unfit to resume from (:meth:`DivergenceWatch.unfit_to_resume`) raises
     :class:`TrainingDiverged` instead of ending, so that state is never saved as the stage's checkpoint."""
-    reason = _train_steps(ctx, progress)
+    try:
+        reason = _train_steps(ctx, progress)
+    except TrainingDiverged as err:  # every rank raises it at the same line: they finish the save together
+        _finish_saves_after(ctx.periodic, err)
+        raise
     if ctx.periodic is not None:
         ctx.periodic.close()
     unfit = ctx.divergence.unfit_to_resume() if ctx.divergence is not None else None
     if unfit is not None:  # every rank holds the same losses: all stop here
         raise TrainingDiverged(f"training diverged by iteration {progress.iteration}: {unfit}")
     return reason
+
+
+def _finish_saves_after(saves: PeriodicSaves | None, diverged: TrainingDiverged) -> None:
+    """Collective: finish the periodic save in flight when training diverged (it holds an earlier state,
+    which :mod:`cona.engine.divergence` judged when it started); when that fails, the divergence's
+    message says the save was dropped."""
+    if saves is None:
+        return
+    try:
+        saves.close()
+    except Exception as err:
+        raise TrainingDiverged(f"{diverged}; the periodic save in flight was dropped: {err}") from None
 
 
 def _train_steps(ctx: StageContext, progress: Progress) -> str:
