@@ -191,3 +191,56 @@ def test_a_system_whose_reserved_memory_leaves_nothing_is_refused_naming_the_key
     path.write_text(json.dumps(system))
     with pytest.raises(PlanError, match=r"gpu\.reserved_gib: leaves nothing of gpu\.memory_gib"):
         load_system(str(path))
+
+
+def fixed_train(tmp_path: Path, workdir: Path, log_root: str) -> list[str]:
+    from tests.runner.test_train_cli import train_args, write_tiny_setup
+
+    config = write_tiny_setup(tmp_path)
+    raw = json.loads(config.read_text())
+    raw["training"]["log_root"] = log_root
+    config.write_text(json.dumps(raw))
+    return train_args(config, workdir, "--run-name", "r", dp=1, iters=1)
+
+
+@pytest.mark.parametrize("where", ["workdir", "log_root"])
+def test_a_symbolic_link_loop_is_one_line_naming_the_path(tmp_path, capsys, where):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    looped = tmp_path / "a" / "inside"
+    workdir, log_root = (looped, "logs") if where == "workdir" else (tmp_path / "work", str(looped))
+    code, err = one_line_error(capsys, fixed_train(tmp_path, workdir, log_root))
+    assert code == 1 and str(looped) in err and "symbolic link loop" in err, err
+
+
+def test_a_full_log_root_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """A write on a full disk raises an OSError that names no file; the file in log_root is then named."""
+    import builtins
+    import errno
+    import os
+
+    from cona import atomic_files
+
+    class FullDisk:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.close()
+
+        def write(self, data) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_under_logs(file, mode="r", **kwargs):
+        handle = builtins.open(file, mode, **kwargs)
+        return FullDisk(handle) if "logs" in str(file) and "w" in mode else handle
+
+    argv = fixed_train(tmp_path, tmp_path / "work", "logs")
+    monkeypatch.setattr(atomic_files, "open", full_under_logs, raising=False)
+    code, err = one_line_error(capsys, argv)
+    assert code == 1 and re.fullmatch(rf"cona: error: {tmp_path}/logs/r/\S+: No space left on device", err), (
+        err
+    )
