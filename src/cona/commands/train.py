@@ -195,7 +195,7 @@ def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     from cona.runner.signals import stop_on_signals
 
-    with stop_on_signals():  # SIGTERM/SIGINT stop the workers and leave the run resumable
+    with stop_on_signals():  # SIGTERM/SIGINT/SIGHUP stop the workers, leaving the run resumable
         mds = _megatron_deepspeed(args)
         if args.chain is not None:
             _train_chain(args, mds)
