@@ -3,6 +3,7 @@ each now gets one line that names the file, key or flag."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -53,6 +54,9 @@ def test_a_failed_file_operation_is_one_line_naming_the_path(tmp_path, capsys):
         ["train", "--master-port-base", "0"],  # was refused only once stage 1 had started
         ["train", "--master-port-base", "70000"],
         ["train", "--num-nodes", "0"],  # was refused after the run directory was made
+        ["train", "--dp", "0"],  # exited 1, as a layout refusal, where a flag out of range exits 2
+        ["train", "--gbs", "-8"],
+        ["train", "--iters", "0"],
         ["train", "--gpus-per-node", "-1"],
         ["strategies", "--seed", "-1"],
         ["strategies", "--seed", str(2**64)],
@@ -243,4 +247,36 @@ def test_a_full_log_root_is_one_line_naming_the_file(tmp_path, capsys, monkeypat
     code, err = one_line_error(capsys, argv)
     assert code == 1 and re.fullmatch(rf"cona: error: {tmp_path}/logs/r/\S+: No space left on device", err), (
         err
+    )
+
+
+@pytest.mark.parametrize(
+    ("gbs", "iters", "refusal"),
+    [
+        (2**40, 1, r"--gbs 1099511627776: more than the \d+ samples of one epoch of the train split"),
+        (8, 2**63 - 1, r"--gbs 8 x --iters 9223372036854775807 = \d+ samples: over 1000 epochs"),
+    ],
+)
+def test_absurd_run_sizes_are_refused_before_anything_is_written(tmp_path, capsys, gbs, iters, refusal):
+    argv = fixed_train(tmp_path, tmp_path / "work", "logs")
+    argv[argv.index("--gbs") + 1], argv[argv.index("--iters") + 1] = str(gbs), str(iters)
+    code, err = one_line_error(capsys, argv)
+    assert code == 2 and re.search(rf"^cona: error: cona train {refusal}", err), err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_gbs_that_scales_the_lr_past_1_is_warned_about(tmp_path, capsys):
+    from cona.commands.train_runs import check_run_size
+    from cona.config_file import load_config
+
+    argv = fixed_train(tmp_path, tmp_path / "work", "logs")
+    config = load_config(argv[argv.index("--config") + 1])
+    check_run_size(config, 16, 4)
+    assert capsys.readouterr().err == ""
+    check_run_size(
+        dataclasses.replace(config, training=dataclasses.replace(config.training, base_lr=0.5)), 64, 4
+    )
+    warning = capsys.readouterr().err
+    assert warning.startswith(
+        "cona: warning: --gbs 64 scales training.base_lr 0.5 by 2.828 (sqrt) to a peak LR"
     )

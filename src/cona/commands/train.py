@@ -63,7 +63,9 @@ def register(subparsers) -> None:
         ("mbs", "micro-batch size per data-parallel rank"),
         ("iters", "iterations to train"),
     ):
-        fixed.add_argument(f"--{name}", type=int, default=None, metavar=name[0].upper(), help=help_text)
+        fixed.add_argument(
+            f"--{name}", type=positive_int, default=None, metavar=name[0].upper(), help=help_text
+        )
     parser.add_argument(
         "--workdir",
         type=Path,

@@ -309,6 +309,19 @@ def build_datasets(config: ConaConfig) -> Splits:
     return Splits(train=train, valid=usable["valid"], test=usable["test"])
 
 
+def train_samples_per_epoch(config: ConaConfig) -> int:
+    """Samples in one epoch of the train split, counted from the index alone (nothing is built or cached);
+    0 when the split is empty or shorter than one sample (building the datasets refuses that)."""
+    training = config.training
+    if training.data_prefix is None:
+        raise DataError("training.data_prefix is not set")
+    indexed = IndexedDataset(training.data_prefix)
+    begin, end = split_document_ranges(len(indexed), training.split)[0]
+    tokens = int(indexed.sizes[begin:end].astype(np.int64).sum())
+    seq = config.model.seq - (SPECIALS_PER_SAMPLE if config.model.family == "bert" else 0)
+    return max(tokens - 1, 0) // seq
+
+
 def _sample_tokens(config: ConaConfig) -> str:
     """What one sample reads from the packed stream, for error messages."""
     if config.model.family == "bert":
