@@ -191,13 +191,12 @@ def start_checkpoint(
     with _save_failures(final_dir, tmp_dir):
         model_state, optim_state = model_and_optimizer_state(model_parts, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        what = f"saving checkpoint {final_dir}"
+        files_written = None
         if background:
             assert writer_group is not None or not distributed()  # never over training's own groups
             files_written = dcp_async_save(state, tmp_dir, group=writer_group, distributed=distributed())
         else:
-            files_written = None
-            dcp_save(state, tmp_dir, distributed=distributed(), what=what)
+            dcp_save(state, tmp_dir, distributed=distributed(), what=f"saving checkpoint {final_dir}")
         tied = _gather_tied_groups(model_parts)
     fields = {
         "iteration": iteration,
@@ -213,9 +212,7 @@ def start_checkpoint(
         files = _checksums_of_shards(tmp_dir, final_dir)
         if rank() == 0:
             _write_json_files(tmp_dir, documents)
-            files.update(
-                {name: checksum(tmp_dir / name) for name in present_files(tmp_dir) if name not in files}
-            )
+            files.update({n: checksum(tmp_dir / n) for n in present_files(tmp_dir) if n not in files})
             write_manifest(tmp_dir, fields, files)  # before the rename: a published checkpoint has one
             _publish(tmp_dir, final_dir)
             if move_latest:
