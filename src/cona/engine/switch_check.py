@@ -207,16 +207,16 @@ def compare_probe(before: ProbeRecord | None, after: ProbeRecord, *, checkpoint:
 
 
 def tensor_mismatch(before: ProbeRecord, after: ProbeRecord) -> str | None:
-    """Why the loaded tensors are not the saved ones (None: every tensor the save measured is finite and
-    has its saved largest magnitude within the loosest dtype's tolerance, or the save measured none)."""
+    """Why the loaded tensors are not the saved ones (None: every tensor both records name is finite and
+    has its saved largest magnitude within the loosest dtype's tolerance, or the save measured none). Only
+    names both hold are compared: a layout may name a tied copy the other does not, and a tensor the
+    checkpoint lacks fails its load before this."""
     saved, loaded = before.tensor_max_abs, after.tensor_max_abs
     if not saved or loaded is None:
         return None
     rtol = max(PROBE_RTOL.get(dtype, max(PROBE_RTOL.values())) for dtype in (before.dtype, after.dtype))
-    for name, value in sorted(saved.items()):
-        now = loaded.get(name)
-        if now is None:
-            return f"model tensor {name} was saved but is not in the model loaded. No training step was taken"
+    for name in sorted(saved.keys() & loaded.keys()):
+        value, now = saved[name], loaded[name]
         if not math.isfinite(now) or abs(now - value) > rtol * abs(value) + PROBE_ATOL:
             return (
                 f"model tensor {name} holds values up to {now:.6g} in magnitude after loading, {value:.6g} "
