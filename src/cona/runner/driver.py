@@ -285,10 +285,10 @@ class StageDriver:
         stage = state.stage(number)
         spec = self.stage_spec(state, stage)
         result, launched = self.schedule.recorded_result(stage, spec.result_path), None
-        if result is None and spec.continue_in_place and self.handed_over != number - 1:
-            self._replay(state, number)  # a kill lost the state kept in memory
         if result is None and stage.attempts > 0 and not self.run.resume_diverged:
             refuse_diverged(spec.stage_dir, number, spec.load_path)
+        if result is None and spec.continue_in_place and self.handed_over != number - 1:
+            self._replay(state, number)  # a kill lost the state kept in memory
         if result is None:
             state, launched = self._launch(state, spec, number)
             result = StageResult.read(spec.result_path)
@@ -399,10 +399,10 @@ def refuse_diverged(stage_dir: Path, number: int, load_path: Path | None) -> Non
     would train on from its newest checkpoint into the same divergence."""
     message = diverged(stage_dir)
     if message is not None:
-        resume = f"from {load_path}" if load_path is not None else "from scratch"
+        where = f" from {load_path}" if load_path is not None else ""
         raise TrainingDiverged(
             f"stage {number} stopped diverged ({message}); lower training.base_lr and rerun with --fresh, "
-            f"or pass --resume-diverged to resume it {resume} anyway"
+            f"or pass --resume-diverged to resume it{where} anyway"
         )
 
 
