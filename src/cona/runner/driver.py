@@ -401,7 +401,7 @@ def refuse_diverged(stage_dir: Path, number: int, load_path: Path | None) -> Non
     if message is not None:
         where = f" from {load_path}" if load_path is not None else ""
         raise TrainingDiverged(
-            f"stage {number} stopped diverged ({message}); lower training.base_lr and rerun with --fresh, "
+            f"stage {number} stopped diverged ({message}); rerun with --fresh to start over, "
             f"or pass --resume-diverged to resume it{where} anyway"
         )
 
