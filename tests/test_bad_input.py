@@ -239,7 +239,7 @@ def test_a_full_log_root_is_one_line_naming_the_file(tmp_path, capsys, monkeypat
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def full_under_logs(file, mode="r", **kwargs):
-        handle = builtins.open(file, mode, **kwargs)
+        handle = builtins.open(file, mode, **kwargs)  # noqa: SIM115 (closed by atomic_open's with)
         return FullDisk(handle) if "logs" in str(file) and "w" in mode else handle
 
     argv = fixed_train(tmp_path, tmp_path / "work", "logs")
