@@ -3,6 +3,7 @@ exit status; never a traceback, a hang or exit 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -53,6 +54,9 @@ def test_a_failed_file_operation_is_one_line_naming_the_path(tmp_path, capsys):
         ["train", "--master-port-base", "0"],  # was refused only once stage 1 had started
         ["train", "--master-port-base", "70000"],
         ["train", "--num-nodes", "0"],  # was refused after the run directory was made
+        ["train", "--dp", "0"],  # exited 1, as a layout refusal, where a flag out of range exits 2
+        ["train", "--gbs", "-8"],
+        ["train", "--iters", "0"],
         ["train", "--gpus-per-node", "-1"],
         ["strategies", "--seed", "-1"],
         ["strategies", "--seed", str(2**64)],
@@ -191,3 +195,88 @@ def test_a_system_whose_reserved_memory_leaves_nothing_is_refused_naming_the_key
     path.write_text(json.dumps(system))
     with pytest.raises(PlanError, match=r"gpu\.reserved_gib: leaves nothing of gpu\.memory_gib"):
         load_system(str(path))
+
+
+def fixed_train(tmp_path: Path, workdir: Path, log_root: str) -> list[str]:
+    from tests.runner.test_train_cli import train_args, write_tiny_setup
+
+    config = write_tiny_setup(tmp_path)
+    raw = json.loads(config.read_text())
+    raw["training"]["log_root"] = log_root
+    config.write_text(json.dumps(raw))
+    return train_args(config, workdir, "--run-name", "r", dp=1, iters=1)
+
+
+@pytest.mark.parametrize("where", ["workdir", "log_root"])
+def test_a_symbolic_link_loop_is_one_line_naming_the_path(tmp_path, capsys, where):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    looped = tmp_path / "a" / "inside"
+    workdir, log_root = (looped, "logs") if where == "workdir" else (tmp_path / "work", str(looped))
+    code, err = one_line_error(capsys, fixed_train(tmp_path, workdir, log_root))
+    assert code == 1 and str(looped) in err and "symbolic link loop" in err, err
+
+
+def test_a_full_log_root_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """A write on a full disk raises an OSError that names no file; the file in log_root is then named."""
+    import builtins
+    import errno
+    import os
+
+    from cona import atomic_files
+
+    class FullDisk:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.close()
+
+        def write(self, data) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_under_logs(file, mode="r", **kwargs):
+        handle = builtins.open(file, mode, **kwargs)  # noqa: SIM115 (closed by atomic_open's with)
+        return FullDisk(handle) if "logs" in str(file) and "w" in mode else handle
+
+    argv = fixed_train(tmp_path, tmp_path / "work", "logs")
+    monkeypatch.setattr(atomic_files, "open", full_under_logs, raising=False)
+    code, err = one_line_error(capsys, argv)
+    assert code == 1 and re.fullmatch(rf"cona: error: {tmp_path}/logs/r/\S+: No space left on device", err), (
+        err
+    )
+
+
+@pytest.mark.parametrize(
+    ("gbs", "iters", "refusal"),
+    [
+        (2**40, 1, r"--gbs 1099511627776: more than the \d+ samples of one epoch of the train split"),
+        (8, 2**63 - 1, r"--gbs 8 x --iters 9223372036854775807 = \d+ samples: over 1000 epochs"),
+    ],
+)
+def test_absurd_run_sizes_are_refused_before_anything_is_written(tmp_path, capsys, gbs, iters, refusal):
+    argv = fixed_train(tmp_path, tmp_path / "work", "logs")
+    argv[argv.index("--gbs") + 1], argv[argv.index("--iters") + 1] = str(gbs), str(iters)
+    code, err = one_line_error(capsys, argv)
+    assert code == 2 and re.search(rf"^cona: error: cona train {refusal}", err), err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_gbs_that_scales_the_lr_past_1_is_warned_about(tmp_path, capsys):
+    from cona.commands.train_runs import check_run_size
+    from cona.config_file import load_config
+
+    argv = fixed_train(tmp_path, tmp_path / "work", "logs")
+    config = load_config(argv[argv.index("--config") + 1])
+    check_run_size(config, 16, 4)
+    assert capsys.readouterr().err == ""
+    check_run_size(
+        dataclasses.replace(config, training=dataclasses.replace(config.training, base_lr=0.5)), 64, 4
+    )
+    warning = capsys.readouterr().err
+    assert warning.startswith(
+        "cona: warning: --gbs 64 scales training.base_lr 0.5 by 2.828 (sqrt) to a peak LR"
+    )

@@ -50,7 +50,8 @@ def private_tmp(path: Path) -> Path:
 def atomic_open(path: Path, mode: str = "w", *, tmp: Path | None = None) -> Iterator[IO[Any]]:
     """Open a temporary for writing; on a clean exit it is fsynced and renamed over ``path`` (and the
     directory fsynced), on an exception removed. ``tmp`` names the temporary where a caller's clean-up
-    must recognise it (the checkpoint layout's ``.tmp-*`` entries)."""
+    must recognise it (the checkpoint layout's ``.tmp-*`` entries). An ``OSError`` that names no file (a
+    write or fsync on a full disk) is raised again naming ``path``, so the CLI reports it in one line."""
     path = Path(path)
     tmp = private_tmp(path) if tmp is None else Path(tmp)
     try:
@@ -59,9 +60,11 @@ def atomic_open(path: Path, mode: str = "w", *, tmp: Path | None = None) -> Iter
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a write or fsync (a full disk): name the file
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
         raise
     fsync_dir(path.parent)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from typing import Any
 
@@ -74,9 +75,26 @@ def main(argv: list[str] | None = None) -> int:
             raise  # not about a path the user gave (a bug), or asked for: with its traceback
         print(f"cona: error: {os_error_text(err)}", file=sys.stderr)
         return FAILURE_EXIT
+    except RuntimeError as err:
+        loop = symlink_loop(err)
+        if loop is None or os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"cona: error: {loop}: a symbolic link loop", file=sys.stderr)
+        return FAILURE_EXIT
     except KeyboardInterrupt as err:
         print(f"cona: {err}" if str(err) else "cona: interrupted", file=sys.stderr)
         return int(getattr(err, "exit_code", 130))
+
+
+SYMLINK_LOOP = re.compile(r"Symlink loop from '(?P<path>.*)'")
+"""What ``Path.resolve`` raises (a RuntimeError) for a symbolic link loop before Python 3.13, which raises
+an ``OSError`` (ELOOP) naming the path instead."""
+
+
+def symlink_loop(err: RuntimeError) -> str | None:
+    """The path of pathlib's symbolic-link-loop error (None: another RuntimeError, a bug)."""
+    match = SYMLINK_LOOP.fullmatch(str(err))
+    return match.group("path") if match else None
 
 
 def os_error_text(err: OSError) -> str:

@@ -4,8 +4,8 @@ The CLI prints these as one line (``cona: error: ...``) with no traceback and ex
 :class:`UsageError` (flags that do not go together, as argparse's own usage errors) and 1 for every other
 (a config, data, checkpoint or launch failure). A file operation that fails on a path (an ``OSError`` that
 names its file: a directory where a file should be, no permission, a full disk) is printed the same way,
-``cona: error: PATH: reason``, exit 1 (``CONA_TRACEBACK=1`` shows its traceback too); anything else that
-escapes is a bug and keeps its traceback.
+``cona: error: PATH: reason``, exit 1 (``CONA_TRACEBACK=1`` shows its traceback too), and so is a symbolic
+link loop met resolving a path; anything else that escapes is a bug and keeps its traceback.
 """
 
 from pathlib import Path

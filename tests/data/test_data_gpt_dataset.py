@@ -108,9 +108,9 @@ def test_index_is_cached_and_reused(tmp_path: Path, corpus, monkeypatch: pytest.
     built = build_datasets(config).train
     expected = [built[i] for i in range(2 * len(built))]
     cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert all(name.endswith(".npy") for name in cached)
-    assert len([name for name in cached if "_train_" in name]) == 2 * 3  # 2 epochs x 3 arrays
-    assert len(cached) == 2 * 3 + 3 + 3  # + epoch 0 of valid and test, built up front
+    assert all(name.endswith((".npy", "_sha256.json")) for name in cached)
+    assert len([name for name in cached if "_train_" in name]) == 2 * 4  # 2 epochs x (3 arrays + checksums)
+    assert len(cached) == 2 * 4 + 4 + 4  # + epoch 0 of valid and test, built up front
 
     def no_build(self, epoch):
         raise AssertionError("the index should have come from the cache")
@@ -138,6 +138,29 @@ def test_a_damaged_cache_file_is_rebuilt(tmp_path: Path, corpus) -> None:
         path.write_bytes(b"garbage")
     np.testing.assert_array_equal(build_datasets(config).train[3], expected)
     assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "swapped", "no checksums"])
+def test_a_cached_array_of_the_right_shape_but_other_values_is_rebuilt(
+    tmp_path: Path, corpus, damage
+) -> None:
+    """Zeroing ``*_train_shuffle.npy`` keeps its shape; read as it is, the run would repeat samples."""
+    config = make_config(tmp_path)
+    built = build_datasets(config).train
+    expected = [built[i] for i in range(len(built))]
+    shuffle = next((tmp_path / "cache").glob("*_train_shuffle.npy"))
+    if damage == "zeroed":
+        np.save(shuffle, np.zeros_like(np.load(shuffle)))
+    elif damage == "swapped":
+        order = np.load(shuffle)
+        np.save(shuffle, np.concatenate([order[1::-1], order[2:]]))  # the first two visited samples swapped
+    else:  # a cache an older version wrote, or a checksum file lost: the arrays are not trusted
+        next((tmp_path / "cache").glob("*_train_sha256.json")).unlink()
+        np.save(shuffle, np.zeros_like(np.load(shuffle)))
+    reloaded = build_datasets(config).train
+    for i, sample in enumerate(expected):
+        np.testing.assert_array_equal(reloaded[i], sample)
+    assert not np.array_equal(np.load(shuffle), np.zeros_like(np.load(shuffle)))  # rewritten
 
 
 def test_default_cache_dir_is_next_to_the_data(tmp_path: Path, corpus) -> None:

@@ -83,6 +83,19 @@ def test_writer_output_matches_the_spec_field_by_field(tmp_path: Path) -> None:
     assert (tmp_path / "ours.bin").read_bytes() == expected_bin
 
 
+@pytest.mark.parametrize(("dtype", "code"), [("<f4", 7), ("<f8", 6)])
+def test_float_token_data_is_refused_naming_the_file(tmp_path: Path, dtype: str, code: int) -> None:
+    """Float ids would be cut to an integer (3993.5 -> 3993) or be NaN; the reader and the writer refuse
+    them, naming the file."""
+    prefix = tmp_path / "floats"
+    write_by_spec(prefix, [[1.0, 3993.5], [float("nan")]], [0, 1, 2], dtype=dtype, code=code)
+    name = np.dtype(dtype).name
+    with pytest.raises(DataError, match=rf"^{prefix}.idx: dtype code {code} is {name}, a float type; "):
+        IndexedDataset(prefix)
+    with pytest.raises(DataError, match=f"dtype {name} cannot hold token ids"):
+        IndexedDatasetWriter(tmp_path / "written", np.dtype(dtype))
+
+
 def test_writer_leaves_nothing_behind_when_it_fails(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), IndexedDatasetWriter(tmp_path / "broken", np.uint16) as writer:
         writer.add_document([1, 2])

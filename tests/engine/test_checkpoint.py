@@ -152,6 +152,24 @@ def test_a_later_save_moves_latest_and_resaving_an_iteration_replaces_it(saved) 
     assert sorted(p.name for p in path.parent.iterdir()) == ["global_step2", "global_step3", "latest"]
 
 
+def test_a_save_that_must_not_become_latest_leaves_latest_on_the_previous_one(saved) -> None:
+    """A state unfit to resume from (:mod:`cona.engine.divergence`) is saved, but ``latest`` stays."""
+    config, path, (model, optimizer) = saved
+    ckpt_worker.train_step(model, optimizer, 3)
+    unfit = ckpt.save_checkpoint(
+        path.parent,
+        iteration=3,
+        model_parts=[model],
+        optimizer=optimizer,
+        trainer_state={"iteration": 3},
+        config=config,
+        strategy=ONE,
+        move_latest=False,
+    )
+    verify_complete(unfit)
+    assert resolve_checkpoint(path.parent) == path
+
+
 def test_interleaved_parts_save_under_global_names(tmp_path: Path) -> None:
     """Two model parts on one rank (interleaved pipeline) with one optimizer save and load like one model."""
     config = small_config()

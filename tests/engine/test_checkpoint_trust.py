@@ -3,10 +3,12 @@ checksum manifest, and a failed save says why in one line. Each refusal names th
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -139,6 +141,34 @@ def test_an_edited_manifest_and_an_extra_file_are_refused(saved) -> None:
     refused_on_load(config, path, rf"^{path}/__9_0.distcp: not in the checkpoint's manifest.json")
 
 
+@pytest.mark.parametrize("where", ["absolute", "parent", "unlisted"])
+def test_metadata_pointing_outside_the_checkpoint_is_refused_on_load_and_export(
+    saved, tmp_path: Path, capsys, where: str
+) -> None:
+    """With ``.metadata`` and the manifest rewritten, a tensor record naming another checkpoint's shard
+    (an absolute path or ``..``) or a file the manifest does not list is refused; nothing is read from it."""
+    config, path = saved
+    model, optimizer = trained(config, steps=3)
+    other = save(tmp_path / "other", config, model, optimizer, 3)
+    target = {
+        "absolute": str(other / "__0_0.distcp"),
+        "parent": os.path.relpath(other / "__0_0.distcp", path),
+        "unlisted": "__7_0.distcp",
+    }[where]
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path=target)
+        for index, info in metadata.storage_data.items()
+    }
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    rewrite_manifest(path)
+    refusal = rf"^{path}/.metadata: tensor \S+ is stored at '{re.escape(target)}', "
+    refused_on_load(config, path, refusal)
+    out = tmp_path / "out.safetensors"
+    assert main(["ckpt", "export", str(path), str(out)]) == 1
+    assert f"{path}/.metadata: tensor " in capsys.readouterr().err and not out.exists()
+
+
 def test_a_checkpoint_without_a_manifest_is_refused(saved) -> None:
     config, path = saved
     (path / "manifest.json").unlink()
@@ -197,9 +227,43 @@ def test_a_full_disk_during_the_save_is_one_line_with_cause_and_path(saved, monk
         save(path.parents[6], config, model, optimizer, 3)
     message = str(failed.value)
     assert "\n" not in message and "CheckpointException" not in message
-    assert message.startswith(f"saving checkpoint {path.parent}/global_step3 failed on rank 0: OSError: ")
-    assert "[Errno 28] No space left on device" in message and ".tmp-global_step3-" in message
+    assert message.startswith(
+        f"saving checkpoint {path.parent}/global_step3 failed: no space left on {path.parent} ("
+    )
+    assert "bytes free); on rank 0: OSError: [Errno 28] No space left on device" in message
+    assert ".tmp-global_step3-" in message
     assert ckpt.resolve_checkpoint(path.parent) == path  # the previous checkpoint stays latest
+    assert not list(path.parent.glob(".tmp-*"))  # the failed temporary holds no space
+
+
+def test_a_short_write_on_a_full_disk_says_no_space_left_and_removes_the_temporary(
+    saved, monkeypatch
+) -> None:
+    """torch's zip writer reports a short write on a full disk as ``unexpected pos``, naming no space: the
+    save says the disk is full, with the bytes free, and removes its temporary."""
+    config, path = saved
+    model, optimizer = trained(config, steps=3)
+    real_create_stream = dcp.filesystem.FileSystem.create_stream
+
+    def short_write(self, target, mode):
+        if "w" in mode and str(target).endswith(".distcp"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 320 vs 256")
+        return real_create_stream(self, target, mode)
+
+    monkeypatch.setattr(dcp.filesystem.FileSystem, "create_stream", short_write)
+    usage = shutil.disk_usage(path.parent)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda where: usage._replace(free=4096))
+    with pytest.raises(CheckpointError) as failed:
+        save(path.parents[6], config, model, optimizer, 3)
+    message = str(failed.value)
+    assert message.startswith(
+        f"saving checkpoint {path.parent}/global_step3 failed: no space left on {path.parent} "
+        "(4096 bytes free); on rank 0: RuntimeError: [enforce fail at inline_container.cc:672] . "
+        "unexpected pos"
+    )
+    assert "\n" not in message
+    assert not list(path.parent.glob(".tmp-*"))
+    assert ckpt.resolve_checkpoint(path.parent) == path
 
 
 def test_an_unwritable_layout_directory_is_one_line(saved, monkeypatch) -> None:

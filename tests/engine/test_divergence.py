@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from cona.config import parse_config
 from cona.engine.divergence import DivergenceWatch
 from cona.errors import TrainingDiverged
 
@@ -30,3 +31,38 @@ def test_a_stepped_line_resets_the_count_and_a_loss_spike_stops_the_run():
         DivergenceWatch(max_skipped_steps=5, loss_factor=0.0).check(
             iteration=1, loss=math.inf, steps=1, skipped=0
         )
+
+
+def config(vocab_size: int = 50257):
+    model = {"name": "tiny", "layers": 1, "hidden": 8, "heads": 2, "seq": 8, "vocab_size": vocab_size}
+    return parse_config({"model": model, "training": {"divergence_loss_factor": 10.0}})
+
+
+def test_a_climb_under_the_stop_factor_is_unfit_to_resume_and_the_lowest_loss_survives_a_resume():
+    """8.3 -> 33 is under 10x: the run goes on, but that state never becomes ``latest`` and, resumed, the
+    run still compares with 8.3 (it stopped at 85, which a lowest loss restarted at +inf let through)."""
+    watch = DivergenceWatch.from_config(config())
+    assert watch.unfit_to_resume() is None  # no line yet
+    watch.check(iteration=2, loss=8.3, steps=2, skipped=0)
+    assert watch.unfit_to_resume() is None
+    watch.check(iteration=4, loss=33.0, steps=2, skipped=0)
+    assert watch.unfit_to_resume() == "its loss 33 is over 2x the lowest so far (8.3)"
+    state = watch.trainer_state()
+    assert state == {"lowest_loss": 8.3, "loss": 33.0}
+    resumed = DivergenceWatch.from_config(config(), state)
+    assert resumed.unfit_to_resume() is not None  # before its first line: the saved state's loss
+    with pytest.raises(TrainingDiverged, match=r"mean loss 85 is over 10x the lowest so far \(8.3;"):
+        resumed.check(iteration=6, loss=85.0, steps=2, skipped=0)
+    assert DivergenceWatch.from_config(config()).trainer_state() == {"lowest_loss": None, "loss": None}
+
+
+def test_a_loss_back_above_a_uniform_guess_is_unfit_to_resume():
+    watch = DivergenceWatch.from_config(config(vocab_size=512))  # ln(512) = 6.238
+    watch.check(iteration=2, loss=7.0, steps=2, skipped=0)
+    watch.check(iteration=4, loss=6.5, steps=2, skipped=0)
+    assert watch.unfit_to_resume() is None  # never below ln(vocab) yet: an early run's loss
+    watch.check(iteration=6, loss=4.0, steps=2, skipped=0)
+    watch.check(iteration=8, loss=6.3, steps=2, skipped=0)  # under 2x 4.0, above ln(512)
+    assert watch.unfit_to_resume().startswith("its loss 6.3 is above ln(vocab) = 6.238")
+    watch.check(iteration=10, loss=4.1, steps=2, skipped=0)
+    assert watch.unfit_to_resume() is None

@@ -166,3 +166,36 @@ def test_the_runner_reports_a_refused_check_as_a_checkpoint_error(tmp_path):
         launch_stage(fails_otherwise, launch)
     assert not Path(spec.stage_dir, VERDICT_FILE).exists()
     assert launch_stage(lambda _launch: None, launch) > 0
+
+
+def test_a_tensor_far_from_its_saved_magnitude_fails_even_when_the_probe_loss_agrees():
+    """16 weights at 1e20 in an embedding row the probe batch never reads leave its loss as it was: the
+    per-tensor magnitudes recorded at save time refuse them, as they refuse a NaN."""
+    from cona.engine.probe import tensor_max_abs
+
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.uniform_(-0.5, 0.5)
+    saved = dataclasses.replace(SAVED, tensor_max_abs=tensor_max_abs([model]))
+    assert sorted(saved.tensor_max_abs) == ["0.weight", "1.bias", "1.weight"]
+    assert saved.tensor_max_abs["0.weight"] == pytest.approx(model[0].weight.abs().max().item())
+    same = compare_probe(saved, loaded(4.0, tensor_max_abs=tensor_max_abs([model])), checkpoint="ckpt")
+    assert same.status == "passed"
+    for planted, expected in (
+        (1e20, "holds values up to 1e+20 in magnitude"),
+        (math.nan, "holds values up to nan"),
+    ):
+        with torch.no_grad():
+            kept = model[0].weight.detach().clone()
+            model[0].weight[7, :] = planted
+        verdict = compare_probe(saved, loaded(4.0, tensor_max_abs=tensor_max_abs([model])), checkpoint="ckpt")
+        with torch.no_grad():
+            model[0].weight.copy_(kept)
+        assert verdict.status == "failed"
+        assert verdict.message().startswith(
+            f"switch verification refused checkpoint ckpt: model tensor 0.weight {expected}"
+        )
+    other_names = {"1.weight": saved.tensor_max_abs["1.weight"], "2.weight": 1e20}  # a tied copy's name
+    assert compare_probe(saved, loaded(4.0, tensor_max_abs=other_names), checkpoint="ckpt").passed
+    older = ProbeRecord.from_dict({k: v for k, v in SAVED.to_dict().items() if k != "tensor_max_abs"})
+    assert older.tensor_max_abs is None  # a probe an older cona saved still reads; nothing to compare

@@ -220,3 +220,34 @@ def test_tensorboard_sink_writes_events(tmp_path):
 def test_spec_is_frozen(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         make_spec(tmp_path).stage = 2
+
+
+def test_a_divergence_finishes_the_periodic_save_in_flight_or_says_it_was_dropped(monkeypatch):
+    """Every rank stops at the same metrics line, so the save of the earlier state in flight is finished
+    (published) before the divergence ends the stage, instead of leaving an empty temporary and no word."""
+    from types import SimpleNamespace
+
+    from cona.engine import trainer
+    from cona.errors import CheckpointError, TrainingDiverged
+
+    closed = []
+
+    class Saves:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def close(self) -> None:
+            closed.append(self.fails)
+            if self.fails:
+                raise CheckpointError("saving checkpoint global_step8 failed on rank 0: disk full")
+
+    def diverge(ctx, progress):
+        raise TrainingDiverged("training diverged at iteration 10: mean loss 90 is over 10x the lowest")
+
+    monkeypatch.setattr(trainer, "_train_steps", diverge)
+    with pytest.raises(TrainingDiverged, match=r"^training diverged at iteration 10: mean loss 90 [^;]*$"):
+        trainer.train_stage(SimpleNamespace(periodic=Saves(fails=False), divergence=None), Progress())
+    dropped = r"^training diverged at iteration 10: .*; the periodic save in flight was dropped: saving"
+    with pytest.raises(TrainingDiverged, match=dropped):
+        trainer.train_stage(SimpleNamespace(periodic=Saves(fails=True), divergence=None), Progress())
+    assert closed == [False, True]

@@ -4,6 +4,7 @@ blocks nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -148,3 +149,41 @@ def wait_gone(pid: int) -> None:
     deadline = time.monotonic() + 10
     while running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_a_lock_path_planted_as_a_link_or_a_foreign_file_is_refused_and_left_as_it_is(tmp_path):
+    """Whoever can create a file beside a shared run directory must not make the next run overwrite a file
+    of its user: a symbolic link, a hard link, a FIFO, a directory or a file holding other data at the lock's
+    path is refused by name, and the file behind it keeps its bytes."""
+    directory = tmp_path / "logs" / "run"
+    directory.parent.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    path = lock_path(directory)
+    plants = {
+        "it is a symbolic link": lambda: path.symlink_to(victim),
+        "is a symbolic link": lambda: path.symlink_to(tmp_path / "nowhere"),
+        "has other links": lambda: os.link(victim, path),
+        "not a regular file": lambda: os.mkfifo(path),
+        "Is a directory": lambda: path.mkdir(),
+        "not made by CONA": lambda: path.write_text("precious\n"),
+    }
+    for reason, plant in plants.items():
+        plant()
+        with (
+            pytest.raises(RunLocked, match=f"^cannot lock run directory {directory}: .*{reason}"),
+            run_locks(),
+        ):
+            lock_directory(directory, "run directory")
+        assert victim.read_text() == "precious\n"
+        assert not (tmp_path / "nowhere").exists()
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            path.rmdir()
+    with run_locks():  # an empty lock file, or one a killed run left, is CONA's: taken
+        path.touch()
+        lock_directory(directory, "run directory")
+    with run_locks():
+        lock_directory(directory, "run directory")
+        assert json.loads(path.read_text())["pid"] == os.getpid()

@@ -25,7 +25,7 @@ from chain_fakes import (
 
 from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.data.indexed import IndexedDatasetWriter
-from cona.errors import ChainError, CheckpointError, LaunchError, UsageError
+from cona.errors import ChainError, CheckpointError, LaunchError, TrainingDiverged, UsageError
 from cona.runner.publish import LATEST_UNIVERSAL
 from cona.runner.schedules.sequence import run_chain
 from cona.runner.state import load_state
@@ -221,6 +221,31 @@ def test_a_stage_that_stops_short_is_an_error(tmp_path):
     assert load_state(tmp_path / "logs" / "run").stage(1).status == "running"
 
 
+def test_a_stage_that_stopped_diverged_is_not_resumed_unless_asked(tmp_path):
+    """The same command after a divergence would train on from the newest checkpoint into it again: it is
+    refused, naming the divergence and --resume-diverged, which resumes it."""
+    setup_run(tmp_path)
+
+    class DivergesOnce(FakeEngine):
+        def __call__(self, launch):
+            if not self.launches:
+                self.launches.append(launch)
+                error = {"rank": 0, "time": 1.0, "type": "TrainingDiverged", "message": "loss 85"}
+                (launch.spec.stage_dir / "rank0.error").write_text(json.dumps(error))
+                raise LaunchError("stage 1: rank 0 failed: TrainingDiverged: loss 85")
+            super().__call__(launch)
+
+    engine = DivergesOnce()
+    with pytest.raises(LaunchError):
+        run(tmp_path, engine)
+    with pytest.raises(TrainingDiverged, match=r"^stage 1 stopped diverged \(loss 85\); .*--resume-diverged"):
+        run(tmp_path, engine)
+    assert len(engine.launches) == 1
+    resumed = dataclasses.replace(chain_run(tmp_path, tmp_path / "chain.json"), resume_diverged=True)
+    state = run_chain(resumed, launcher=engine, out=lambda line: None)
+    assert state.current is None and len(engine.launches) == 4
+
+
 def test_options_from_the_command_line(tmp_path):
     setup_run(tmp_path)
     config = json.loads((tmp_path / ".conaconfig").read_text())
@@ -235,10 +260,12 @@ def test_options_from_the_command_line(tmp_path):
         workdir=tmp_path,
         gpus=4,
         fresh=True,
+        resume_diverged=True,
         device="cpu",
     )
     options = chain_run_from_args(args)
     assert (options.world_size, options.device_type, options.fresh) == (4, "cpu", True)
+    assert options.resume_diverged
     # one node without --master-port-base: torchrun picks a free port for every stage
     assert options.run_dir == tmp_path / "logs" / "chain-chain" and options.base_port is None
     explicit = chain_run_from_args(argparse.Namespace(**{**vars(args), "master_port_base": 29400}))

@@ -37,7 +37,9 @@ def register(subparsers) -> None:
         ("mbs", "micro-batch size per data-parallel rank"),
         ("iters", "iterations to train"),
     ):
-        fixed.add_argument(f"--{name}", type=int, default=None, metavar=name[0].upper(), help=help_text)
+        fixed.add_argument(
+            f"--{name}", type=positive_int, default=None, metavar=name[0].upper(), help=help_text
+        )
     parser.add_argument(
         "--workdir",
         type=Path,
@@ -93,6 +95,11 @@ def _add_chain_flags(parser: argparse.ArgumentParser) -> None:
         "--fresh",
         action="store_true",
         help="discard the run's state and start it over (else the same command resumes the run)",
+    )
+    chain.add_argument(
+        "--resume-diverged",
+        action="store_true",
+        help="resume a run whose last attempt stopped because training diverged (else refused)",
     )
     chain.add_argument(
         "--switch-in-place",

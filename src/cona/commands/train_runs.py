@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,7 @@ def _common(flags: Any, config: ConaConfig, run_name: str, num_nodes: int) -> di
         "run_dir": run_dir,
         "base_port": resolve_port_base(flag(flags, "master_port_base"), num_nodes),
         "fresh": bool(flag(flags, "fresh")),
+        "resume_diverged": bool(flag(flags, "resume_diverged")),
         "quiet": bool(flag(flags, "quiet")),
     }
 
@@ -230,7 +232,42 @@ def fixed_strategy(flags: Any) -> tuple[ConaConfig, Strategy]:
         raise UsageError(f"cona train: --iters must be positive, got {flags.iters}")
     workdir(flags)
     config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
-    return config, strategy_from_flags(flags, config)
+    strategy = strategy_from_flags(flags, config)
+    check_run_size(config, strategy.gbs, flags.iters)
+    return config, strategy
+
+
+MAX_EPOCHS = 1000
+"""A fixed run may go over its train split at most this many times: beyond that ``--gbs x --iters`` is a
+typo (``--iters 2**63-1`` spread the LR warm-up over 2^63 iterations), not a plan."""
+
+
+def check_run_size(config: ConaConfig, gbs: int, iters: int) -> None:
+    """Refuse a batch larger than one epoch of the train split (every step would hold a sample twice) or a
+    run over :data:`MAX_EPOCHS` epochs; warn (stderr) when the LR rule scales ``training.base_lr`` to a peak
+    of 1 or more at ``gbs`` (far outside any rule's calibrated range: ``--gbs 2**40`` gave LR 371)."""
+    from cona.data.gpt_dataset import train_samples_per_epoch
+    from cona.planner.lr_scaling import scaled_lr
+
+    epoch = train_samples_per_epoch(config)
+    if epoch and gbs > epoch:
+        raise UsageError(
+            f"cona train --gbs {gbs}: more than the {epoch} samples of one epoch of the train split "
+            f"({config.training.data_prefix}); every step would repeat samples"
+        )
+    if epoch and gbs * iters > MAX_EPOCHS * epoch:
+        raise UsageError(
+            f"cona train --gbs {gbs} x --iters {iters} = {gbs * iters} samples: over {MAX_EPOCHS} epochs of "
+            f"the train split ({epoch} samples each); lower --iters"
+        )
+    lr = scaled_lr(config.training, gbs)
+    if lr.lr >= 1.0:
+        print(
+            f"cona: warning: --gbs {gbs} scales training.base_lr {config.training.base_lr:g} by "
+            f"{lr.factor:.4g} ({config.training.lr_scale_strategy}) to a peak LR of {lr.lr:.4g}; set "
+            "training.lr_scale_lr_cap or a gbs nearer training.base_gbs",
+            file=sys.stderr,
+        )
 
 
 def fixed_run(flags: Any, config: ConaConfig, strategy: Strategy) -> FixedRun:
@@ -245,6 +282,7 @@ def fixed_run(flags: Any, config: ConaConfig, strategy: Strategy) -> FixedRun:
         base_port=resolve_port_base(flag(flags, "master_port_base"), num_nodes=1),
         quiet=bool(flag(flags, "quiet")),
         fresh=bool(flag(flags, "fresh")),
+        resume_diverged=bool(flag(flags, "resume_diverged")),
     )
 
 

@@ -10,7 +10,10 @@ then visits the samples in a seeded random order.
 Global sample id ``g`` is sample ``g % samples_per_epoch`` of epoch ``g // samples_per_epoch``. An
 epoch depends only on (data, split, seq, seed, epoch), never on how many samples a run asks for, so
 a longer run, a restart or a switch of dp/mbs/gbs never reorders samples already seen. Epochs are built
-on first use and cached as ``.npy`` files named by a sha256 of what they depend on.
+on first use and cached as ``.npy`` files named by a sha256 of what they depend on, with a
+``_sha256.json`` beside them holding the SHA-256 of each array's values (written last): a cached array whose
+values changed (zeroed, truncated to the right shape, swapped) would silently change what is trained, so an
+epoch whose arrays do not match their checksums, or that has none, is rebuilt and its cache rewritten.
 
 ``model.family`` ``bert`` uses :class:`MaskedLMDataset`: the same cutting with ``seq - 2`` tokens per
 sample, wrapped in ``[CLS] ... [SEP]`` and masked as a pure function of the sample id
@@ -39,6 +42,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 INDEX_FORMAT = 1  # bump when the way epochs are built changes, so old cache files are not reused
 EPOCHS_IN_MEMORY = 2
 ARRAY_NAMES = ("doc_order", "sample_starts", "shuffle")
+CHECKSUMS = "sha256"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,9 +134,11 @@ class GPTDataset:
         }
 
     def cache_paths(self, epoch: int) -> dict[str, Path]:
+        """The epoch's cached arrays by name, and :data:`CHECKSUMS` (their SHA-256, JSON)."""
         description = json.dumps(self.cache_description(epoch), sort_keys=True)
         key = hashlib.sha256(description.encode()).hexdigest()
-        return {name: self.cache_dir / f"{key}_{self.name}_{name}.npy" for name in ARRAY_NAMES}
+        names = {name: f"{name}.npy" for name in ARRAY_NAMES} | {CHECKSUMS: f"{CHECKSUMS}.json"}
+        return {name: self.cache_dir / f"{key}_{self.name}_{file}" for name, file in names.items()}
 
     def _load_or_build(self, epoch: int) -> EpochIndex:
         paths = self.cache_paths(epoch)
@@ -140,24 +146,33 @@ class GPTDataset:
         if cached is not None:
             return cached
         index = self._build(epoch)
-        for name, path in paths.items():
-            _save_atomic(path, getattr(index, name))
+        for name in ARRAY_NAMES:
+            _save_atomic(paths[name], getattr(index, name))
+        checksums = json.dumps({name: _array_sha256(getattr(index, name)) for name in ARRAY_NAMES})
+        _save_atomic(paths[CHECKSUMS], checksums)  # last: arrays without it are rebuilt
         return index
 
     def _load(self, paths: dict[str, Path]) -> EpochIndex | None:
+        """The cached epoch, or None (rebuild and overwrite) when a file is missing or unreadable (e.g. cut
+        short by a full disk), or an array's shape or values differ from what was saved."""
         if not all(path.is_file() for path in paths.values()):
             return None
         try:
-            arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+            arrays = {name: np.load(paths[name], mmap_mode="r") for name in ARRAY_NAMES}
+            checksums = json.loads(paths[CHECKSUMS].read_text())
         except (OSError, ValueError):
-            return None  # unreadable (e.g. a file cut short by a full disk): rebuild and overwrite
+            return None
         num_documents = self.documents[1] - self.documents[0]
         shapes_ok = (
             arrays["doc_order"].shape == (num_documents,)
             and arrays["sample_starts"].shape == (self.samples_per_epoch, 2)
             and arrays["shuffle"].shape == (self.samples_per_epoch,)
         )
-        return EpochIndex(**arrays) if shapes_ok else None
+        if not shapes_ok or not isinstance(checksums, dict):
+            return None
+        if any(checksums.get(name) != _array_sha256(array) for name, array in arrays.items()):
+            return None
+        return EpochIndex(**arrays)
 
     def _build(self, epoch: int) -> EpochIndex:
         doc_rng, sample_rng = (
@@ -215,12 +230,22 @@ class MaskedLMDataset(GPTDataset):
         return inputs, targets
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
+def _array_sha256(array: np.ndarray) -> str:
+    """SHA-256 of the array's dtype, shape and values (in C order)."""
+    digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(np.ascontiguousarray(array).data)
+    return digest.hexdigest()
+
+
+def _save_atomic(path: Path, content: np.ndarray | str) -> None:
     """Several ranks may build the same epoch at once: each writes a private file and renames it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(path, "wb") as out:  # a private temporary per writer
-            np.save(out, array)
+            if isinstance(content, str):
+                out.write(content.encode())
+            else:
+                np.save(out, content)
     except OSError as err:
         raise DataError(
             f"training.data_cache_path: cannot write the sample index {path}: {err.strerror}"
@@ -282,6 +307,19 @@ def build_datasets(config: ConaConfig) -> Splits:
             # build first leaves the other ranks only reading the cache.
             dataset.epoch_index(0)
     return Splits(train=train, valid=usable["valid"], test=usable["test"])
+
+
+def train_samples_per_epoch(config: ConaConfig) -> int:
+    """Samples in one epoch of the train split, counted from the index alone (nothing is built or cached);
+    0 when the split is empty or shorter than one sample (building the datasets refuses that)."""
+    training = config.training
+    if training.data_prefix is None:
+        raise DataError("training.data_prefix is not set")
+    indexed = IndexedDataset(training.data_prefix)
+    begin, end = split_document_ranges(len(indexed), training.split)[0]
+    tokens = int(indexed.sizes[begin:end].astype(np.int64).sum())
+    seq = config.model.seq - (SPECIALS_PER_SAMPLE if config.model.family == "bert" else 0)
+    return max(tokens - 1, 0) // seq
 
 
 def _sample_tokens(config: ConaConfig) -> str:

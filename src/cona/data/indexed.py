@@ -6,7 +6,8 @@
     sizes int32[N] | pointers int64[N] (byte offset of each sequence in .bin) | doc_idx int64[D]
 
 One document is one sequence here (no sentence splitting), so ``doc_idx`` is ``0..N``. The reader
-accepts any valid ``doc_idx`` and the optional int8[N] "sequence modes" newer Megatron-core appends.
+accepts any valid ``doc_idx`` and the optional int8[N] "sequence modes" newer Megatron-core appends. Token ids
+are integers: the float dtype codes Megatron's table holds (6, 7) are refused by reader and writer alike.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def dtype_code(dtype: np.dtype | type[np.generic]) -> int:
     wanted = np.dtype(dtype)
+    if wanted.kind == "f":
+        raise DataError(f"dtype {wanted} cannot hold token ids (they are integers)")
     for code, candidate in DTYPE_CODES.items():
         if np.dtype(candidate) == wanted:
             return code
@@ -101,6 +104,11 @@ class IndexedDataset:
             raise DataError(f"{path}: index version {version} is not supported (expected {VERSION})")
         if code not in DTYPE_CODES:
             raise DataError(f"{path}: dtype code {code} is out of range (valid codes 1..{len(DTYPE_CODES)})")
+        if np.dtype(DTYPE_CODES[code]).kind == "f":
+            raise DataError(
+                f"{path}: dtype code {code} is {np.dtype(DTYPE_CODES[code])}, a float type; token ids are "
+                "integers (a float would be cut to an id, or be NaN): write the data with an integer dtype"
+            )
         expected = HEADER.size + 12 * num_sequences + 8 * num_doc_idx
         if len(buffer) < expected:
             raise DataError(

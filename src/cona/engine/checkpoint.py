@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -139,13 +140,15 @@ class PendingSave:
     files_written: Future | None
     """DCP's future of a background write (None: the shards are written already)."""
     complete: Callable[[], None]
+    tmp_dir: Path | None = None
+    """The temporary the shards go to: removed when the save fails."""
 
     def written(self) -> bool:
         """Whether this rank's shards are on disk (finishing then waits for nothing but the others)."""
         return self.files_written is None or self.files_written.done()
 
     def finish(self) -> Path:
-        with _save_failures(self.final_dir):
+        with _save_failures(self.final_dir, self.tmp_dir):
             if self.files_written is not None:
                 try:
                     self.files_written.result()
@@ -169,6 +172,7 @@ def start_checkpoint(
     owner: str = "",
     background: bool = False,
     writer_group: dist.ProcessGroup | None = None,
+    move_latest: bool = True,
 ) -> PendingSave:
     """Collective: start saving model and optimizer state as ``<layout_dir>/global_step<iteration>``, with
     ``probe`` (a :class:`cona.engine.switch_check.ProbeRecord` as a dict) beside it when given. Also works
@@ -178,20 +182,21 @@ def start_checkpoint(
     ``background``: the shards are copied to host memory now and written by a thread, which agrees over
     ``writer_group`` (DCP ``async_save``; a gloo group of its own, so it never interleaves with training's
     collectives); else they are written before this returns. Nothing is published before
-    :meth:`PendingSave.finish`: the checksums, the manifest, the rename into place and ``latest``."""
+    :meth:`PendingSave.finish`: the checksums, the manifest, the rename into place and ``latest`` (left where
+    it is when not ``move_latest``: a state no rerun is to resume from)."""
     layout_dir = Path(layout_dir)
     final_dir = layout_dir / f"global_step{iteration}"
     with _save_failures(final_dir):
         tmp_dir = layout_dir / _agree_on_tmp_name(layout_dir, iteration, owner)
+    with _save_failures(final_dir, tmp_dir):
         model_state, optim_state = model_and_optimizer_state(model_parts, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        what = f"saving checkpoint {final_dir}"
+        files_written = None
         if background:
             assert writer_group is not None or not distributed()  # never over training's own groups
             files_written = dcp_async_save(state, tmp_dir, group=writer_group, distributed=distributed())
         else:
-            files_written = None
-            dcp_save(state, tmp_dir, distributed=distributed(), what=what)
+            dcp_save(state, tmp_dir, distributed=distributed(), what=f"saving checkpoint {final_dir}")
         tied = _gather_tied_groups(model_parts)
     fields = {
         "iteration": iteration,
@@ -207,14 +212,13 @@ def start_checkpoint(
         files = _checksums_of_shards(tmp_dir, final_dir)
         if rank() == 0:
             _write_json_files(tmp_dir, documents)
-            files.update(
-                {name: checksum(tmp_dir / name) for name in present_files(tmp_dir) if name not in files}
-            )
+            files.update({n: checksum(tmp_dir / n) for n in present_files(tmp_dir) if n not in files})
             write_manifest(tmp_dir, fields, files)  # before the rename: a published checkpoint has one
             _publish(tmp_dir, final_dir)
-            _write_marker(layout_dir / LATEST, final_dir.name, owner)
+            if move_latest:
+                _write_marker(layout_dir / LATEST, final_dir.name, owner)
 
-    return PendingSave(final_dir=final_dir, files_written=files_written, complete=complete)
+    return PendingSave(final_dir=final_dir, files_written=files_written, complete=complete, tmp_dir=tmp_dir)
 
 
 def _documents(trainer_state: dict, config: ConaConfig, strategy: Strategy, probe: dict | None) -> dict:
@@ -227,12 +231,42 @@ def _documents(trainer_state: dict, config: ConaConfig, strategy: Strategy, prob
 
 
 @contextlib.contextmanager
-def _save_failures(final_dir: Path) -> Iterator[None]:
-    """An OS error while saving (no space left, no permission) as one line with its cause and the path."""
+def _save_failures(final_dir: Path, tmp_dir: Path | None = None) -> Iterator[None]:
+    """A failed save as one line with its cause and the path; rank 0 then removes ``tmp_dir``, so a failed
+    save holds no space. A disk that is full (:func:`_out_of_space`) is said so, with the bytes free,
+    whatever the library that hit it reported (torch's writer says ``unexpected pos`` of a short write)."""
     try:
         yield
-    except OSError as err:
-        raise CheckpointError(f"saving checkpoint {final_dir} failed on rank {rank()}: {err}") from None
+    except (OSError, CheckpointError) as err:
+        free = _free_bytes(final_dir.parent)
+        if tmp_dir is not None and rank() == 0:
+            _remove(tmp_dir)
+        failed = f"saving checkpoint {final_dir} failed"
+        cause = str(err) if isinstance(err, CheckpointError) else f"{failed} on rank {rank()}: {err}"
+        if _out_of_space(err, free):
+            where = f"no space left on {final_dir.parent} ({free} bytes free)"
+            cause = f"{failed}: {where}; {cause.removeprefix(failed).lstrip()}"
+        raise CheckpointError(cause) from None
+
+
+LOW_SPACE_BYTES = 64 * 2**20
+"""Free bytes on a checkpoint's filesystem below which a failed save is reported as a full disk: the
+failing write took the rest (a small save fails with a few KiB left)."""
+
+
+def _out_of_space(err: BaseException, free: int | None) -> bool:
+    """Whether a save failed for want of space: ENOSPC, or a failure with under :data:`LOW_SPACE_BYTES`
+    free."""
+    enospc = isinstance(err, OSError) and err.errno == errno.ENOSPC
+    return enospc or "No space left" in str(err) or (free is not None and free < LOW_SPACE_BYTES)
+
+
+def _free_bytes(directory: Path) -> int | None:
+    """Bytes free to this user on ``directory``'s filesystem (None: not measurable)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
 
 
 def _checksums_of_shards(tmp_dir: Path, final_dir: Path) -> dict[str, dict[str, Any]]:

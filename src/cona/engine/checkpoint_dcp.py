@@ -3,7 +3,9 @@
 A DCP checkpoint holds two kinds of pickles. ``.metadata`` is a plain pickle of DCP's ``Metadata``: it is read
 by :class:`SafeFileSystemReader`, whose unpickler resolves only DCP's own metadata classes, torch dtypes,
 sizes and layouts and paths (an allow-list: Python's documented way of restricting globals), so a crafted
-file is refused before any object is built. Non-tensor entries (the optimizer's param_groups) are
+file is refused before any object is built. Every storage path the metadata records must name a file inside
+the checkpoint that its ``manifest.json`` lists: an absolute path or one with ``..`` (which would read another
+checkpoint's tensors, or any file) is refused. Non-tensor entries (the optimizer's param_groups) are
 ``torch.save`` blobs inside the shard files: :class:`WeightsOnlyLoadPlanner` loads them with
 ``torch.load(weights_only=True)`` instead of DCP's default ``weights_only=False``. Tensors DCP already
 loads weights-only.
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import pickle
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from cona.engine.checkpoint_manifest import MANIFEST_FILE
 from cona.errors import CheckpointError
 
 _METADATA_GLOBALS = {
@@ -80,10 +84,37 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 raise CheckpointError(f"{path}: unreadable ({type(err).__name__})") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
+        _check_storage_paths(path, metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_storage_paths(metadata_path: Path, metadata: Metadata) -> None:
+    """Refuse a storage path outside the checkpoint: absolute, with ``..``, or not among the files its
+    manifest lists (when it has one: a save in progress has none yet)."""
+    listed = _manifest_files(metadata_path.parent)
+    for index, stored in (metadata.storage_data or {}).items():
+        relative = getattr(stored, "relative_path", None)
+        parts = PurePosixPath(relative).parts if isinstance(relative, str) else ()
+        outside = not parts or PurePosixPath(relative).is_absolute() or ".." in parts
+        if outside or (listed is not None and relative not in listed):
+            where = "outside the checkpoint" if outside else "a file its manifest does not list"
+            raise CheckpointError(
+                f"{metadata_path}: tensor {getattr(index, 'fqn', index)} is stored at {relative!r}, {where}; "
+                "refusing the checkpoint"
+            )
+
+
+def _manifest_files(checkpoint: Path) -> set[str] | None:
+    """The file names the checkpoint's manifest lists (None: no readable manifest; its own checks refuse
+    that before a load)."""
+    try:
+        files = json.loads((checkpoint / MANIFEST_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return set(files) if isinstance(files, dict) else None
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

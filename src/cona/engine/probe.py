@@ -10,13 +10,17 @@ every layout up to rounding. The comparison itself is :func:`cona.engine.switch_
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from cona.data.gpt_dataset import GPTDataset, Splits, collate
+from cona.engine.checkpoint_state import gather, state_root
 from cona.engine.switch_check import ProbeRecord
 from cona.engine.train_model import TrainingModel
 
@@ -57,10 +61,12 @@ def _probe_split(splits: Splits) -> tuple[str, GPTDataset]:
 
 
 def measure_probe(model: TrainingModel, batch: ProbeBatch, *, iteration: int) -> ProbeRecord:
-    """Collective: the probe loss of the model's current weights (the same value on every rank)."""
+    """Collective: the probe loss of the model's current weights and each tensor's largest magnitude (the
+    same values on every rank)."""
     began = time.perf_counter()
     # Its all-reduce and host read wait for every rank and the device: the time covers the whole check.
     loss = model.probe_loss(batch.inputs, batch.targets)
+    max_abs = tensor_max_abs(model.model_parts)
     seconds = time.perf_counter() - began
     return ProbeRecord(
         loss=loss,
@@ -71,4 +77,26 @@ def measure_probe(model: TrainingModel, batch: ProbeBatch, *, iteration: int) ->
         sample_ids=batch.sample_ids,
         tokens_sha256=batch.tokens_sha256,
         seconds=seconds,
+        tensor_max_abs=max_abs,
     )
+
+
+def tensor_max_abs(model_parts: list[torch.nn.Module]) -> dict[str, float]:
+    """Collective: each model tensor's largest magnitude (NaN or inf where it holds one), by its checkpoint
+    name. Each rank takes the maximum of its own shard; the maximum over the ranks holding the tensor is the
+    tensor's, however it is sharded or replicated."""
+    state = get_model_state_dict(state_root(model_parts))
+    local = {}
+    for name, tensor in state.items():
+        values = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if torch.is_floating_point(values) and values.numel():
+            local[name] = values.detach().abs().amax()
+    names = sorted(local)
+    stacked = torch.stack([local[name].float() for name in names]).cpu().tolist() if names else []
+    mine = dict(zip(names, stacked, strict=True))
+    combined: dict[str, float] = {}
+    for theirs in gather(mine):
+        for name, value in theirs.items():
+            old = combined.get(name)
+            combined[name] = value if old is None or math.isnan(value) or value > old else old
+    return combined

@@ -86,7 +86,7 @@ def continue_in_place(
     )
     dtype = resolved_dtype(spec.config.training, model.device)
     root = layout_dir(spec.workdir, spec.config, strategy, dtype, run_name=spec.run_name)
-    saving = (spec, model, old.optimizer, schedule, root, old.probe_batch)
+    saving = (spec, model, old.optimizer, schedule, root, old.probe_batch, old.divergence)
     context = dataclasses.replace(
         old,
         spec=spec,
@@ -145,12 +145,13 @@ def build_stage(
     timings["model_done"] = time.time()
     splits = _build_datasets(config)
     timings["data_done"] = time.time()
-    progress = Progress()
+    progress, state = Progress(), None
     if spec.load_path is not None:
         state = load_checkpoint(
             spec.load_path, model_parts=model.model_parts, optimizer=optimizer, config=config
         )
         progress = Progress.from_trainer_state(state)
+    divergence = DivergenceWatch.from_config(config, state)
     schedule = lr_schedule(
         config.training,
         planned_tokens=spec.planned_tokens,
@@ -161,7 +162,7 @@ def build_stage(
     dtype = resolved_dtype(config.training, device)
     probe = probe_batch(splits)
     root = layout_dir(spec.workdir, config, strategy, dtype, run_name=spec.run_name)
-    saving = (spec, model, optimizer, schedule, root, probe)
+    saving = (spec, model, optimizer, schedule, root, probe, divergence)
     context = StageContext(
         spec=spec,
         model=model,
@@ -181,7 +182,7 @@ def build_stage(
         step_trace=step_trace_from_env(
             spec.stage_dir, rank=dist.get_rank(), dp_rank=dp_rank, stage=spec.stage
         ),
-        divergence=DivergenceWatch.from_training(config.training),
+        divergence=divergence,
     )
     return context, progress
 
@@ -193,6 +194,7 @@ def _start_save(
     schedule: LRSchedule,
     checkpoint_root: Path,
     probe: ProbeBatch,
+    divergence: DivergenceWatch | None,
     at: Progress,
     *,
     milestones: dict[str, float] | None = None,
@@ -202,7 +204,8 @@ def _start_save(
     :meth:`Progress.from_trainer_state` reads back, the stage, the run, the seed and the LR schedule), with
     the probe loss of the state saved, which whoever loads it verifies (any later stage may load it under
     another layout). ``writer_group``: a periodic save, written in the background over that group.
-    ``milestones`` gets ``probe_done``: the unix time the probe was measured."""
+    ``milestones`` gets ``probe_done``: the unix time the probe was measured. ``divergence``'s losses go
+    into the trainer state; a state it finds unfit to resume from is saved without becoming ``latest``."""
     record = measure_probe(model, probe, iteration=at.iteration)
     if milestones is not None:
         milestones["probe_done"] = time.time()
@@ -215,6 +218,11 @@ def _start_save(
         "seed": spec.config.training.seed,
         "lr_schedule": dataclasses.asdict(schedule),
     }
+    unfit = divergence.unfit_to_resume() if divergence is not None else None
+    if divergence is not None:
+        trainer_state |= divergence.trainer_state()
+    if unfit is not None and dist.get_rank() == 0:
+        print(f"checkpoint at iteration {at.iteration} does not become latest: {unfit}", flush=True)
     return start_checkpoint(
         checkpoint_root,
         iteration=at.iteration,
@@ -227,6 +235,7 @@ def _start_save(
         owner=owner,
         background=writer_group is not None,
         writer_group=writer_group,
+        move_latest=unfit is None,
     )
 
 

@@ -5,7 +5,11 @@ layout, gbs or mbs) in the checkpoint (``probe.json``, see :func:`cona.engine.ch
 The stage that loads it computes the loss of the same batch before its first training step;
 :func:`compare_probe` decides whether the two differ by more than float noise. A resharding bug (a tensor
 concatenated along the wrong dimension, a fused QKV split at the wrong place) or a damaged shard moves that
-loss by far more than the noise, so it stops the run before it trains on wrong weights.
+loss by far more than the noise, so it stops the run before it trains on wrong weights. A weight the probe
+batch hardly reaches (an embedding row of a token it does not hold) may move the loss by nothing, so the
+record also holds each model tensor's largest magnitude (``tensor_max_abs``, the L-infinity norm, which a
+replicated shard cannot count twice): after the load every tensor must be finite and have the saved value
+within the same relative tolerance.
 
 This module is pure (no torch), so every backend can use it: the native engine measures the probe with
 :meth:`cona.engine.train_model.TrainingModel.probe_loss`; another backend measures its own and compares
@@ -65,6 +69,9 @@ class ProbeRecord:
     """Hash of the batch's token rows: equal hashes mean the same batch, whatever the data files."""
     seconds: float
     """What measuring the probe cost (wall clock, on rank 0)."""
+    tensor_max_abs: dict[str, float] | None = None
+    """Each model tensor's largest magnitude by its checkpoint name (None: not measured, as by an older
+    cona or another backend)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "sample_ids": list(self.sample_ids)}
@@ -72,10 +79,10 @@ class ProbeRecord:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ProbeRecord:
         names = {field.name for field in dataclasses.fields(cls)}
-        missing = names - raw.keys()
+        missing = names - raw.keys() - {"tensor_max_abs"}
         if missing:
             raise CheckpointError(f"probe record lacks {', '.join(sorted(missing))}")
-        values = {name: raw[name] for name in names}
+        values = {name: raw.get(name) for name in names}
         return cls(**{**values, "sample_ids": tuple(int(i) for i in values["sample_ids"])})
 
     def same_batch(self, other: ProbeRecord) -> bool:
@@ -158,7 +165,8 @@ def compare_probe(before: ProbeRecord | None, after: ProbeRecord, *, checkpoint:
 
     Skipped (not failed) when the checkpoint records no probe (one saved by an older cona or another tool).
     Failed when the batch is not the one saved (its tokens differ: the data files changed under the run,
-    so the weights cannot be verified and the run would not continue on the same data anyway), when
+    so the weights cannot be verified and the run would not continue on the same data anyway), when a
+    model tensor's largest magnitude is not finite or not the saved one (:func:`tensor_mismatch`), when
     either loss is not finite, or when they differ by more than :func:`probe_tolerance`.
     """
     if before is None:
@@ -182,6 +190,9 @@ def compare_probe(before: ProbeRecord | None, after: ProbeRecord, *, checkpoint:
                 f"changed since it was saved, so its weights cannot be verified. No training step was taken"
             ),
         )
+    mismatch = tensor_mismatch(before, after)
+    if mismatch is not None:
+        return Verdict(status="failed", checkpoint=checkpoint, saved=before, loaded=after, reason=mismatch)
     difference = abs(after.loss - before.loss)
     tolerance = probe_tolerance(before.loss, after.loss, (before.dtype, after.dtype))
     finite = math.isfinite(before.loss) and math.isfinite(after.loss)
@@ -193,6 +204,25 @@ def compare_probe(before: ProbeRecord | None, after: ProbeRecord, *, checkpoint:
         difference=difference if finite else math.inf,
         tolerance=tolerance,
     )
+
+
+def tensor_mismatch(before: ProbeRecord, after: ProbeRecord) -> str | None:
+    """Why the loaded tensors are not the saved ones (None: every tensor both records name is finite and
+    has its saved largest magnitude within the loosest dtype's tolerance, or the save measured none). Only
+    names both hold are compared: a layout may name a tied copy the other does not, and a tensor the
+    checkpoint lacks fails its load before this."""
+    saved, loaded = before.tensor_max_abs, after.tensor_max_abs
+    if not saved or loaded is None:
+        return None
+    rtol = max(PROBE_RTOL.get(dtype, max(PROBE_RTOL.values())) for dtype in (before.dtype, after.dtype))
+    for name in sorted(saved.keys() & loaded.keys()):
+        value, now = saved[name], loaded[name]
+        if not math.isfinite(now) or abs(now - value) > rtol * abs(value) + PROBE_ATOL:
+            return (
+                f"model tensor {name} holds values up to {now:.6g} in magnitude after loading, {value:.6g} "
+                f"when saved: the weights did not survive the hand-off. No training step was taken"
+            )
+    return None
 
 
 def write_verdict(stage_dir: Path, verdict: Verdict) -> Path:

@@ -37,6 +37,7 @@ from cona.engine.session import RunnerWatch, leave_orphaned
 from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.engine.step_trace import StepTrace
 from cona.engine.train_model import PendingStepOutput, TrainingModel
+from cona.errors import TrainingDiverged
 from cona.metrics_record import MetricsRecord
 from cona.planner.efficiency import MIN_SAMPLES
 
@@ -114,11 +115,21 @@ class StageContext:
 
 def train_stage(ctx: StageContext, progress: Progress) -> str:
     """Train until the stop rule or a switch request; returns the stop reason (see ``STOP_REASONS``).
-    A periodic save still in flight at the end is finished (published) before this returns; after an
-    exception it is not (a rank that failed would never join), and its temporary is never loaded."""
-    reason = _train_steps(ctx, progress)
+    A periodic save still in flight at the end is finished (published) before this returns, and so it is
+    when training diverged (every rank stops at the same metrics line); after another exception it is not
+    (a rank that failed would never join), and its temporary is never loaded. A stage
+    that ends in a state unfit to resume from (:meth:`DivergenceWatch.unfit_to_resume`) raises
+    :class:`TrainingDiverged` instead of ending, so that state is never saved as the stage's checkpoint."""
+    try:
+        reason = _train_steps(ctx, progress)
+    except TrainingDiverged as err:  # every rank raises it at the same line: they finish the save together
+        _finish_saves_after(ctx.periodic, err)
+        raise
     if ctx.periodic is not None:
         ctx.periodic.close()
+    unfit = ctx.divergence.unfit_to_resume() if ctx.divergence is not None else None
+    if unfit is not None:  # every rank holds the same losses: all stop here
+        raise TrainingDiverged(f"training diverged by iteration {progress.iteration}: {unfit}")
     return reason
 
 
@@ -129,6 +140,18 @@ def _record_switch_in(spec: StageSpec, timings: dict[str, float]) -> None:
     path = spec.switch_in_path
     if not spec.retraining and not path.exists():
         write_json_atomic(path, timings)
+
+
+def _finish_saves_after(saves: PeriodicSaves | None, diverged: TrainingDiverged) -> None:
+    """Collective: finish the periodic save in flight when training diverged (it holds an earlier state,
+    which :mod:`cona.engine.divergence` judged when it started); when that fails, the divergence's
+    message says the save was dropped."""
+    if saves is None:
+        return
+    try:
+        saves.close()
+    except Exception as err:
+        raise TrainingDiverged(f"{diverged}; the periodic save in flight was dropped: {err}") from None
 
 
 def _train_steps(ctx: StageContext, progress: Progress) -> str:

@@ -37,9 +37,9 @@ from typing import Any, Protocol
 from cona import run_files
 from cona.engine.checkpoint_paths import another_runs_checkpoint, layout_dir, resume_folders, tmp_owner
 from cona.engine.spec import StageResult, StageSpec
-from cona.errors import CheckpointError
+from cona.errors import CheckpointError, TrainingDiverged
 from cona.runner.in_place import replay_in_place
-from cona.runner.launch import stage_master_port
+from cona.runner.launch import diverged, stage_master_port
 from cona.runner.nodes.across_nodes import node_topology, run_across_nodes
 from cona.runner.publish import import_checkpoint_reader_in_background, publish
 from cona.runner.run_end import record_runner_end
@@ -307,6 +307,8 @@ class StageDriver:
         stage = state.stage(number)
         spec = self.stage_spec(state, stage)
         result, launched = self.schedule.recorded_result(stage, spec.result_path), None
+        if result is None and stage.attempts > 0 and not self.run.resume_diverged:
+            refuse_diverged(spec.stage_dir, number, spec.load_path)
         if result is None and spec.continue_in_place and self.handed_over != number - 1:
             self._replay(state, number)  # a kill lost the state kept in memory
         if result is None:
@@ -413,6 +415,18 @@ class StageDriver:
             out=self.out,
         )
         self.handed_over = number - 1
+
+
+def refuse_diverged(stage_dir: Path, number: int, load_path: Path | None) -> None:
+    """Refuse to relaunch a stage whose last attempt stopped because training diverged: the same command
+    would train on from its newest checkpoint into the same divergence."""
+    message = diverged(stage_dir)
+    if message is not None:
+        where = f" from {load_path}" if load_path is not None else ""
+        raise TrainingDiverged(
+            f"stage {number} stopped diverged ({message}); rerun with --fresh to start over, "
+            f"or pass --resume-diverged to resume it{where} anyway"
+        )
 
 
 def start_text(load_path: str | None, in_place: bool) -> str:

@@ -51,6 +51,8 @@ class FixedRun:
     quiet: bool = False
     fresh: bool = False
     """Discard what an earlier run of the same name left and start over."""
+    resume_diverged: bool = False
+    """Relaunch a stage whose last attempt stopped because training diverged (else it is refused)."""
 
     def open_run_dir(self) -> Path:
         """Make the run's directory, or take the one an earlier run of this name left (which the driver
@@ -85,6 +87,7 @@ def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
         base_port=run.base_port,
         quiet=run.quiet,
         fresh=run.fresh,
+        resume_diverged=run.resume_diverged,
     )
 
 

@@ -313,6 +313,12 @@ def describe_failure(stage_dir: Path, returncode: int, *, torchrun_log: str = TO
     return f"stage {stage}: {who} failed (torchrun exit code {returncode}); end of {log}: {tail}"
 
 
+def diverged(stage_dir: Path) -> str | None:
+    """The message of a rank whose last attempt at the stage stopped because training diverged, if any."""
+    found = [error for error in _read_errors(stage_dir) if error["type"] == "TrainingDiverged"]
+    return min(found, key=lambda error: error["time"])["message"] if found else None
+
+
 def _read_errors(stage_dir: Path) -> list[dict]:
     errors = []
     for path in stage_dir.glob(run_files.RANK_ERROR_GLOB):

@@ -66,9 +66,13 @@ def stage_dir(run_dir: Path, stage: int) -> Path:
 
 
 def check_workdir(workdir: Path, flag: str = "--workdir") -> Path:
-    """``workdir`` made absolute, refused (before anything trains) when it or a parent is not a directory:
-    checkpoints are written under it, and a file there would surface only at the first save."""
-    workdir = Path(workdir).expanduser().resolve()
+    """``workdir`` made absolute, refused (before anything trains) when it or a parent is not a directory,
+    or its links loop: checkpoints are written under it, and a file there would surface only at the first
+    save."""
+    try:
+        workdir = Path(workdir).expanduser().resolve()
+    except (RuntimeError, OSError):  # pathlib raises RuntimeError for a symlink loop (OSError ELOOP on 3.13)
+        raise LaunchError(f"{flag} {workdir}: a symbolic link loop; checkpoints need a directory") from None
     for path in (workdir, *workdir.parents):
         if path.exists():
             if not path.is_dir():

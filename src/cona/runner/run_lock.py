@@ -8,6 +8,11 @@ no stale lock needs breaking. torchrun inherits the descriptors (:func:`held_fds
 the few seconds a killed runner's workers take to notice and stop: a rerun started at once is refused
 instead of training beside them. Within one process, locks are taken in a :func:`run_locks` scope and
 released when it ends.
+
+``log_root`` and the workdir may be shared, so whoever can create a file there could plant one at a lock's
+path: the lock file is opened without following a symbolic link, and is used only when it is a regular file
+with one link that is empty or holds a holder record (a file CONA made); anything else is refused by name and
+left as it is, so a run never overwrites a file it did not create.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -63,7 +69,7 @@ def lock_directory(directory: Path, what: str) -> None:
     if not _scopes or any(path in scope for scope in _scopes):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd, created = _open_lock_file(path, what, directory)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
@@ -72,8 +78,54 @@ def lock_directory(directory: Path, what: str) -> None:
         if err.errno not in (errno.EAGAIN, errno.EACCES):
             raise RunLocked(f"cannot lock {what} {directory} ({path}): {err.strerror}") from None
         raise RunLocked(f"{what} {directory} is in use by {holder}; wait for it to end or stop it") from None
+    if not created and not _holds_a_holder_record(fd):
+        os.close(fd)
+        raise RunLocked(
+            f"cannot lock {what} {directory}: its lock file {path} was not made by CONA (it holds other "
+            "data); remove it if nothing needs it"
+        )
     _write_holder(fd)
     _scopes[-1][path] = fd
+
+
+def _open_lock_file(path: Path, what: str, directory: Path) -> tuple[int, bool]:
+    """A read-write descriptor of the lock file and whether this call created it; raises
+    :class:`RunLocked` when ``path`` is a symbolic link, not a regular file, or a regular file with more
+    than one link (a hard link to another file)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    for _ in range(3):  # the file may be removed between the two opens: create it again
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, flags | os.O_NONBLOCK)  # O_NONBLOCK: a planted FIFO must not block the open
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            reason = "it is a symbolic link" if err.errno == errno.ELOOP else err.strerror
+            raise RunLocked(f"cannot lock {what} {directory}: lock file {path}: {reason}") from None
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            return fd, False
+        os.close(fd)
+        reason = "is not a regular file" if not stat.S_ISREG(info.st_mode) else "has other links"
+        raise RunLocked(f"cannot lock {what} {directory}: lock file {path} {reason}")
+    raise RunLocked(f"cannot lock {what} {directory}: lock file {path} keeps disappearing")
+
+
+def _holds_a_holder_record(fd: int) -> bool:
+    """Whether the lock file is empty or holds one holder record (what :func:`_write_holder` writes)."""
+    if os.fstat(fd).st_size > 4096:
+        return False
+    text = os.pread(fd, 4096, 0)
+    if not text:
+        return True
+    try:
+        record = json.loads(text.decode())
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(record, dict) and set(record) == {"pid", "host", "started"}
 
 
 def locking() -> bool:

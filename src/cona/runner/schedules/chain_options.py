@@ -29,6 +29,8 @@ class ChainRun:
     """Discard the run directory's state and start the chain over."""
     quiet: bool = False
     """No per-interval console lines from the workers."""
+    resume_diverged: bool = False
+    """Relaunch a stage whose last attempt stopped because training diverged (else it is refused)."""
     nodes: NodePlacement = NodePlacement()
     """Where this node stands in a multi-node run (one node by default)."""
     switch_in_place: bool = False

@@ -36,6 +36,8 @@ class OnlineRun:
     """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
     fresh: bool = False
     quiet: bool = False
+    resume_diverged: bool = False
+    """Relaunch a stage whose last attempt stopped because training diverged (else it is refused)."""
     policy_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     """PolicySettings fields to override (tests and the demo), e.g. ``{"hysteresis": 0.0}``."""
     noise_scale_floor: float | None = None
