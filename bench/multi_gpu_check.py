@@ -215,6 +215,7 @@ def write_setup(args: argparse.Namespace, root: Path) -> Path:
     patterns = [rng.integers(0, VOCAB, size=int(rng.integers(5, 17))) for _ in range(8)]
     layers, hidden, heads, seq = SIZES[args.size]
     documents = max(200, 4 * args.iters * args.gbs)  # the 2% validation split must not be empty
+    (root / "data").mkdir(parents=True, exist_ok=True)
     with IndexedDatasetWriter(root / "data" / "patterns", np.uint16) as writer:
         for _ in range(documents):
             pattern = patterns[int(rng.integers(len(patterns)))]

@@ -123,7 +123,7 @@ def format_headroom(seed: int | str, result: dict[str, Any]) -> str:
     listed = ", ".join(f"{name} {ratio:.2f}" for name, ratio in result["after_first_step"].items()) or "-"
     return (
         f"seed {seed}: best fixed {result['best_fixed']} {result['best_fixed_s']:.1f} s; a chain needing "
-        f"{result['fewest_tokens'] / 1e6:.2f}M tokens at {result['fastest']}'s {rate / 1e3:.0f}k tokens/s "
+        f"{result['fewest_tokens']:,} tokens at {result['fastest']}'s {rate:,.0f} tokens/s "
         f"after a {start:.1f} s first step: {result['chain_s']:.1f} s, at most {result['headroom']:.2f}x "
         f"faster; after the first step, over the best fixed run after its own: {listed}"
     )

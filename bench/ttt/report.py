@@ -126,8 +126,7 @@ def summarize_run(
         "training_s": round(steps_s, 2),
         "mean_tokens_per_s": round(tokens / steps_s) if steps_s > 0 else None,
         "stages": stage_strategies(upto),
-        "switches": sum(1 for d in decisions if d.get("decision") in ("switch", "fallback"))
-        - sum(1 for d in decisions if d.get("decision") == "not_carried_out"),
+        "switches": _switches(kind, decisions, upto),
         "final_ppl": all_evals[-1] if all_evals else None,
         "best_ppl": min(all_evals) if all_evals else None,
         "realized_chain": json.loads(realized.read_text()) if realized.is_file() else None,
@@ -141,6 +140,14 @@ def summarize_run(
             level: None if r is None else int(r["consumed_tokens"]) for level, r in reached.items()
         },
     }
+
+
+def _switches(kind: str, decisions: list[dict[str, Any]], records: list[dict[str, Any]]) -> int:
+    """Switches carried out: an online run's from its decisions, a chain's from its stage changes."""
+    if kind != "online":
+        return len(switch_gaps(records))
+    carried = sum(1 for d in decisions if d.get("decision") in ("switch", "fallback"))
+    return carried - sum(1 for d in decisions if d.get("decision") == "not_carried_out")
 
 
 def runner_seconds(run_dir: Path, launched: float) -> float | None:
@@ -311,6 +318,12 @@ def seeds_summary(
     }
 
 
+def _tokens_text(tokens: int | None) -> str:
+    if tokens is None:
+        return "-"
+    return f"{tokens / 1e6:.2f}M" if tokens >= 1e6 else f"{tokens:,} tokens"
+
+
 def format_seeds_ladder(ladder: dict[str, dict[str, Any]], seeds: list[int]) -> str:
     """Per level, the mean over the seeds: each run's time from its first step, tokens and ratio to the best
     fixed run's mean time."""
@@ -322,7 +335,7 @@ def format_seeds_ladder(ladder: dict[str, dict[str, Any]], seeds: list[int]) -> 
                 parts.append(f"{name} {run['reached']}/{run['seeds']} reached")
                 continue
             ratio = entry.get("over_best_fixed", {}).get(name)
-            tokens = "-" if run["mean_tokens"] is None else f"{run['mean_tokens'] / 1e6:.2f}M"
+            tokens = _tokens_text(run["mean_tokens"])
             parts.append(f"{name} {run['mean_time_s']:.1f} s {tokens}" + (f" {ratio:.2f}x" if ratio else ""))
         best = entry["best_fixed"] or "none"
         lines.append(f"  ppl {level:>8} (best fixed {best}): {'; '.join(parts) or '-'}")

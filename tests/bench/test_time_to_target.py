@@ -319,7 +319,7 @@ def test_the_mean_over_seeds_gives_tokens_and_time_apart_where_every_seed_reache
     }
     assert result["main_level"] == "50"
     text = ttt.format_seeds_ladder(result["ladder"], result["seeds"])
-    assert "online 55.0 s 0.00M 0.85x" in text and "ramp 1/2 reached" in text
+    assert "online 55.0 s 1,000 tokens 0.85x" in text and "ramp 1/2 reached" in text
 
 
 def test_a_stop_asked_for_at_a_stage_boundary_is_asked_again_of_the_next_stage(ttt, tmp_path):
@@ -442,3 +442,28 @@ def test_the_summary_gives_every_online_run_over_the_best_fixed_one(ttt):
     assert result["online_over_best_fixed"] == 0.875  # the run named online, not the first online one
     assert result["over_best_fixed_by_run"] == {"online-windowed": 0.75, "online": 0.875}
     assert result["ladder"]["50"]["over_best_fixed"] == {"online-windowed": 0.667, "online": 0.833}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_cpu_smoke_comparison_on_two_processes_runs_fixed_and_the_in_place_ramp_in_one_layout(
+    ttt, tmp_path
+):
+    demo = Path(__file__).resolve().parents[2] / "data" / "demo"
+    if not (demo / "wiki_text_document.bin").is_file():
+        pytest.skip("the demo data (scripts/install.sh) is not there")
+    out = tmp_path / "ttt.json"
+    argv = ["--smoke", "--gpus", "2", "--runs", "fixed-gbs2,ramp", "--work-dir", str(tmp_path / "w")]
+    assert ttt.main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {row["run"]: row for row in report["runs"]}
+    assert set(rows) == {"fixed-gbs2", "ramp"} and all(row["seed"] == ttt.SEEDS[0] for row in rows.values())
+    assert all(row["reached"] for row in rows.values())
+    ramp = rows["ramp"]
+    assert len(ramp["stages"]) >= 2 and ramp["switches"] == len(ramp["stages"]) - 1
+    assert len({label.split()[0] for label in ramp["stages"]}) == 1  # one layout: every switch in place
+    assert "--switch-in-place" in report["settings"]["commands"][f"ramp seed {ttt.SEEDS[0]}"]
+    run_dir = tmp_path / "w" / f"seed{ttt.SEEDS[0]}" / "ramp" / "logs" / "ramp"
+    stages = json.loads((run_dir / "runner_state.json").read_text())["stages"]
+    assert all(stage["load_path"] is None for stage in stages[1:])  # continued in memory, nothing loaded
+    assert report["summary"]["ladder"]["48000"]["runs"]["ramp"]["mean_tokens"] == ramp["tokens_to_target"]
