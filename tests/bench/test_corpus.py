@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import gzip
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def corpus():
-    sys.path.insert(0, str(BENCH))  # corpus.py imports its sibling corpus_text as the script does
-    try:
-        yield importlib.import_module("corpus")
-    finally:
-        sys.path.remove(str(BENCH))
+def corpus(import_bench):
+    return import_bench("corpus")  # it imports its sibling corpus_text as the script does
 
 
 def test_html_keeps_the_visible_text_with_paragraphs_apart(corpus):

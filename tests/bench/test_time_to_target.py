@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import types
@@ -10,21 +9,16 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 SEQ = 8
 LAUNCHED = 1000.0
 MODULES = ("ttt.supervise", "ttt.report", "ttt.plan", "time_to_target")
 
 
 @pytest.fixture(scope="module")
-def ttt():
+def ttt(import_bench):
     """The benchmark's modules as one namespace (the script imports its package from bench/)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        modules = [importlib.import_module(name) for name in MODULES]
-        yield types.SimpleNamespace(**{k: v for m in modules for k, v in vars(m).items()})
-    finally:
-        sys.path.remove(str(BENCH))
+    modules = [import_bench(name) for name in MODULES]
+    return types.SimpleNamespace(**{k: v for m in modules for k, v in vars(m).items()})
 
 
 def record(*, stage: int, iteration: int, at: float, gbs: int, ppl: float | None = None) -> dict:
