@@ -114,6 +114,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     for field in PRESET_OVERRIDES:
         kind = type(getattr(PRESETS["125m", "bench"], field))
         parser.add_argument(f"--{field.replace('_', '-')}", type=kind, default=None, help="default: preset's")
+    _add_run_flags(parser)
+    args = parser.parse_args(argv)
+    if args.merge is not None:
+        return args, None
+    if args.smoke:
+        args.model, args.corpus = "tiny", "demo"
+    preset = PRESETS.get((args.model, args.corpus))
+    if preset is None:
+        parser.error(f"--model {args.model} has no preset for --corpus {args.corpus}")
+    _resolve(args, preset)
+    return args, preset
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the runs, their stops and their variants."""
     parser.add_argument("--fixed-gbs", default=None, help="comma list (default G0, 2G0, 4G0, 8G0)")
     parser.add_argument("--static-gbs", type=int, default=None, help="the static planner's gbs (default G0)")
     parser.add_argument("--ramp-tokens", default=None, help="comma list: the ramp doubles its gbs at each")
@@ -149,16 +164,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     )  # fmt: skip
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                         help="a short eager run first, unreported (default on for GPU presets)")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.merge is not None:
-        return args, None
-    if args.smoke:
-        args.model, args.corpus = "tiny", "demo"
-    preset = PRESETS.get((args.model, args.corpus))
-    if preset is None:
-        parser.error(f"--model {args.model} has no preset for --corpus {args.corpus}")
-    _resolve(args, preset)
-    return args, preset
 
 
 CARD_SYSTEMS = {"H200": "h200_141g", "H100": "h100_80g", "A100": "a100_80g"}
