@@ -14,8 +14,8 @@ and evaluation spacing (:mod:`ttt.plan`), once per seed of ``--seeds`` (``traini
   and mbs) for G on N devices. The fixed run at ``--static-gbs`` (default G0) is the static planner's
   choice for a user who gives that gbs;
 * **ramp**: the gbs doubles from G0 at each token count of ``--ramp-tokens``, switched in place (``cona
-  train --chain --switch-in-place``), in the layout the planner picks for G0, as Megatron-LM's
-  ``--rampup-batch-size`` and OLMo-core's batch-size scheduler ramp a batch in a fixed layout;
+  train --chain --switch-in-place``), in the layout the planner picks for G0: a batch-size ramp at token
+  milestones in a fixed layout, as Megatron-LM's and OLMo-core's batch-size schedules run one;
 * **online-NAME** (``--online-variant NAME training.KEY=VALUE ...``): online with config keys set (``cona
   train --set``), to compare a policy setting with the defaults in one call;
 * **fixed-gbsG-NAME** (``--fixed-variant NAME G training.KEY=VALUE ...``): a fixed run at G with config keys
