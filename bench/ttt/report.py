@@ -400,7 +400,7 @@ def format_ladder(ladder: dict[str, dict[str, Any]]) -> str:
 # --- merging the JSON of several calls ----------------------------------------------------------------------
 
 MUST_MATCH = ("model", "corpus", "data_prefix", "target_ppl", "total_tokens", "warmup_tokens",
-              "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq")  # fmt: skip
+              "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq", "gpus")  # fmt: skip
 """Settings under which rows of different calls are comparable; a merge refuses others."""
 
 

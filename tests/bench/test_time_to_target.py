@@ -205,7 +205,7 @@ def report(**settings) -> dict:
 
 def ttt_must_match() -> tuple[str, ...]:
     return ("model", "corpus", "data_prefix", "target_ppl", "total_tokens", "warmup_tokens",
-            "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq")  # fmt: skip
+            "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq", "gpus")  # fmt: skip
 
 
 def test_merging_keeps_every_run_once_and_refuses_other_settings(ttt):
@@ -221,6 +221,8 @@ def test_merging_keeps_every_run_once_and_refuses_other_settings(ttt):
     merged = ttt.merge_reports([("a.json", first), ("c.json", third)])
     assert [(r["run"], r["x"]) for r in merged["runs"]] == [("online", 1), ("fixed-gbs8", 1), ("online", 3)]
     assert merged["settings"]["seeds"] == [0, 7] and merged["headroom"] == {"7": {"headroom": 1.1}}
+    with pytest.raises(ValueError, match="b.json has gpus=2"):  # runs on other device counts do not mix
+        ttt.merge_reports([("a.json", first), ("b.json", report(gpus=2))])
     with pytest.raises(ValueError, match="b.json has target_ppl=30"):
         ttt.merge_reports([("a.json", first), ("b.json", report(target_ppl=30))])
 
