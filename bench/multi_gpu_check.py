@@ -14,9 +14,11 @@ minutes)?
 
 The data are documents of a few short token patterns repeated (the loss falls from ln(vocab) within the
 first iterations, so a wrong gradient shows), written to a temporary folder: nothing is downloaded and no
-corpus is needed. One line per check (``ok`` or ``FAIL`` with the numbers); exit status 1 when any failed::
+corpus is needed. The training runs share the ``--gpus`` devices, as many at a time as fit (all at once on
+eight), so the whole check takes about as long as two runs; on a CPU they run one after another. One line
+per check (``ok`` or ``FAIL`` with the numbers); exit status 1 when any failed::
 
-    PYTHONPATH=src python3 bench/multi_gpu_check.py --out $OUT/check.json           # GPUs, bf16
+    PYTHONPATH=src python3 bench/multi_gpu_check.py --gpus 8 --out $OUT/check.json  # GPUs, bf16
     PYTHONPATH=src .venv/bin/python bench/multi_gpu_check.py --device cpu           # 2 CPU processes, fp32
 """
 
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,8 @@ NOISE_MULTIPLE = 4.0
 """The bound over the measured noise: a layout sums in other orders than the two one-device runs do (tp's
 partial sums, pp's micro-batch order), so its difference may exceed theirs by a small factor, not by more."""
 LAYOUTS = {"dp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2)}
+RUN_TIMEOUT_S = 300
+"""A run that has not ended by then is killed (its check fails)."""
 ALL_REDUCE_MB = {"cuda": 256, "cpu": 4}
 """Message size of the timed all-reduce, in MiB."""
 
@@ -160,31 +166,103 @@ def _synchronize(device: str) -> None:
 # --------------------------------------------------------------------------------------------- training
 
 
+@dataclass(frozen=True)
+class Run:
+    """One ``cona train`` of the checks: a layout (None: the layout-only chain) at an mbs."""
+
+    name: str
+    layout: tuple[int, int, int] | None
+    mbs: int
+
+    @property
+    def devices(self) -> int:
+        return 2 if self.layout is None else math.prod(self.layout)
+
+
 def check_training(args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]:
     """The noise, parity and chain checks that ``args.checks`` names, on one data set and config."""
     config = write_setup(args, root)
     dtype = "bf16" if args.device == "cuda" else "fp32"
-    reference = train(config, root, "one", (1, 1, 1), args)
+    wanted = [Run("one", (1, 1, 1), args.mbs)]
+    if "noise" in args.checks:
+        wanted.append(Run("one-mbs2x", (1, 1, 1), 2 * args.mbs))
+    wanted += [Run(name, layout, args.mbs) for name, layout in LAYOUTS.items()
+               if name in args.checks or (name == "dp2" and "chain" in args.checks)]  # fmt: skip
+    if "chain" in args.checks:
+        wanted.append(Run("chain", None, args.mbs))
+    runs = train_all(config, root, wanted, args)
     results: dict[str, dict[str, Any]] = {}
     floor = REL_FLOOR[dtype]
     if "noise" in args.checks:
-        other = train(config, root, "one-mbs2x", (1, 1, 1), args, mbs=2 * args.mbs)
-        noise = worst_difference(reference, other)
+        noise = worst_difference(runs["one"], runs["one-mbs2x"])
         floor = max(floor, NOISE_MULTIPLE * noise)
         results["noise"] = report("noise", ok=noise <= REL_FLOOR[dtype], worst=noise, bound=REL_FLOOR[dtype])
-    runs = {}
-    for name, layout in LAYOUTS.items():
-        if name in args.checks or (name == "dp2" and "chain" in args.checks):
-            runs[name] = train(config, root, name, layout, args)
+    for name in LAYOUTS:
         if name in args.checks:
-            worst = worst_difference(reference, runs[name])
+            worst = worst_difference(runs["one"], runs[name])
             results[name] = report(name, ok=worst <= floor, worst=worst, bound=floor)
     if "chain" in args.checks:
-        chained = train(config, root, "chain", None, args)
-        worst = worst_difference(runs["dp2"], chained)
-        stages = sorted({r["stage"] for r in chained})
+        worst = worst_difference(runs["dp2"], runs["chain"])
+        stages = {r["stage"] for r in runs["chain"]}
         results["chain"] = report("chain", ok=worst <= floor and len(stages) == 3, worst=worst, bound=floor)
     return results
+
+
+def train_all(config: Path, root: Path, wanted: list[Run], args: argparse.Namespace) -> dict[str, list]:
+    """Every run's metrics records. On GPUs the runs share the ``--gpus`` devices, as many at a time as
+    fit (each sees its own through ``CUDA_VISIBLE_DEVICES``); on a CPU they run one after another. A run
+    that needs more devices than there are is not started (its records are empty: its check fails)."""
+    slots = args.gpus if args.device == "cuda" else 0
+    free, running, records = list(range(slots)), [], {}
+    for run in wanted:
+        if slots and run.devices > slots:
+            print(f"  {run.name}: needs {run.devices} devices, --gpus is {slots}: not run", flush=True)
+            records[run.name] = []
+            continue
+        while running and (not slots or len(free) < run.devices):
+            free += finish(*running.pop(0), root, records)
+        devices = [free.pop(0) for _ in range(run.devices)] if slots else []
+        running.append((run, devices, start(config, root, run, args, devices), time.time()))
+    while running:
+        free += finish(*running.pop(0), root, records)
+    return records
+
+
+def start(config: Path, root: Path, run: Run, args: argparse.Namespace, devices: list[int]) -> Any:
+    """``cona train`` of one run in the background, its output to ``<root>/<name>.log``."""
+    command = [sys.executable, "-m", "cona", "train", "--config", str(config),
+               "--workdir", str(root / run.name), "--run-name", run.name, "--quiet"]  # fmt: skip
+    if run.layout is None:
+        chain = root / "chain.json"
+        chain.write_text(json.dumps(layout_chain(args)))
+        command += ["--chain", str(chain), "--gpus", "2"]
+    else:
+        dp, tp, pp = run.layout
+        command += ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--gbs", str(args.gbs),
+                    "--mbs", str(run.mbs), "--iters", str(args.iters)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": _python_path()}
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    with open(root / f"{run.name}.log", "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def finish(
+    run: Run, devices: list[int], process: Any, started: float, root: Path, records: dict
+) -> list[int]:
+    """Wait for one run, keep its records, print its line (its log's tail where it failed); its devices."""
+    try:
+        code = process.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    metrics = root / "logs" / run.name / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    records[run.name] = [r for r in map(json.loads, lines) if "loss" in r]
+    print(f"  {run.name}: exit {code}, {len(records[run.name])} iterations in {time.time() - started:.1f} s")
+    if code != 0:
+        print((root / f"{run.name}.log").read_text()[-2000:], flush=True)
+    return devices
 
 
 def report(name: str, *, ok: bool, worst: float, bound: float) -> dict[str, Any]:
@@ -232,33 +310,6 @@ def write_setup(args: argparse.Namespace, root: Path) -> Path:
     path = root / ".conaconfig"
     path.write_text(json.dumps(config, indent=1))
     return path
-
-
-def train(
-    config: Path, root: Path, name: str, layout: tuple[int, int, int] | None, args: argparse.Namespace,
-    *, mbs: int | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
-    """``cona train`` of one run (``layout`` None: the layout-only chain); its metrics records."""
-    command = [sys.executable, "-m", "cona", "train", "--config", str(config), "--workdir", str(root / name),
-               "--run-name", name, "--quiet"]  # fmt: skip
-    if layout is None:
-        chain = root / "chain.json"
-        chain.write_text(json.dumps(layout_chain(args)))
-        command += ["--chain", str(chain), "--gpus", "2"]
-    else:
-        dp, tp, pp = layout
-        command += ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--gbs", str(args.gbs),
-                    "--mbs", str(mbs or args.mbs), "--iters", str(args.iters)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": _python_path()}
-    started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    metrics = root / "logs" / name / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    records = [r for r in records if "loss" in r]
-    print(f"  {name}: exit {done.returncode}, {len(records)} iterations in {time.time() - started:.1f} s")
-    if done.returncode != 0:
-        print((done.stdout + done.stderr)[-2000:], flush=True)
-    return records
 
 
 def layout_chain(args: argparse.Namespace) -> dict[str, Any]:

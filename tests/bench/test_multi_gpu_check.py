@@ -53,3 +53,37 @@ def test_on_a_cpu_the_all_reduce_and_tp2_agree_with_one_process(check, tmp_path)
     results = json.loads(out.read_text())["checks"]
     assert results["all-reduce"]["ok"] and results["all-reduce"]["backend"] == "gloo"
     assert results["tp2"]["ok"] and results["tp2"]["worst_rel_diff"] <= check.REL_FLOOR["fp32"]
+
+
+def test_the_runs_share_the_gpus_as_many_at_a_time_as_fit_and_one_too_wide_is_not_run(
+    check, monkeypatch, tmp_path
+):
+    started, waited = [], []
+
+    class Done:
+        def wait(self, timeout=None):
+            return 0
+
+    def start(config, root, run, args, devices):
+        started.append((run.name, devices, [name for name, _ in waited]))
+        return Done()
+
+    def finish(run, devices, process, began, root, records):
+        waited.append((run.name, devices))
+        records[run.name] = []
+        return devices
+
+    monkeypatch.setattr(check, "start", start)
+    monkeypatch.setattr(check, "finish", finish)
+    wanted = [check.Run("one", (1, 1, 1), 2), check.Run("dp2", (2, 1, 1), 2), check.Run("tp2", (1, 2, 1), 2),
+              check.Run("chain", None, 2)]  # fmt: skip
+    check.train_all(tmp_path, tmp_path, wanted, check.parse_args(["--gpus", "4"]))
+    # one and dp2 fit beside each other; tp2 waits for the first to end; the chain for the next.
+    assert started == [("one", [0], []), ("dp2", [1, 2], []), ("tp2", [3, 0], ["one"]),
+                       ("chain", [1, 2], ["one", "dp2"])]  # fmt: skip
+    started.clear()
+    records = check.train_all(tmp_path, tmp_path, wanted[:2], check.parse_args(["--gpus", "1"]))
+    assert [name for name, _, _ in started] == ["one"] and records["dp2"] == []
+    started.clear()
+    check.train_all(tmp_path, tmp_path, wanted[:2], check.parse_args(["--device", "cpu"]))
+    assert [devices for _, devices, _ in started] == [[], []]  # a CPU: one run at a time, no device list
