@@ -379,7 +379,7 @@ def build(args: argparse.Namespace) -> dict[str, dict[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", choices=tuple(SETS), default="bench", help="which corpus (see above)")
     parser.add_argument("--out", default=None, help="the dataset's folder (default data/bench, data/bench2)")
     parser.add_argument(

@@ -129,7 +129,7 @@ def sum_parameters(config) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--rows", default="llama:4,bert:16", help="FAMILY:MBS,... (families: gpt, llama, bert)"
     )

@@ -76,7 +76,7 @@ CHECKS = ("all-reduce", "noise", "dp2", "tp2", "pp2", "chain")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--gpus", type=int, default=2, help="processes of the all-reduce (the layouts use 2)")
     parser.add_argument("--size", choices=tuple(SIZES), default=None, help="GPT (default: 125m, CPU tiny)")

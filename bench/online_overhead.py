@@ -83,7 +83,7 @@ def one_run(config, iters: int, *, with_search: bool, port: int) -> tuple[float,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--port", type=int, default=29850)

@@ -222,7 +222,7 @@ def against_truth(botorch: bool, seeds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--botorch", action="store_true", help="Bayesian frontier search instead of exhaustive"
     )

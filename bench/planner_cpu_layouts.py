@@ -251,7 +251,7 @@ def pooled(measurements: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="runs per layout (default 2)")
     parser.add_argument("--iters", type=int, default=8, help="iterations per run (default 8)")
     parser.add_argument("--log-interval", type=int, default=2, help="iterations per logged interval")

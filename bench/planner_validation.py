@@ -267,7 +267,7 @@ def time_vectorised_predict() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--metrics", help="a run's metrics.jsonl to calibrate on (needs --config and --system)"

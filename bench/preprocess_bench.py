@@ -156,7 +156,7 @@ def print_table(rows: list[Measurement], megabytes: float) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--megabytes", type=float, default=10.0)
     parser.add_argument("--demo-dir", type=Path, default=ROOT / "data" / "demo")
     args = parser.parse_args()

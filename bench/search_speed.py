@@ -350,7 +350,7 @@ def summarise_bo(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--searches", type=int, default=100, help="random BO frontier searches (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random frontiers")
     parser.add_argument("--skip-speed", action="store_true")

@@ -51,7 +51,7 @@ def main() -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs of each mode")
     parser.add_argument("--gbs", type=int, default=8, help="stage 1's global batch; stages 2 and 3 double it")
     parser.add_argument("--iters", type=int, default=6, help="iterations of each stage")

@@ -90,7 +90,7 @@ COMPARED_FIELDS = ("model", "corpus", "data_prefix", "gpus", "fixed_gbs", "stati
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Preset | None]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted({m for m, _ in PRESETS}), default="125m")
     parser.add_argument("--corpus", choices=sorted(CORPORA), default="bench")
     parser.add_argument("--smoke", action="store_true", help="the tiny model on CPU processes, demo text")
