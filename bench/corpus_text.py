@@ -1,4 +1,5 @@
-"""Plain text out of the bench corpus's packaged files: HTML, POD, Vim help, fortune files, a dictd file.
+"""Plain text out of the corpora's packaged files: HTML, POD, Vim help, fortune files, a dictd file, the doc
+strings of API description files (JSON), the docstrings of Python sources (read by ``ast``: nothing runs).
 
 Each function takes the bytes of one file and returns text, or (for the containers) a list of documents.
 Bytes are decoded as UTF-8 with ``errors="replace"``: a few packaged files hold stray Latin-1 bytes, and
@@ -149,3 +150,47 @@ def dictd_documents(dictionary: bytes, index: bytes) -> list[str]:
     if current:
         documents.append("\n\n".join(current))
     return documents
+
+
+_TAG = re.compile(r"<[^>]+>")
+
+
+def api_doc_strings(data: bytes, key: str) -> list[str]:
+    """Every string under ``key`` (at any depth) of an API description file (JSON, gzipped or not), its
+    HTML tags stripped and whitespace collapsed, in file order: the prose of AWS service models
+    (``documentation``) and Google discovery documents (``description``)."""
+    import json
+
+    found: list[str] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if name == key and isinstance(value, str):
+                    found.append(" ".join(html.unescape(_TAG.sub(" ", value)).split()))
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(decode(data)))
+    return [text for text in found if text]
+
+
+def python_docstrings(data: bytes) -> list[str]:
+    """The paragraphs of the module, class and function docstrings of one Python source, parsed (never run);
+    a file that does not parse gives none."""
+    import ast
+
+    try:
+        tree = ast.parse(decode(data))
+    except (SyntaxError, ValueError):
+        return []
+    paragraphs: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node)
+            if text:
+                paragraphs += [tidy(part) for part in re.split(r"\n\s*\n", text) if part.strip()]
+    return paragraphs

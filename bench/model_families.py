@@ -1,4 +1,4 @@
-"""Training throughput and MFU of the model families' example shapes on one device (issue 9).
+"""Training throughput and MFU of the model families' example shapes on one device.
 
 Builds the ``model`` section of ``examples/<family>/.conaconfig`` (Llama-3.2-1B shape, BERT-Large shape, and
 the GPT 1.3B of ``examples/gpt`` for comparison) under dp = tp = pp = 1 and times the engine's real step path

@@ -2,7 +2,7 @@
 
 Each mutation replaces one exact piece of source (it must occur exactly once) in a fresh copy of
 ``src/``, ``tests/`` and ``examples/`` and runs the listed tests against that copy; a mutation whose tests
-all pass *survived*: the tests cannot see that bug. The list holds the bugs issue reviews planted (a
+all pass *survived*: the tests cannot see that bug. The list holds the bugs reviews planted (a
 trainer that skips or repeats samples at a gbs change, a worker that ignores its LR factor, ...).
 
     PYTHONPATH=src .venv/bin/python bench/mutations.py            # every mutation (minutes: real chains)

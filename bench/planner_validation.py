@@ -58,21 +58,21 @@ CALCULON_ERRORS = {
 # H200, seq 1024, vocab 50304, bf16, torch.compile, dropout 0, clipping, fused AdamW (docs/benchmarks.md,
 # "Engine throughput against the plain-PyTorch reference").
 H200_ROWS = (
-    ("125m", 12, 768, 12, 8, True, 18.70, "call 11"),
-    ("125m", 12, 768, 12, 16, True, 34.32, "call 11"),
-    ("350m", 24, 1024, 16, 8, True, 47.70, "call 11"),
-    ("350m", 24, 1024, 16, 16, True, 87.48, "call 12"),
-    ("1.3b", 24, 2048, 16, 8, True, 140.66, "call 12"),
-    ("1.3b", 24, 2048, 16, 16, True, 260.69, "call 12"),
-    ("125m", 12, 768, 12, 8, False, 29.52, "call 9 (host prior)"),
-    ("125m", 12, 768, 12, 16, False, 33.94, "call 4"),
-    ("350m", 24, 1024, 16, 8, False, 47.85, "call 5"),
-    ("350m", 24, 1024, 16, 16, False, 87.46, "call 5"),
-    ("1.3b", 24, 2048, 16, 8, False, 140.06, "call 5"),
-    ("1.3b", 24, 2048, 16, 16, False, 256.88, "call 7"),
+    ("125m", 12, 768, 12, 8, True, 18.70, "measured"),
+    ("125m", 12, 768, 12, 16, True, 34.32, "measured"),
+    ("350m", 24, 1024, 16, 8, True, 47.70, "measured"),
+    ("350m", 24, 1024, 16, 16, True, 87.48, "measured"),
+    ("1.3b", 24, 2048, 16, 8, True, 140.66, "measured"),
+    ("1.3b", 24, 2048, 16, 16, True, 260.69, "measured"),
+    ("125m", 12, 768, 12, 8, False, 29.52, "host prior"),
+    ("125m", 12, 768, 12, 16, False, 33.94, "measured"),
+    ("350m", 24, 1024, 16, 8, False, 47.85, "measured"),
+    ("350m", 24, 1024, 16, 16, False, 87.46, "measured"),
+    ("1.3b", 24, 2048, 16, 8, False, 140.06, "measured"),
+    ("1.3b", 24, 2048, 16, 16, False, 256.88, "measured"),
 )
 MEGATRON_TARGET = (0.05, 0.10)
-"""Published points: mean and max |error| with nothing fitted on them (issue 19)."""
+"""Published points: mean and max |error| with nothing fitted on them."""
 NATIVE_TARGET = (0.10, 0.03)
 """H200 points: mean |error| before calibration, and after leave-one-out calibration."""
 

@@ -1,4 +1,4 @@
-"""A gbs-only switch in place against the layout switch of the same CPU chain (issue 16, part 3).
+"""A gbs-only switch in place against the layout switch of the same CPU chain.
 
 One chain of the shipped tiny example (``examples/tiny/.conaconfig`` on the demo data, 2 CPU processes):
 stage 1 dp2 gbs G, stage 2 dp2 gbs 2G (only the batch changes), stage 3 tp2 gbs 2G (the layout changes).
@@ -8,7 +8,7 @@ alternating order so a slow period of the machine falls on both. A switch's *gap
 in ``runner_state.json`` for it without the first step at the new shape, which every switch pays: save,
 publish, process start, load and verification for a checkpointed switch, the hand-over for one in place.
 It prints each run's gaps and the whole command's wall time, then the medians and the ratio of the in-place
-gap to the layout switch's gap of the same runs (the issue's target: at most 0.25)::
+gap to the layout switch's gap of the same runs::
 
     bash scripts/install.sh   # the demo data
     .venv/bin/python bench/switch_gaps.py --rounds 3

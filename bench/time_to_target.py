@@ -1,39 +1,45 @@
-"""Time to a target eval perplexity: CONA's online mode against fixed strategies and a hand-made ramp.
+"""Time to a target eval perplexity: CONA's online mode against every fixed gbs, a static planner's choice
+and a token-milestone ramp, over several seeds.
 
 Every run trains the same GPT from scratch on one corpus (``--corpus bench``: the >= 20M-token corpus that
-``bench/corpus.py`` builds; ``demo``: the 1M-token demo text; ``--data-dir``/``--data-prefix``: any other,
-e.g. a held-out one) as its own ``cona train`` subprocess, with the same seed, LR rule, token-based LR
-schedule, evaluation set and evaluation spacing (``ttt_plan``):
+``bench/corpus.py`` builds; ``bench2``: the check corpus of ``bench/corpus.py --set check``; ``demo``: the
+1M-token demo text; ``--data-dir``/``--data-prefix``: any other, e.g. a held-out one) as its own ``cona
+train`` subprocess on ``--gpus N`` devices, with the same LR rule, token-based LR schedule, evaluation set
+and evaluation spacing (:mod:`ttt.plan`), once per seed of ``--seeds`` (``training.seed``):
 
-* **online**: ``cona train --gpus 1 --system S --initial-gbs G0 --max-gbs Gmax --target-ppl P
+* **online**: ``cona train --gpus N --system S --initial-gbs G0 --max-gbs Gmax --target-ppl P
   --total-tokens T`` (it stops itself at the first evaluation with perplexity <= P);
 * **fixed-gbsG** for G in G0, 2G0, 4G0, 8G0 (``--fixed-gbs``): a one-step chain (``cona train --chain``,
-  which scales the LR to G by the config's rule as online mode does) at the planner's best strategy for G;
-* **ramp**: a chain G0 -> 2G0 -> 4G0 switching at the token counts of ``--ramp-tokens``, each step at the
-  planner's best strategy for its gbs;
+  which scales the LR to G by the config's rule as online mode does) at the planner's best strategy (layout
+  and mbs) for G on N devices. The fixed run at ``--static-gbs`` (default G0) is the static planner's
+  choice for a user who gives that gbs;
+* **ramp**: the gbs doubles from G0 at each token count of ``--ramp-tokens``, switched in place (``cona
+  train --chain --switch-in-place``), in the layout the planner picks for G0: a batch-size ramp at token
+  milestones in a fixed layout, as Megatron-LM's and OLMo-core's batch-size schedules run one;
 * **online-NAME** (``--online-variant NAME training.KEY=VALUE ...``): online with config keys set (``cona
-  train --set``), to compare a policy setting with the defaults in one call, e.g. ``--online-variant
-  windowed training.fallback_ema_alpha=1`` (a trial judged on the windowed noise scale, not its EMA);
+  train --set``), to compare a policy setting with the defaults in one call;
 * **fixed-gbsG-NAME** (``--fixed-variant NAME G training.KEY=VALUE ...``): a fixed run at G with config keys
-  set, e.g. ``--fixed-variant lr32 16 training.base_lr=...`` (gbs 16 at another LR). It is a fixed run: it
-  competes for the best fixed one.
+  set (e.g. another LR). It is a fixed run: it competes for the best fixed one.
 
-Fixed and chain mode have no perplexity stop, so this script stops them (``ttt_supervise``). Time to target
-is given from the launch (everything counts) and from the run's first training step (start-up apart; for
-online and ramp runs, the start-up they take beyond the quickest fixed run's is added back), at the target
-and at each easier level of the ladder (``ttt_report``). On a GPU a short eager run at G0 comes first and is
-not reported (``--no-warmup`` leaves it out): the first run on a fresh machine pays for loading the CUDA
-libraries, which would be charged to whichever run came first. Method: docs/benchmarks.md.
+Fixed and chain mode have no perplexity stop, so this script stops them (:mod:`ttt.supervise`). Time to
+target is given from the launch (everything counts) and from the run's first training step (start-up apart;
+for runs that are not fixed, the runner's start-up beyond the quickest fixed run's is added back), at the
+target and at each easier level of the ladder, per seed and as the mean over the seeds, with the tokens
+apart (:mod:`ttt.report`); per seed, the hindsight bound of any chain on the same runs
+(:mod:`ttt.headroom`). On a GPU a short eager run at G0 comes first and is not reported (``--no-warmup``
+leaves it out): the first run on a fresh machine pays for loading the CUDA libraries, which would be
+charged to whichever run came first.
 
-The runs of one model can be split over calls (``--runs``) and their JSON put together afterwards
-(``--merge A.json B.json --out C.json``). GPU (one H200), from the repository root, ``data/bench`` carried::
+The runs can be split over calls (``--runs``, ``--seeds``) and their JSON put together afterwards
+(``--merge A.json B.json --out C.json``). GPU, from the repository root, ``data/bench`` carried::
 
-    PYTHONPATH=src timeout 590 python3 bench/time_to_target.py --corpus bench --model 125m \
-        --runs online,fixed-gbs8,fixed-gbs64 --out $OUT/ttt-125m-a.json
+    PYTHONPATH=src python3 bench/time_to_target.py --corpus bench --model 125m --gpus 1 \
+        --runs online,fixed-gbs8,fixed-gbs64 --seeds 1234 --out $OUT/ttt-125m-a.json
 
-CPU check of the whole flow (tiny GPT, one CPU process; online, fixed gbs 2 and the ramp)::
+CPU check of the whole flow (tiny GPT; online, fixed gbs 2 and the ramp; one seed)::
 
     PYTHONPATH=src .venv/bin/python bench/time_to_target.py --smoke --out /tmp/ttt.json
+    PYTHONPATH=src .venv/bin/python bench/time_to_target.py --smoke --gpus 2 --out /tmp/ttt2.json
 """
 
 from __future__ import annotations
@@ -51,11 +57,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ttt_plan import (
+from ttt.headroom import format_headroom, work_dir_headroom
+from ttt.plan import (
     CORPORA,
     PRESET_OVERRIDES,
     PRESETS,
     PROJECT_ROOT,
+    SEEDS,
     Preset,
     fixed_variants,
     online_variants,
@@ -63,19 +71,34 @@ from ttt_plan import (
     plan_warmup,
     run_names,
 )
-from ttt_report import LADDER, format_ladder, format_table, merge_reports, summarize_run, summary
-from ttt_supervise import RunPlan, supervise
+from ttt.report import (
+    LADDER,
+    format_ladder,
+    format_seeds_ladder,
+    format_table,
+    merge_reports,
+    seed_dir,
+    seeds_summary,
+    summarize_run,
+)
+from ttt.supervise import RunPlan, supervise
 
 END_MARGIN_S = 10.0
 """Budget kept aside per run for the save and exit after its stop."""
-COMPARED_FIELDS = ("model", "corpus", "data_prefix", "fixed_gbs", "ramp_tokens", "levels", "patience", "runs")
+COMPARED_FIELDS = ("model", "corpus", "data_prefix", "gpus", "fixed_gbs", "static_gbs", "ramp_tokens",
+                   "levels", "patience", "runs", "seeds")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Preset | None]:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted({m for m, _ in PRESETS}), default="125m")
     parser.add_argument("--corpus", choices=sorted(CORPORA), default="bench")
-    parser.add_argument("--smoke", action="store_true", help="the tiny model on one CPU process, demo text")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model on CPU processes, demo text")
+    parser.add_argument("--gpus", type=int, default=1, help="devices (CPU processes on a CPU) of every run")
+    parser.add_argument(
+        "--seeds", default=None,
+        help=f"comma list of training.seed values (default {','.join(map(str, SEEDS))}; --smoke: {SEEDS[0]})",
+    )  # fmt: skip
     parser.add_argument("--data-dir", default=None, help="default: the corpus's folder")
     parser.add_argument("--data-prefix", default=None, help="dataset name in --data-dir (no .bin/.idx)")
     parser.add_argument("--tokenizer-dir", default=None, help="gpt2-vocab.json/merges.txt (default data dir)")
@@ -91,8 +114,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     for field in PRESET_OVERRIDES:
         kind = type(getattr(PRESETS["125m", "bench"], field))
         parser.add_argument(f"--{field.replace('_', '-')}", type=kind, default=None, help="default: preset's")
+    _add_run_flags(parser)
+    args = parser.parse_args(argv)
+    if args.merge is not None:
+        return args, None
+    if args.smoke:
+        args.model, args.corpus = "tiny", "demo"
+    preset = PRESETS.get((args.model, args.corpus))
+    if preset is None:
+        parser.error(f"--model {args.model} has no preset for --corpus {args.corpus}")
+    _resolve(args, preset)
+    return args, preset
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the runs, their stops and their variants."""
     parser.add_argument("--fixed-gbs", default=None, help="comma list (default G0, 2G0, 4G0, 8G0)")
-    parser.add_argument("--ramp-tokens", default=None, help="the ramp's two switch points in tokens")
+    parser.add_argument("--static-gbs", type=int, default=None, help="the static planner's gbs (default G0)")
+    parser.add_argument("--ramp-tokens", default=None, help="comma list: the ramp doubles its gbs at each")
     parser.add_argument(
         "--ladder", default=",".join(f"{f:g}" for f in LADDER), help="also time easier levels: P x these"
     )
@@ -125,22 +164,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prese
     )  # fmt: skip
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                         help="a short eager run first, unreported (default on for GPU presets)")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.merge is not None:
-        return args, None
-    if args.smoke:
-        args.model, args.corpus = "tiny", "demo"
-    preset = PRESETS.get((args.model, args.corpus))
-    if preset is None:
-        parser.error(f"--model {args.model} has no preset for --corpus {args.corpus}")
-    _resolve(args, preset)
-    return args, preset
 
 
 CARD_SYSTEMS = {"H200": "h200_141g", "H100": "h100_80g", "A100": "a100_80g"}
-"""The system file of a card whose name holds the key. A GPU preset names the H200's; a call lent an H100
-instead ran with the H200's file (the twenty-first session's e21 and e22), so every prediction of a
-device-bound step was the H200's."""
+"""The system file of a card whose name holds the key: the planner predicts for the card the runs train on,
+not the one the preset names."""
 
 
 def _card_system() -> str | None:
@@ -175,12 +203,7 @@ def _resolve(args: argparse.Namespace, preset: Preset) -> None:
             raise SystemExit(f"time_to_target: {flag}: {path} does not exist (bench corpus: bench/corpus.py)")
     args.compile = preset.device == "cuda" if args.compile is None else args.compile
     args.warmup = preset.device == "cuda" if args.warmup is None else args.warmup
-    args.fixed_gbs = _int_list("--fixed-gbs", args.fixed_gbs) or [args.initial_gbs * 2**k for k in range(4)]
-    args.ramp_tokens = _int_list("--ramp-tokens", args.ramp_tokens) or list(preset.ramp_tokens)
-    if len(args.ramp_tokens) != 2:
-        raise SystemExit(
-            f"--ramp-tokens: give two token counts (G0 -> 2G0, 2G0 -> 4G0), got {args.ramp_tokens}"
-        )
+    _resolve_runs(args, preset)
     try:
         args.levels = [args.target_ppl * float(f) for f in ("1", *args.ladder.split(","))]
     except ValueError:
@@ -190,14 +213,31 @@ def _resolve(args: argparse.Namespace, preset: Preset) -> None:
             f"--stop-behind: {args.stop_behind:g} would stop a fixed run that can still beat the best "
             "fixed run so far; give 0 (off) or at least 1"
         )
-    args.online_variants = online_variants(args.online_variant)
-    args.fixed_variants = fixed_variants(args.fixed_variant)
     names = run_names(args)
     default = ["online", f"fixed-gbs{args.initial_gbs}", "ramp"] if args.smoke else names
     args.runs = [r.strip() for r in args.runs.split(",")] if args.runs else default
     unknown = [r for r in args.runs if r not in names]
     if unknown:
         raise SystemExit(f"--runs: unknown {', '.join(unknown)} (choose from {', '.join(names)})")
+
+
+def _resolve_runs(args: argparse.Namespace, preset: Preset) -> None:
+    """The seeds, the fixed gbs sweep (the static planner's gbs in it), the ramp and the variants."""
+    if args.gpus < 1:
+        raise SystemExit(f"--gpus: {args.gpus} (give at least 1)")
+    args.seeds = _int_list("--seeds", args.seeds) or list(SEEDS[:1] if args.smoke else SEEDS)
+    args.static_gbs = args.static_gbs or args.initial_gbs
+    sweep = _int_list("--fixed-gbs", args.fixed_gbs) or [args.initial_gbs * 2**k for k in range(4)]
+    args.fixed_gbs = sorted({*sweep, args.static_gbs})
+    args.ramp_tokens = _int_list("--ramp-tokens", args.ramp_tokens) or list(preset.ramp_tokens)
+    top = args.initial_gbs * 2 ** len(args.ramp_tokens)
+    if args.max_gbs % top:
+        raise SystemExit(
+            f"--ramp-tokens: {len(args.ramp_tokens)} doublings from --initial-gbs {args.initial_gbs} reach "
+            f"gbs {top}, which does not divide --max-gbs {args.max_gbs} (the evaluation set would differ)"
+        )
+    args.online_variants = online_variants(args.online_variant)
+    args.fixed_variants = fixed_variants(args.fixed_variant)
 
 
 def _int_list(flag: str, text: str | None) -> list[int]:
@@ -209,24 +249,40 @@ def _int_list(flag: str, text: str | None) -> list[int]:
         raise SystemExit(f"{flag}: {text!r} is not a comma list of integers") from None
 
 
-def settings(args: argparse.Namespace, preset: Preset, plans: list[RunPlan]) -> dict[str, Any]:
+def settings(args: argparse.Namespace, preset: Preset, plans: list[tuple[int, RunPlan]]) -> dict[str, Any]:
     keys = (*PRESET_OVERRIDES, "data_dir", "tokenizer_dir", "compile", "warmup", "botorch", "min_training_s",
             "stop_behind", "known_best_s", "online_variants", "fixed_variants")  # fmt: skip
     return {
         **{key: getattr(args, key) for key in (*keys, *COMPARED_FIELDS)},
         "seq": preset.model["seq"],
         "preset": dataclasses.asdict(preset),
-        "commands": {plan.name: plan.command[1:] for plan in plans},
+        "commands": {f"{plan.name} seed {seed}": plan.command[1:] for seed, plan in plans},
     }
 
 
 def write_report(out: Path, report: dict[str, Any]) -> None:
+    """The summary over the rows (per seed and the mean over seeds) into ``report``, the JSON to ``out``, and
+    the tables to stdout."""
     levels = [f"{level:g}" for level in report["settings"]["levels"]]
-    report["summary"] = summary(report["runs"], levels, report["settings"].get("min_training_s", 40.0))
+    result = seeds_summary(report["runs"], levels, report["settings"].get("min_training_s", 40.0))
+    report["summary"] = result
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(format_table(report["runs"], report["settings"]["target_ppl"]), flush=True)
-    print(format_ladder(report["summary"]["ladder"]), flush=True)
+    for seed, by_seed in result["by_seed"].items():
+        print(f"seed {seed}:\n{format_ladder(by_seed['ladder'])}", flush=True)
+    for seed, bound in sorted(report.get("headroom", {}).items()):
+        print(format_headroom(seed, bound), flush=True)
+    print(format_seeds_ladder(result["ladder"], result["seeds"]), flush=True)
+
+
+def headline(report: dict[str, Any]) -> dict[str, Any]:
+    """The main level over the seeds and every run's mean time there over the best fixed run's."""
+    result = report.get("summary", {})
+    level = result.get("main_level")
+    entry = result.get("ladder", {}).get(level, {}) if level is not None else {}
+    return {"seeds": result.get("seeds"), "main_level": level, "best_fixed": entry.get("best_fixed"),
+            "over_best_fixed": entry.get("over_best_fixed")}  # fmt: skip
 
 
 def merge_main(args: argparse.Namespace) -> int:
@@ -237,7 +293,7 @@ def merge_main(args: argparse.Namespace) -> int:
         print(f"time_to_target: --merge: {err}", file=sys.stderr)
         return 1
     write_report(args.out, merged)
-    print(json.dumps({k: v for k, v in merged["summary"].items() if k != "ladder"}), flush=True)
+    print(json.dumps(headline(merged)), flush=True)
     return 0
 
 
@@ -256,10 +312,8 @@ def run_cap(
 
 def settle(plan: RunPlan) -> None:
     """Drop the run's checkpoints (nothing here reads them) and flush what is still being written. A run
-    stopped at the target saves ~1.5 GB (GPT-125M with its optimizer) as it exits, and the next run started
-    up beside that write-back: on the H200 an online run launched right after the warm-up's save took 10.6 s
-    longer to start than the fixed run after it; with this step online started 1.8-1.9 s quicker than the
-    fixed runs in the next two calls (docs/benchmarks.md, sixth session)."""
+    stopped at the target saves its model and optimizer (~1.5 GB at GPT-125M) as it exits; a next run that
+    started beside that write-back would be charged seconds of start-up that are not its own."""
     shutil.rmtree(plan.root / "checkpoints", ignore_errors=True)
     os.sync()
 
@@ -279,49 +333,64 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("\n".join(run_names(args)))
         return 0
-    started = time.time()
     # A SIGTERM (a time limit) unwinds through supervise(), which then stops the run it is watching.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="cona-ttt-")).resolve()
     print(
-        f"time_to_target: {preset.model} on {args.data_dir}/{args.data_prefix}; P={args.target_ppl:g}; "
-        f"runs {','.join(args.runs)}; compile {args.compile}; budget {args.budget_s:.0f} s; in {work}",
+        f"time_to_target: {preset.model} on {args.data_dir}/{args.data_prefix}, {args.gpus} device(s); "
+        f"P={args.target_ppl:g}; runs {','.join(args.runs)}; seeds {','.join(map(str, args.seeds))}; "
+        f"compile {args.compile}; budget {args.budget_s:.0f} s; in {work}",
         flush=True,
     )
-    plans = [plan_run(name, preset, args, work) for name in args.runs]
-    report: dict[str, Any] = {"settings": settings(args, preset, plans), "runs": []}
+    plans = [(seed, plan_run(name, preset, args, seed_dir(work, seed), seed=seed))
+             for seed in args.seeds for name in args.runs]  # fmt: skip
+    report: dict[str, Any] = {"settings": settings(args, preset, plans), "runs": [], "headroom": {}}
     if args.warmup:
         report["settings"]["warmup_s"] = warm_up(plan_warmup(preset, args, work))
-        started = time.time()  # the budget is the measured runs'
-    best_fixed_s = args.known_best_s
-    for index, plan in enumerate(plans):
+    started = time.time()  # the budget is the measured runs'
+    best_fixed_s = dict.fromkeys(args.seeds, args.known_best_s)
+    for index, (seed, plan) in enumerate(plans):
         left = args.budget_s - (time.time() - started)
+        to_come = [p for _, p in plans[index:]]
         cap = run_cap(
-            plan, plans[index:], left_s=left, best_fixed_s=best_fixed_s, stop_behind=args.stop_behind
+            plan, to_come, left_s=left, best_fixed_s=best_fixed_s[seed], stop_behind=args.stop_behind
         )
         if cap < 10.0:
-            print(f"time_to_target: {plan.name} skipped, {left:.0f} s of the budget left", flush=True)
+            print(
+                f"time_to_target: {plan.name} (seed {seed}) skipped, {left:.0f} s of the budget left",
+                flush=True,
+            )
             continue
-        share = run_cap(plan, plans[index:], left_s=left, best_fixed_s=None, stop_behind=0.0)
+        share = run_cap(plan, to_come, left_s=left, best_fixed_s=None, stop_behind=0.0)
         cut = f", cut from {plan.cap_s:.0f} s to fit --budget-s" if share < plan.cap_s - 1.0 else ""
-        if plan.kind == "online" and best_fixed_s is not None and cap < best_fixed_s:
-            cut += f"; under the best fixed run's {best_fixed_s:.0f} s: it can show a lead, not a loss"
-        print(f"time_to_target: {plan.name} (cap {cap:.0f} s{cut}): {' '.join(plan.command[1:])}", flush=True)
-        supervised = supervise(plan, target_ppl=args.target_ppl, patience=args.patience, cap_s=cap)
-        settle(plan)
-        row = summarize_run(
-            name=plan.name, kind=plan.kind, run_dir=plan.run_dir, supervised=supervised,
-            target_ppl=args.target_ppl, levels=args.levels, seq=preset.model["seq"],
-        )  # fmt: skip
-        if supervised.exit_code not in (0, None) and supervised.stop == "exited":
-            print((plan.root / "cona.log").read_text()[-3000:], flush=True)
+        if plan.kind == "online" and best_fixed_s[seed] is not None and cap < best_fixed_s[seed]:
+            cut += f"; under the best fixed run's {best_fixed_s[seed]:.0f} s: it can show a lead, not a loss"
+        print(f"time_to_target: {plan.name} seed {seed} (cap {cap:.0f} s{cut}): {' '.join(plan.command[1:])}")
+        row = measured_row(plan, seed, cap, args, preset)
         report["runs"].append(row)
         if plan.kind == "fixed" and row["time_to_target_s"] is not None:
-            best_fixed_s = min(row["time_to_target_s"], best_fixed_s or math.inf)
+            best_fixed_s[seed] = min(row["time_to_target_s"], best_fixed_s[seed] or math.inf)
+        bound = work_dir_headroom(seed_dir(work, seed), args.target_ppl)
+        if bound is not None:
+            report["headroom"][str(seed)] = bound
         write_report(args.out, report)
-    print(json.dumps({k: v for k, v in report.get("summary", {}).items() if k != "ladder"}), flush=True)
+    print(json.dumps(headline(report)), flush=True)
     print(f"time_to_target: done in {time.time() - started:.0f} s; JSON {args.out}", flush=True)
     return 0
+
+
+def measured_row(
+    plan: RunPlan, seed: int, cap: float, args: argparse.Namespace, preset: Preset
+) -> dict[str, Any]:
+    """Run one plan under its cap and read its row back (its log's tail printed where it failed)."""
+    supervised = supervise(plan, target_ppl=args.target_ppl, patience=args.patience, cap_s=cap)
+    settle(plan)
+    if supervised.exit_code not in (0, None) and supervised.stop == "exited":
+        print((plan.root / "cona.log").read_text()[-3000:], flush=True)
+    return summarize_run(
+        name=plan.name, kind=plan.kind, seed=seed, run_dir=plan.run_dir, supervised=supervised,
+        target_ppl=args.target_ppl, levels=args.levels, seq=preset.model["seq"],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Importing the scripts of bench/, which import their siblings from that folder."""
+"""Importing the scripts of bench/, which import their siblings and the ttt package from that folder."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 @pytest.fixture(scope="module")
 def import_bench() -> Iterator[Callable[[str], ModuleType]]:
-    """``import_bench("ttt_headroom")``: the script as a module, with bench/ on the path meanwhile."""
+    """``import_bench("ttt.headroom")``: a script or a package module of bench/, with bench/ on the path
+    meanwhile."""
     sys.path.insert(0, str(BENCH))
     try:
         yield importlib.import_module

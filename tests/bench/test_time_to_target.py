@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import types
@@ -10,21 +9,16 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 SEQ = 8
 LAUNCHED = 1000.0
-MODULES = ("ttt_supervise", "ttt_report", "ttt_plan", "time_to_target")
+MODULES = ("ttt.supervise", "ttt.report", "ttt.plan", "time_to_target")
 
 
 @pytest.fixture(scope="module")
-def ttt():
-    """The benchmark's modules as one namespace (the script imports its siblings from bench/)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        modules = [importlib.import_module(name) for name in MODULES]
-        yield types.SimpleNamespace(**{k: v for m in modules for k, v in vars(m).items()})
-    finally:
-        sys.path.remove(str(BENCH))
+def ttt(import_bench):
+    """The benchmark's modules as one namespace (the script imports its package from bench/)."""
+    modules = [import_bench(name) for name in MODULES]
+    return types.SimpleNamespace(**{k: v for m in modules for k, v in vars(m).items()})
 
 
 def record(*, stage: int, iteration: int, at: float, gbs: int, ppl: float | None = None) -> dict:
@@ -44,7 +38,7 @@ def write_run(run_dir: Path, records: list[dict], decisions: list[dict] = ()) ->
 
 def summarize(ttt, run_dir: Path, *, kind: str = "online", target: float = 50.0):
     supervised = ttt.Supervised(launched_at=LAUNCHED, ended_at=LAUNCHED + 60, exit_code=0, stop="exited")
-    return ttt.summarize_run(name=run_dir.name, kind=kind, run_dir=run_dir, supervised=supervised,
+    return ttt.summarize_run(name=run_dir.name, kind=kind, seed=1, run_dir=run_dir, supervised=supervised,
                              target_ppl=target, levels=[target, 2 * target], seq=SEQ)  # fmt: skip
 
 
@@ -88,7 +82,7 @@ def test_a_run_that_misses_the_target_has_no_time_and_counts_as_the_worst_fixed(
     assert ttt.summary([rows[0], rows[1], capped])["fixed_stopped_before_best"] == ["fixed-gbs16"]
     table = ttt.format_table(rows, 50.0).splitlines()
     # How far it trained (its last line at 5 s), not its exit at 60 s.
-    assert len(table) == 2 + len(rows) and table[-1].split()[:2] == ["fixed-gbs16", ">5"]
+    assert len(table) == 2 + len(rows) and table[-1].split()[:3] == ["fixed-gbs16", "1", ">5"]
     assert result["online_stopped_before_best"] == []
     cut_online = {**rows[3], "run": "online-again", "kind": "online"}  # stopped at 5 s, before gbs 4's 12 s
     assert ttt.summary([*rows[:3], cut_online])["online_stopped_before_best"] == ["online-again"]
@@ -106,8 +100,12 @@ def test_evaluations_fall_every_so_many_tokens_on_a_set_every_micro_batch_divide
     assert [ttt.eval_interval(131_072, gbs, 512) for gbs in (8, 32, 64, 1024)] == [32, 8, 4, 1]
     preset = ttt.PRESETS["125m", "demo"]
     assert ttt.eval_samples(preset, 64) == 64 and ttt.eval_samples(preset, 48) == 96
-    (step,) = ttt.one_step_chain(16, 4, 100)["steps"]
-    assert step["is_initial"] and step["train_iters"] == 100 and (step["gbs"], step["mbs"]) == (16, 4)
+    (step,) = ttt.one_step_chain(strategy(ttt, 16, 4, dp=2), 100)["steps"]
+    assert (
+        step["is_initial"]
+        and step["train_iters"] == 100
+        and (step["gbs"], step["mbs"], step["dp"]) == (16, 4, 2)
+    )
 
 
 def stop_rule(ttt, tmp_path: Path, kind: str):
@@ -181,13 +179,23 @@ def test_the_ladder_charges_the_runners_extra_start_up_where_every_run_has_it(tt
     assert ttt.runner_seconds(tmp_path / "missing", LAUNCHED) is None
 
 
-def test_the_ramp_chain_switches_at_the_token_points_with_absolute_iterations(ttt):
-    chain = ttt.ramp_chain([(8, 8), (16, 8), (32, 16)], [8 * 512 * 10, 8 * 512 * 30], 8 * 512 * 100, 512)
+def strategy(ttt, gbs: int, mbs: int, *, dp: int = 1, tp: int = 1, pp: int = 1):
+    from cona.strategy import Strategy
+
+    return Strategy(dp=dp, tp=tp, pp=pp, mbs=mbs, gbs=gbs)
+
+
+def test_the_ramp_chain_switches_in_one_layout_at_the_token_points_with_absolute_iterations(ttt):
+    stages = [strategy(ttt, 8, 4, dp=2), strategy(ttt, 16, 4, dp=2), strategy(ttt, 32, 8, dp=2)]
+    chain = ttt.ramp_chain(stages, [8 * 512 * 10, 8 * 512 * 30], 8 * 512 * 100, 512)
     steps = chain["steps"]
-    assert [(s["gbs"], s["mbs"], s["train_iters"]) for s in steps] == [(8, 8, 10), (16, 8, 20), (32, 16, 38)]
-    assert steps[0]["is_initial"] and steps[1]["load_dp"] == 1 and [s["convert"] for s in steps] == [1, 1, 0]
+    assert [(s["gbs"], s["mbs"], s["train_iters"]) for s in steps] == [(8, 4, 10), (16, 4, 20), (32, 8, 38)]
+    assert steps[0]["is_initial"] and steps[1]["load_dp"] == 2 and not any(s["convert"] for s in steps)
+    assert {(s["dp"], s["tp"], s["pp"]) for s in steps} == {(2, 1, 1)}
     with pytest.raises(SystemExit, match="--ramp-tokens"):
-        ttt.ramp_chain([(8, 8), (16, 8), (32, 16)], [5000, 4000], 100_000, 512)
+        ttt.ramp_chain(stages, [5000, 4000], 100_000, 512)
+    with pytest.raises(SystemExit, match="one layout"):  # a layout change cannot switch in place
+        ttt.ramp_chain([stages[0], strategy(ttt, 16, 4, tp=2)], [5000], 100_000, 512)
 
 
 def report(**settings) -> dict:
@@ -197,7 +205,7 @@ def report(**settings) -> dict:
 
 def ttt_must_match() -> tuple[str, ...]:
     return ("model", "corpus", "data_prefix", "target_ppl", "total_tokens", "warmup_tokens",
-            "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq")  # fmt: skip
+            "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq", "gpus")  # fmt: skip
 
 
 def test_merging_keeps_every_run_once_and_refuses_other_settings(ttt):
@@ -207,8 +215,27 @@ def test_merging_keeps_every_run_once_and_refuses_other_settings(ttt):
     merged = ttt.merge_reports([("a.json", first), ("b.json", second)])
     assert [(r["run"], r["x"]) for r in merged["runs"]] == [("online", 1), ("fixed-gbs8", 2), ("ramp", 2)]
     assert merged["settings"]["merged_from"] == ["a.json", "b.json"]
+    third = report()  # another seed's run of the same name is a row of its own
+    third["runs"] = [{"run": "online", "seed": 7, "x": 3}]
+    third["headroom"] = {"7": {"headroom": 1.1}}
+    merged = ttt.merge_reports([("a.json", first), ("c.json", third)])
+    assert [(r["run"], r["x"]) for r in merged["runs"]] == [("online", 1), ("fixed-gbs8", 1), ("online", 3)]
+    assert merged["settings"]["seeds"] == [0, 7] and merged["headroom"] == {"7": {"headroom": 1.1}}
+    with pytest.raises(ValueError, match="b.json has gpus=2"):  # runs on other device counts do not mix
+        ttt.merge_reports([("a.json", first), ("b.json", report(gpus=2))])
     with pytest.raises(ValueError, match="b.json has target_ppl=30"):
         ttt.merge_reports([("a.json", first), ("b.json", report(target_ppl=30))])
+
+
+def fake_planner(ttt):
+    """The planner's choice without the planner: dp over every device at gbs <= 16, else tp over them (a
+    layout that changes with the gbs), mbs = gbs / dp; ``layout`` keeps the one given."""
+
+    def best(config, system, gpus, gbs, layout=None):
+        dp, tp, pp = layout or ((gpus, 1, 1) if gbs <= 16 else (1, gpus, 1))
+        return strategy(ttt, gbs, gbs // dp, dp=dp, tp=tp, pp=pp)
+
+    return best
 
 
 def fake_corpus(tmp_path: Path) -> list[str]:
@@ -231,6 +258,64 @@ def test_the_flags_give_doubling_fixed_runs_a_run_selection_and_one_line_errors(
         ttt.parse_args(["--data-dir", str(tmp_path / "none"), "--out", "x.json"])
     args, _ = ttt.parse_args(["--smoke", *fake_corpus(tmp_path)])
     assert args.runs == ["online", "fixed-gbs2", "ramp"] and not args.compile
+    assert args.seeds == [ttt.SEEDS[0]] and args.gpus == 1 and args.static_gbs == 2
+    args, _ = ttt.parse_args(
+        ["--model", "125m", "--static-gbs", "24", "--seeds", "7,5", *fake_corpus(tmp_path)]
+    )
+    assert args.fixed_gbs == [8, 16, 24, 32, 64] and args.seeds == [5, 7]  # the static planner's gbs joins
+    assert ttt.parse_args(["--model", "125m", *fake_corpus(tmp_path)])[0].seeds == list(ttt.SEEDS)
+    with pytest.raises(SystemExit, match="--ramp-tokens: 3 doublings from --initial-gbs 8 reach gbs 64"):
+        ttt.parse_args(
+            ["--model", "125m", "--ramp-tokens", "1,2,3", "--max-gbs", "32", *fake_corpus(tmp_path)]
+        )
+    with pytest.raises(SystemExit, match="--seeds"):
+        ttt.parse_args(["--seeds", "one", *fake_corpus(tmp_path)])
+
+
+def test_on_several_devices_each_fixed_run_takes_its_gbs_best_layout_and_the_ramp_keeps_one_in_place(
+    ttt, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sys.modules["ttt.plan"], "best_strategy", fake_planner(ttt))
+    args, preset = ttt.parse_args(["--model", "125m", "--gpus", "2", *fake_corpus(tmp_path)])
+    small = ttt.plan_run("fixed-gbs8", preset, args, tmp_path / "s1", seed=3)
+    large = ttt.plan_run("fixed-gbs64", preset, args, tmp_path / "s1", seed=3)
+    ramp = ttt.plan_run("ramp", preset, args, tmp_path / "s1", seed=3)
+    online = ttt.plan_run("online", preset, args, tmp_path / "s1", seed=3)
+    for plan in (small, large, ramp, online):
+        assert plan.command[plan.command.index("--gpus") + 1] == "2"
+        assert json.loads((plan.root / ".conaconfig").read_text())["training"]["seed"] == 3
+    (step,) = json.loads((small.root / "chain.json").read_text())["steps"]
+    assert (step["dp"], step["tp"], step["mbs"]) == (2, 1, 4)
+    (step,) = json.loads((large.root / "chain.json").read_text())["steps"]
+    assert (step["dp"], step["tp"], step["mbs"]) == (1, 2, 64)
+    steps = json.loads((ramp.root / "chain.json").read_text())["steps"]
+    assert [(s["gbs"], s["dp"], s["tp"]) for s in steps] == [(8, 2, 1), (16, 2, 1), (32, 2, 1)]
+    assert "--switch-in-place" in ramp.command and "--switch-in-place" not in large.command
+
+
+def test_the_mean_over_seeds_gives_tokens_and_time_apart_where_every_seed_reached(ttt):
+    def seeded(name: str, kind: str, seed: int, level_s: float | None, tokens: int | None) -> dict:
+        base = row(name, kind, startup=20.0, levels={"50": level_s})
+        return {**base, "seed": seed, "tokens_to_level": {"50": tokens}, "reached": level_s is not None,
+                "time_to_target_s": level_s}  # fmt: skip
+
+    rows = [
+        seeded("fixed-gbs8", "fixed", 1, 60.0, 1000), seeded("fixed-gbs8", "fixed", 2, 70.0, 1200),
+        seeded("online", "online", 1, 50.0, 900), seeded("online", "online", 2, 60.0, 1100),
+        seeded("ramp", "ramp", 1, 55.0, 800), seeded("ramp", "ramp", 2, None, None),
+    ]  # fmt: skip
+    result = ttt.seeds_summary(rows, ["50"], min_training_s=0.0)
+    assert result["seeds"] == [1, 2] and set(result["by_seed"]) == {1, 2}
+    level = result["ladder"]["50"]
+    assert level["runs"]["online"] == {"seeds": 2, "reached": 2, "mean_time_s": 55.0, "mean_tokens": 1000}
+    assert level["runs"]["ramp"]["mean_time_s"] is None and level["runs"]["ramp"]["reached"] == 1
+    assert level["best_fixed"] == "fixed-gbs8" and level["over_best_fixed"] == {
+        "fixed-gbs8": 1.0,
+        "online": 0.846,
+    }
+    assert result["main_level"] == "50"
+    text = ttt.format_seeds_ladder(result["ladder"], result["seeds"])
+    assert "online 55.0 s 1,000 tokens 0.85x" in text and "ramp 1/2 reached" in text
 
 
 def test_a_stop_asked_for_at_a_stage_boundary_is_asked_again_of_the_next_stage(ttt, tmp_path):
@@ -265,7 +350,7 @@ def test_a_fixed_run_is_capped_behind_the_best_fixed_run_and_online_is_not(ttt, 
 
 
 def test_a_gpu_comparison_warms_up_with_a_short_eager_run_that_is_not_reported(ttt, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules["ttt_plan"], "best_mbs", lambda config, system, gbs: gbs)  # no planner
+    monkeypatch.setattr(sys.modules["ttt.plan"], "best_strategy", fake_planner(ttt))
     args, preset = ttt.parse_args(["--model", "125m", *fake_corpus(tmp_path)])
     assert args.warmup and args.compile
     assert not ttt.parse_args(["--smoke", *fake_corpus(tmp_path)])[0].warmup
@@ -287,8 +372,8 @@ def test_an_online_variant_runs_online_with_config_keys_set_and_bad_ones_are_ref
     args, preset = ttt.parse_args(["--model", "125m", *variant, *corpus])
     assert args.runs[:2] == ["online", "online-windowed"]
     assert args.online_variants == {"windowed": ["training.fallback_ema_alpha=1"]}
-    plain = ttt.plan_run("online", preset, args, tmp_path / "work")
-    windowed = ttt.plan_run("online-windowed", preset, args, tmp_path / "work")
+    plain = ttt.plan_run("online", preset, args, tmp_path / "work", seed=1)
+    windowed = ttt.plan_run("online-windowed", preset, args, tmp_path / "work", seed=1)
     assert windowed.kind == "online" and "--set" not in plain.command
     at = windowed.command.index("--set")
     assert windowed.command[at:] == ["--set", "training.fallback_ema_alpha=1"]
@@ -297,7 +382,7 @@ def test_an_online_variant_runs_online_with_config_keys_set_and_bad_ones_are_ref
     typo = ["--online-variant", "typo", "training.fallback_ema=1"]
     args, preset = ttt.parse_args(["--model", "125m", *typo, *corpus])
     with pytest.raises(SystemExit, match="fallback_ema"):
-        ttt.plan_run("online-typo", preset, args, tmp_path / "work2")
+        ttt.plan_run("online-typo", preset, args, tmp_path / "work2", seed=1)
     for bad in (["x", "fallback_ema_alpha=1"], ["x"], ["no-dash", "training.seed=1"]):
         with pytest.raises(SystemExit, match="--online-variant"):
             ttt.parse_args(["--online-variant", *bad, *corpus])
@@ -306,7 +391,7 @@ def test_an_online_variant_runs_online_with_config_keys_set_and_bad_ones_are_ref
 def test_a_fixed_variant_runs_its_gbs_with_config_keys_set_and_bad_ones_are_refused_before_any_run(
     ttt, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(sys.modules["ttt_plan"], "best_mbs", lambda config, system, gbs: gbs)  # no planner
+    monkeypatch.setattr(sys.modules["ttt.plan"], "best_strategy", fake_planner(ttt))
     corpus = fake_corpus(tmp_path)
     (tmp_path / "gpt2-vocab.json").write_text(json.dumps({"a": 0, "b": 1}))  # a config that loads
     (tmp_path / "gpt2-merges.txt").write_text("#version: 0.2\n")
@@ -314,8 +399,8 @@ def test_a_fixed_variant_runs_its_gbs_with_config_keys_set_and_bad_ones_are_refu
     args, preset = ttt.parse_args(["--model", "125m", *variant, *corpus])
     assert "fixed-gbs16-lr32" in args.runs
     assert args.fixed_variants == {"fixed-gbs16-lr32": (16, ["training.base_lr=0.0008"])}
-    plain = ttt.plan_run("fixed-gbs16", preset, args, tmp_path / "work")
-    varied = ttt.plan_run("fixed-gbs16-lr32", preset, args, tmp_path / "work")
+    plain = ttt.plan_run("fixed-gbs16", preset, args, tmp_path / "work", seed=1)
+    varied = ttt.plan_run("fixed-gbs16-lr32", preset, args, tmp_path / "work", seed=1)
     assert varied.kind == plain.kind == "fixed" and "--set" not in plain.command
     at = varied.command.index("--set")
     assert varied.command[at:] == ["--set", "training.base_lr=0.0008"]
@@ -330,7 +415,7 @@ def test_a_fixed_variant_runs_its_gbs_with_config_keys_set_and_bad_ones_are_refu
     typo = ["--fixed-variant", "typo", "16", "training.base_learning_rate=1"]
     args, preset = ttt.parse_args(["--model", "125m", *typo, *corpus])
     with pytest.raises(SystemExit, match="base_learning_rate"):
-        ttt.plan_run("fixed-gbs16-typo", preset, args, tmp_path / "work2")
+        ttt.plan_run("fixed-gbs16-typo", preset, args, tmp_path / "work2", seed=1)
     for bad in (["x", "16"], ["x", "sixteen", "training.seed=1"], ["no-dash", "16", "training.seed=1"]):
         with pytest.raises(SystemExit, match="--fixed-variant"):
             ttt.parse_args(["--fixed-variant", *bad, *corpus])
@@ -353,3 +438,28 @@ def test_the_summary_gives_every_online_run_over_the_best_fixed_one(ttt):
     assert result["online_over_best_fixed"] == 0.875  # the run named online, not the first online one
     assert result["over_best_fixed_by_run"] == {"online-windowed": 0.75, "online": 0.875}
     assert result["ladder"]["50"]["over_best_fixed"] == {"online-windowed": 0.667, "online": 0.833}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_cpu_smoke_comparison_on_two_processes_runs_fixed_and_the_in_place_ramp_in_one_layout(
+    ttt, tmp_path
+):
+    demo = Path(__file__).resolve().parents[2] / "data" / "demo"
+    if not (demo / "wiki_text_document.bin").is_file():
+        pytest.skip("the demo data (scripts/install.sh) is not there")
+    out = tmp_path / "ttt.json"
+    argv = ["--smoke", "--gpus", "2", "--runs", "fixed-gbs2,ramp", "--stop-behind", "0", "--work-dir", str(tmp_path / "w")]
+    assert ttt.main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {row["run"]: row for row in report["runs"]}
+    assert set(rows) == {"fixed-gbs2", "ramp"} and all(row["seed"] == ttt.SEEDS[0] for row in rows.values())
+    assert all(row["reached"] for row in rows.values())
+    ramp = rows["ramp"]
+    assert len(ramp["stages"]) >= 2 and ramp["switches"] == len(ramp["stages"]) - 1
+    assert len({label.split()[0] for label in ramp["stages"]}) == 1  # one layout: every switch in place
+    assert "--switch-in-place" in report["settings"]["commands"][f"ramp seed {ttt.SEEDS[0]}"]
+    run_dir = tmp_path / "w" / f"seed{ttt.SEEDS[0]}" / "ramp" / "logs" / "ramp"
+    stages = json.loads((run_dir / "runner_state.json").read_text())["stages"]
+    assert all(stage["load_path"] is None for stage in stages[1:])  # continued in memory, nothing loaded
+    assert report["summary"]["ladder"]["48000"]["runs"]["ramp"]["mean_tokens"] == ramp["tokens_to_target"]

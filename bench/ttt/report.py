@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ttt_supervise import Supervised
+from .supervise import Supervised
 
 WARMUP_RUN = "warmup"
 """The folder of time_to_target's unreported warm-up run in a --work-dir."""
@@ -25,6 +25,11 @@ def measured_runs(work_dir: Path) -> list[tuple[str, list[dict[str, Any]]]]:
         if records:
             runs.append((directory.name, records))
     return runs
+
+
+def seed_dir(work_dir: Path, seed: int) -> Path:
+    """The folder of one seed's runs in a time_to_target --work-dir."""
+    return work_dir / f"seed{seed}"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -60,13 +65,19 @@ def switch_gaps(records: list[dict[str, Any]]) -> list[float]:
     return gaps
 
 
+def strategy_label(record: dict[str, Any]) -> str:
+    """``dp2/tp1/pp1 gbs16/mbs8`` (the layout only where the line names it)."""
+    layout = "/".join(f"{key}{record[key]}" for key in ("dp", "tp", "pp") if key in record)
+    return f"{layout + ' ' if layout else ''}gbs{record['gbs']}/mbs{record['mbs']}"
+
+
 def stage_strategies(records: list[dict[str, Any]]) -> list[str]:
     labels: list[str] = []
     stage = None
     for record in records:
         if record.get("stage") != stage:
             stage = record.get("stage")
-            labels.append(f"gbs{record['gbs']}/mbs{record['mbs']}")
+            labels.append(strategy_label(record))
     return labels
 
 
@@ -78,6 +89,7 @@ def summarize_run(
     *,
     name: str,
     kind: str,
+    seed: int,
     run_dir: Path,
     supervised: Supervised,
     target_ppl: float,
@@ -102,6 +114,7 @@ def summarize_run(
     return {
         "run": name,
         "kind": kind,
+        "seed": seed,
         "reached": hit is not None,
         "time_to_target_s": _elapsed(hit, launched),
         "time_to_target_from_first_step_s": _elapsed(hit, first_step),
@@ -113,8 +126,7 @@ def summarize_run(
         "training_s": round(steps_s, 2),
         "mean_tokens_per_s": round(tokens / steps_s) if steps_s > 0 else None,
         "stages": stage_strategies(upto),
-        "switches": sum(1 for d in decisions if d.get("decision") in ("switch", "fallback"))
-        - sum(1 for d in decisions if d.get("decision") == "not_carried_out"),
+        "switches": _switches(kind, decisions, upto),
         "final_ppl": all_evals[-1] if all_evals else None,
         "best_ppl": min(all_evals) if all_evals else None,
         "realized_chain": json.loads(realized.read_text()) if realized.is_file() else None,
@@ -124,7 +136,18 @@ def summarize_run(
         "exit_code": supervised.exit_code,
         "time_to_level_s": {level: _elapsed(r, launched) for level, r in reached.items()},
         "time_to_level_from_first_step_s": {level: _elapsed(r, first_step) for level, r in reached.items()},
+        "tokens_to_level": {
+            level: None if r is None else int(r["consumed_tokens"]) for level, r in reached.items()
+        },
     }
+
+
+def _switches(kind: str, decisions: list[dict[str, Any]], records: list[dict[str, Any]]) -> int:
+    """Switches carried out: an online run's from its decisions, a chain's from its stage changes."""
+    if kind != "online":
+        return len(switch_gaps(records))
+    carried = sum(1 for d in decisions if d.get("decision") in ("switch", "fallback"))
+    return carried - sum(1 for d in decisions if d.get("decision") == "not_carried_out")
 
 
 def runner_seconds(run_dir: Path, launched: float) -> float | None:
@@ -248,6 +271,77 @@ def summary(
     return result
 
 
+def seeds_summary(
+    rows: list[dict[str, Any]], levels: list[str], min_training_s: float = 40.0
+) -> dict[str, Any]:
+    """The summary of each seed's rows (:func:`summary`) and, over the seeds, per level and run: the mean
+    time from the first step (charged as each seed's ladder charges it) and the mean tokens, given only where
+    every seed's run reached the level; the best fixed run by that mean and every run's mean over it. The
+    main level is the hardest one whose best fixed mean needs ``min_training_s``."""
+    seeds = sorted({int(r.get("seed", 0)) for r in rows})
+    by_seed = {seed: summary([r for r in rows if int(r.get("seed", 0)) == seed], levels, min_training_s)
+               for seed in seeds}  # fmt: skip
+    names = list(dict.fromkeys(r["run"] for r in rows))
+    kinds = {r["run"]: r["kind"] for r in rows}
+    ladder: dict[str, dict[str, Any]] = {}
+    for level in levels:
+        runs: dict[str, dict[str, Any]] = {}
+        for name in names:
+            times, tokens = [], []
+            for seed in seeds:
+                row = next((r for r in rows if r["run"] == name and int(r.get("seed", 0)) == seed), None)
+                if row is None:
+                    continue
+                times.append(by_seed[seed]["ladder"][level]["times_from_first_step_s"].get(name))
+                tokens.append(row.get("tokens_to_level", {}).get(level))
+            complete = bool(times) and all(t is not None for t in times) and len(times) == len(seeds)
+            runs[name] = {
+                "seeds": len(times),
+                "reached": sum(t is not None for t in times),
+                "mean_time_s": round(sum(times) / len(times), 2) if complete else None,
+                "mean_tokens": round(sum(tokens) / len(tokens)) if complete and None not in tokens else None,
+            }
+        fixed = {n: e["mean_time_s"] for n, e in runs.items() if kinds[n] == "fixed" and e["mean_time_s"]}
+        entry: dict[str, Any] = {"runs": runs, "best_fixed": None}
+        if fixed:
+            best = min(fixed, key=fixed.__getitem__)
+            entry |= {"best_fixed": best, "best_fixed_s": fixed[best]}
+            entry["over_best_fixed"] = {
+                n: round(e["mean_time_s"] / fixed[best], 3) for n, e in runs.items() if e["mean_time_s"]
+            }
+        ladder[level] = entry
+    return {
+        "seeds": seeds,
+        "by_seed": by_seed,
+        "ladder": ladder,
+        "main_level": main_level(ladder, min_training_s),
+    }
+
+
+def _tokens_text(tokens: int | None) -> str:
+    if tokens is None:
+        return "-"
+    return f"{tokens / 1e6:.2f}M" if tokens >= 1e6 else f"{tokens:,} tokens"
+
+
+def format_seeds_ladder(ladder: dict[str, dict[str, Any]], seeds: list[int]) -> str:
+    """Per level, the mean over the seeds: each run's time from its first step, tokens and ratio to the best
+    fixed run's mean time."""
+    lines = [f"mean over seeds {', '.join(map(str, seeds))} (time from the first step; tokens):"]
+    for level, entry in ladder.items():
+        parts = []
+        for name, run in entry["runs"].items():
+            if run["mean_time_s"] is None:
+                parts.append(f"{name} {run['reached']}/{run['seeds']} reached")
+                continue
+            ratio = entry.get("over_best_fixed", {}).get(name)
+            tokens = _tokens_text(run["mean_tokens"])
+            parts.append(f"{name} {run['mean_time_s']:.1f} s {tokens}" + (f" {ratio:.2f}x" if ratio else ""))
+        best = entry["best_fixed"] or "none"
+        lines.append(f"  ppl {level:>8} (best fixed {best}): {'; '.join(parts) or '-'}")
+    return "\n".join(lines)
+
+
 def _trained_until(row: dict[str, Any]) -> float:
     """Seconds from launch to the run's last metrics line (its exit in reports written before the field)."""
     return float((row["last_line_s"] if "last_line_s" in row else row["wall_s"]) or 0.0)
@@ -259,17 +353,19 @@ def format_table(rows: list[dict[str, Any]], target_ppl: float) -> str:
 
     width = max([14, *(len(row["run"]) for row in rows)])  # an online variant's name may be longer
     header = (
-        f"{'run':<{width}} {'to P=' + format(target_ppl, 'g') + ' s':>11} {'1st step':>9} {'tokens':>11} "
-        f"{'startup s':>9} {'switch gaps s':>14} {'eval every s':>12} {'final ppl':>9} {'tok/s':>9}  "
+        f"{'run':<{width}} {'seed':>5} {'to P=' + format(target_ppl, 'g') + ' s':>11} {'1st step':>9} "
+        f"{'tokens':>11} {'startup s':>9} {'switch gaps s':>14} {'eval every s':>12} {'final ppl':>9} "
+        f"{'tok/s':>9}  "
         "stages (switches)"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         # Not reached: how far it trained (its last line), not its exit, which adds the stop's save.
         ttt = number(row["time_to_target_s"], ".1f") if row["reached"] else f">{_trained_until(row):.0f}"
-        gaps = "+".join(f"{gap:.0f}" for gap in row["switch_gaps_s"]) or "-"
+        gaps = "+".join(f"{gap:.1f}" for gap in row["switch_gaps_s"]) or "-"
         lines.append(
-            f"{row['run']:<{width}} {ttt:>11} {number(row['time_to_target_from_first_step_s'], '.1f'):>9} "
+            f"{row['run']:<{width}} {row.get('seed', '-'):>5} {ttt:>11} "
+            f"{number(row['time_to_target_from_first_step_s'], '.1f'):>9} "
             f"{number(row['tokens_to_target'], ','):>11} {number(row['startup_s'], '.1f'):>9} {gaps:>14} "
             f"{number(row['eval_spacing_s'], '.1f'):>12} {number(row['final_ppl'], '.1f'):>9} "
             f"{number(row['mean_tokens_per_s'], ','):>9}  "
@@ -304,16 +400,17 @@ def format_ladder(ladder: dict[str, dict[str, Any]]) -> str:
 # --- merging the JSON of several calls ----------------------------------------------------------------------
 
 MUST_MATCH = ("model", "corpus", "data_prefix", "target_ppl", "total_tokens", "warmup_tokens",
-              "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq")  # fmt: skip
+              "eval_every_tokens", "initial_gbs", "max_gbs", "levels", "compile", "seq", "gpus")  # fmt: skip
 """Settings under which rows of different calls are comparable; a merge refuses others."""
 
 
 def merge_reports(reports: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """One report of the rows of several (a later call's row replaces an earlier one of the same run)."""
+    """One report of the rows of several (a later call's row replaces an earlier one of the same run and
+    seed)."""
     if not reports:
         raise ValueError("--merge: no report given")
     first_name, first = reports[0]
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[tuple[int, str], dict[str, Any]] = {}
     for name, report in reports:
         for key in MUST_MATCH:
             if report["settings"].get(key) != first["settings"].get(key):
@@ -321,6 +418,8 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
                     f"--merge: {name} has {key}={report['settings'].get(key)!r}, "
                     f"{first_name} has {first['settings'].get(key)!r}"
                 )
-        rows.update((row["run"], row) for row in report["runs"])
+        rows.update(((int(row.get("seed", 0)), row["run"]), row) for row in report["runs"])
     settings = {**first["settings"], "merged_from": [name for name, _ in reports]}
-    return {"settings": settings, "runs": list(rows.values())}
+    settings["seeds"] = sorted({seed for seed, _ in rows})
+    headroom = {seed: h for _, report in reports for seed, h in report.get("headroom", {}).items()}
+    return {"settings": settings, "runs": list(rows.values()), "headroom": headroom}

@@ -1,31 +1,25 @@
-"""How much faster than the best fixed run a chain could be, on a time-to-target comparison's own numbers.
+"""How much faster than the best fixed run a chain could be, on a time-to-target comparison's own runs.
 
-From the run directories of one comparison (``bench/time_to_target.py --work-dir``), for each run: its time
-to the target from its first step, the tokens it needed, the time of its first step (the compile or warm-up:
-the first metrics line's interval less its other steps at the stage's steady rate), and the steady rate of
-each strategy it trained under (the median of a stage's lines after its first). No chain can reach the
-target sooner than the quickest first step plus the fewest tokens any run needed at the fastest rate any
-strategy ran, so
+From the run directories of one seed of a comparison, for each run: its time to the target from its first
+step, the tokens it needed, the time of its first step (the compile or warm-up: the first metrics line's
+interval less its other steps at the stage's steady rate), and the steady rate of each strategy it trained
+under (the median of a stage's lines after its first). No chain reaches the target sooner than the quickest
+first step plus the fewest tokens any run needed at the fastest rate any strategy ran, so
 
     headroom = best fixed time / (quickest first step + fewest tokens / fastest rate)
 
 It is optimistic, not a strict bound: a chain could need fewer tokens than every run here did. Where it is
-below the speed-up a claim asks for, the setting cannot show the claim, whatever the policy decides. Each
-run's time after its first step over the best fixed run's is printed too: the comparison of two policies
-that the first step's scatter does not decide.
-
-    python3 bench/ttt_headroom.py --work-dir /tmp/ttt-c3 --target-ppl 20
+below the speed-up a claim asks for, the setting cannot show the claim, whatever the policy decides.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ttt_report import first_at_or_below, measured_runs, step_start
+from .report import first_at_or_below, measured_runs, step_start, strategy_label
 
 
 @dataclass(frozen=True)
@@ -36,7 +30,7 @@ class RunNumbers:
     tokens_to_target: int | None
     first_step_s: float
     rates: dict[str, float]
-    """Steady tokens/s per strategy (``gbs16/mbs16``)."""
+    """Steady tokens/s per strategy (``dp1/tp1/pp1 gbs16/mbs16``)."""
 
 
 def stage_rates(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -48,18 +42,21 @@ def stage_rates(records: list[dict[str, Any]]) -> dict[str, float]:
     for lines in stages.values():
         if len(lines) < 2:
             continue
-        label = f"gbs{lines[0]['gbs']}/mbs{lines[0]['mbs']}"
+        label = strategy_label(lines[0])
         rate = statistics.median(float(line["tokens_per_s"]) for line in lines[1:])
         rates[label] = max(rate, rates.get(label, 0.0))
     return rates
 
 
-def run_numbers(name: str, records: list[dict[str, Any]], target_ppl: float) -> RunNumbers:
+def run_numbers(name: str, records: list[dict[str, Any]], target_ppl: float) -> RunNumbers | None:
+    """One run's numbers from its metrics records (None: it logged no training line)."""
     records = [r for r in records if "time" in r and "step_time_s" in r]
+    if not records:
+        return None
     first = records[0]
     start = step_start(first)
     rates = stage_rates(records)
-    label = f"gbs{first['gbs']}/mbs{first['mbs']}"
+    label = strategy_label(first)
     # A first stage of one line has no steady rate: its own line's then (the first step counts as steady).
     rate = rates.get(label, float(first["tokens_per_s"]))
     steady_step_s = first["gbs"] * (first["consumed_tokens"] / first["consumed_samples"]) / rate
@@ -101,8 +98,8 @@ def headroom(runs: list[RunNumbers]) -> dict[str, Any]:
 
 def after_first_step(runs: list[RunNumbers]) -> dict[str, float]:
     """Each run's time to the target after its first step, over the best fixed run's by the same measure:
-    a policy comparison free of the first step (a compile that scatters by 10-17 s between the runs of one
-    call on the H200), not the claim's time, which counts the compile."""
+    a policy comparison free of the first step (a compile whose time scatters by seconds between runs), not
+    the claim's time, which counts the compile."""
     after = {r.name: r.time_to_target_s - r.first_step_s for r in runs if r.time_to_target_s is not None}
     fixed = [after[name] for name in after if name.startswith("fixed")]
     if not fixed:
@@ -110,30 +107,23 @@ def after_first_step(runs: list[RunNumbers]) -> dict[str, float]:
     return {name: seconds / min(fixed) for name, seconds in after.items() if not name.startswith("fixed")}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work-dir", type=Path, required=True, help="a time_to_target.py --work-dir")
-    parser.add_argument("--target-ppl", type=float, required=True)
-    args = parser.parse_args(argv)
-    runs = [run_numbers(name, records, args.target_ppl) for name, records in measured_runs(args.work_dir)]
-    for run in runs:
-        reached = "not reached" if run.time_to_target_s is None else f"{run.time_to_target_s:.1f} s"
-        tokens = "-" if run.tokens_to_target is None else f"{run.tokens_to_target / 1e6:.2f}M tokens"
-        rates = ", ".join(f"{label} {rate / 1e3:.0f}k" for label, rate in sorted(run.rates.items()))
-        print(f"{run.name:>12}: {reached}, {tokens}, first step {run.first_step_s:.1f} s; tokens/s {rates}")
-    result = headroom(runs)
+def work_dir_headroom(work_dir: Path, target_ppl: float) -> dict[str, Any] | None:
+    """The headroom of one seed's folder (None: no fixed run reached the target yet), with each run's
+    time after its first step over the best fixed run's (``after_first_step``)."""
+    runs = [run_numbers(name, records, target_ppl) for name, records in measured_runs(work_dir)]
+    runs = [run for run in runs if run is not None]
+    fixed = [r for r in runs if r.name.startswith("fixed") and r.time_to_target_s is not None]
+    if not fixed:
+        return None
+    return {**headroom(runs), "after_first_step": after_first_step(runs)}
+
+
+def format_headroom(seed: int | str, result: dict[str, Any]) -> str:
     rate, start = result["fastest_tokens_per_s"], result["quickest_first_step_s"]
-    print(
-        f"best fixed {result['best_fixed']} {result['best_fixed_s']:.1f} s; a chain needing "
-        f"{result['fewest_tokens'] / 1e6:.2f}M tokens at {result['fastest']}'s {rate / 1e3:.0f}k tokens/s "
-        f"after a {start:.1f} s first step: {result['chain_s']:.1f} s, "
-        f"at most {result['headroom']:.2f}x faster"
+    listed = ", ".join(f"{name} {ratio:.2f}" for name, ratio in result["after_first_step"].items()) or "-"
+    return (
+        f"seed {seed}: best fixed {result['best_fixed']} {result['best_fixed_s']:.1f} s; a chain needing "
+        f"{result['fewest_tokens']:,} tokens at {result['fastest']}'s {rate:,.0f} tokens/s "
+        f"after a {start:.1f} s first step: {result['chain_s']:.1f} s, at most {result['headroom']:.2f}x "
+        f"faster; after the first step, over the best fixed run after its own: {listed}"
     )
-    ratios = after_first_step(runs)
-    if ratios:
-        listed = ", ".join(f"{name} {ratio:.2f}" for name, ratio in ratios.items())
-        print(f"after the first step, over the best fixed run after its own: {listed}")
-
-
-if __name__ == "__main__":
-    main()

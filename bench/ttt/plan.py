@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ttt_report import WARMUP_RUN
-from ttt_supervise import RunPlan
+from .report import WARMUP_RUN
+from .supervise import RunPlan
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +39,9 @@ class Preset:
     online_cap_s: float
     fixed_cap_s: float
     ramp_cap_s: float
-    ramp_tokens: tuple[int, int]
-    """Where the ramp switches G0 -> 2G0 and 2G0 -> 4G0, in consumed tokens."""
+    ramp_tokens: tuple[int, ...]
+    """Where the ramp doubles its gbs (G0 -> 2G0 at the first, 2G0 -> 4G0 at the second, ...), in consumed
+    tokens."""
 
 
 PRESET_OVERRIDES = ("system", "initial_gbs", "max_gbs", "target_ppl", "total_tokens", "warmup_tokens",
@@ -51,11 +52,20 @@ LOG_INTERVAL = 8
 """Iterations between metrics lines, in every run alike (fewer where evaluations come more often). A line
 reads the device (a sync), so the same step count between lines keeps that cost the same per step. Online
 mode's noise scale needs eight measurements before its first decision; the steps before the first line are
-measured (its first step apart, ``cona.engine.trainer.GNS_FIRST_STEPS``), so it has them at the second line
-(iteration 16), where one measurement a line took 64 iterations (issue 16)."""
+measured (its first step apart, ``cona.engine.trainer.GNS_FIRST_STEPS``), so it has them at the second
+line."""
 
-CORPORA = {"demo": ("data/demo", "wiki_text_document"), "bench": ("data/bench", "bench_text_document")}
-"""``--corpus``: the default data folder (under the project root) and dataset name in it."""
+CORPORA = {
+    "demo": ("data/demo", "wiki_text_document"),
+    "bench": ("data/bench", "bench_text_document"),
+    "bench2": ("data/bench2", "bench2_text_document"),
+}
+"""``--corpus``: the default data folder (under the project root) and dataset name in it. ``bench`` is built
+by ``bench/corpus.py``, ``bench2`` (the check corpus: nothing is tuned on it) by ``bench/corpus.py --set
+check``."""
+
+SEEDS = (1234, 1235, 1236)
+"""``training.seed`` of each repeat of a comparison (model initialisation and data order)."""
 
 _GPT_125M = {"name": "gpt-125m", "layers": 12, "hidden": 768, "heads": 12, "seq": 512}
 _H200 = {"device": "cuda", "system": "h200_141g"}
@@ -66,15 +76,10 @@ _DEMO_125M = Preset(
     eval_samples=64, budget_s=540.0, online_cap_s=200.0, fixed_cap_s=120.0, ramp_cap_s=150.0,
     ramp_tokens=(1_000_000, 3_000_000),
 )  # fmt: skip
-# Bench corpus (22.2M tokens). On the H200 (2026-12-01, docs/benchmarks.md) the best fixed run (gbs 16)
-# reached ppl 27 at 9.2M tokens, 53.5 s from its first step, of which ~30 s were the first step's compile:
-# only ~23 s of training. The target is therefore ppl 20, an estimate for ~45-60 s of training (about an
-# epoch); the ladder's easier levels (27.5 = 1.1x ... ) still compare runs that miss it. With --stop-behind
-# the 125M comparison fits two calls of <= 9.5 minutes (best fixed first, then online, then the others
-# capped at 1.3x its time); the LR horizon (32M tokens) is past any target. The LR warm-up is 1.31M tokens
-# (80 steps at gbs 32): with the 327,680 of sessions 1-27 fixed gbs 32 took 62.8 s to ppl 20 (18.35M tokens),
-# with 1.31M 47.5-48.3 s (13.9-14.2M) and with 2.62M 45.3 s (13.6M) on the H200 (docs/benchmarks.md,
-# twenty-eighth session): a fixed baseline needs a warm-up tuned for its batch, and online runs the same one.
+# Bench corpus (~22M tokens). The target (ppl 20) needs about an epoch and 45-60 s of training of the best
+# fixed run on one GPU, so that training, not the compile, dominates; the ladder's easier levels compare
+# runs that miss it. The LR horizon (32M tokens) is past any target. The LR warm-up of 1.31M tokens (80
+# steps at gbs 32) is what the fixed gbs-32 run needs to reach the target soonest; online runs the same one.
 _BENCH_125M = dataclasses.replace(
     _DEMO_125M, target_ppl=20.0, total_tokens=32_000_000, warmup_tokens=1_310_720, eval_every_tokens=262_144,
     budget_s=540.0, online_cap_s=260.0, fixed_cap_s=180.0, ramp_cap_s=200.0,
@@ -83,14 +88,10 @@ _BENCH_125M = dataclasses.replace(
 _BENCH_350M = dataclasses.replace(
     _BENCH_125M, model={"name": "gpt-350m", "layers": 24, "hidden": 1024, "heads": 16, "seq": 512},
     base_lr=3e-4, base_min_lr=3e-5, target_ppl=22.0, total_tokens=24_000_000, fixed_cap_s=200.0,
-    ramp_tokens=(1_500_000, 6_000_000), warmup_tokens=327_680,  # untuned (docs/benchmarks.md, 29th session)
+    ramp_tokens=(1_500_000, 6_000_000), warmup_tokens=327_680,  # not tuned
 )  # fmt: skip
-# A smaller model, to test whether a one-GPU ramp has room there (twenty-eighth session's estimate: the
-# eager step would stay host-bound to a larger batch). Measured on an H100 (twenty-ninth session,
-# docs/benchmarks.md) it does not: 477k-598k tokens/s at gbs 16-128, device-bound from gbs 16-32, and
-# online tied fixed gbs 32 at ppl 18 (33 s, the hardest level the best fixed run reached, so the target).
-# The LR is 1.5x the 125M's (smaller models take a larger one); an evaluation every 512k tokens keeps its
-# share of a faster step's time near the 125M's.
+# A smaller model: its step is device-bound from a smaller batch. The LR is 1.5x the 125M's (smaller models
+# take a larger one); an evaluation every 512k tokens keeps its share of a faster step's time near the 125M's.
 _BENCH_45M = dataclasses.replace(
     _BENCH_125M, model={"name": "gpt-45m", "layers": 6, "hidden": 512, "heads": 8, "seq": 512},
     base_lr=6e-4, base_min_lr=6e-5, initial_gbs=16, max_gbs=128, target_ppl=18.0, total_tokens=64_000_000,
@@ -113,6 +114,9 @@ PRESETS = {
         "target_ppl", "total_tokens", "warmup_tokens", "eval_every_tokens", "ramp_tokens")}),
     ("tiny", "demo"): _SMOKE,
 }  # fmt: skip
+PRESETS |= {
+    (model, "bench2"): preset for (model, corpus), preset in list(PRESETS.items()) if corpus == "bench"
+}
 
 
 def eval_interval(eval_every_tokens: int, gbs: int, seq: int) -> int:
@@ -122,18 +126,21 @@ def eval_interval(eval_every_tokens: int, gbs: int, seq: int) -> int:
 
 def eval_samples(preset: Preset, max_gbs: int) -> int:
     """The evaluation set's size: ``preset.eval_samples`` rounded up to a multiple of base_gbs and max_gbs.
-    The worker rounds it to whole micro-batches, so every run evaluates the same samples only when each
-    micro-batch size divides it (true when the gbs values divide max_gbs, as doubling from G0 gives)."""
+    The worker rounds it to whole rounds of ``mbs * dp`` samples, so every run evaluates the same samples
+    only when each ``mbs * dp`` divides it (true when the gbs values divide max_gbs, as doubling from G0
+    gives)."""
     unit = math.lcm(preset.base_gbs, max_gbs)
     return unit * math.ceil(preset.eval_samples / unit)
 
 
-def conaconfig(preset: Preset, args: argparse.Namespace, *, eval_gbs: int, root: Path) -> dict[str, Any]:
+def conaconfig(
+    preset: Preset, args: argparse.Namespace, *, eval_gbs: int, root: Path, seed: int
+) -> dict[str, Any]:
     """The run's .conaconfig: the corpus, a per-run index cache (no run inherits another's), logs here."""
     tokenizer = Path(args.tokenizer_dir).resolve()
     interval = eval_interval(args.eval_every_tokens, eval_gbs, preset.model["seq"])
     training = {
-        "seed": 1234, "device": preset.device, "dtype": "bf16" if preset.device == "cuda" else "fp32",
+        "seed": seed, "device": preset.device, "dtype": "bf16" if preset.device == "cuda" else "fp32",
         "zero_stage": 1, "compile": bool(args.compile), "base_gbs": preset.base_gbs,
         "base_lr": preset.base_lr, "base_min_lr": preset.base_min_lr, "lr_scale_strategy": "sqrt",
         "lr_warmup_tokens": args.warmup_tokens, "lr_decay_tokens": args.total_tokens, "weight_decay": 0.1,
@@ -148,9 +155,15 @@ def conaconfig(preset: Preset, args: argparse.Namespace, *, eval_gbs: int, root:
     return {"model": dict(preset.model), "training": training}
 
 
-def best_mbs(config_path: Path, system: str, gbs: int) -> int:
-    """The micro-batch of the planner's best one-device strategy at ``gbs`` (what online mode would run)."""
+Layout = tuple[int, int, int]
+"""(dp, tp, pp)."""
+
+
+def best_strategy(config_path: Path, system: str, gpus: int, gbs: int, layout: Layout | None = None) -> Any:
+    """The planner's best strategy at ``gbs`` on ``gpus`` devices (what online mode would run there),
+    ranked as online mode ranks it before it measured anything; ``layout``: the best of that layout only."""
     from cona.config_file import load_config
+    from cona.planner.search_choice import search_strategies
     from cona.planner.systems import load_system
     from cona.runner.schedules.online_search import FrontierSearch
     from cona.runner.stage_run import checkpoint_dtype
@@ -158,40 +171,65 @@ def best_mbs(config_path: Path, system: str, gbs: int) -> int:
     config = load_config(config_path, check_data_files=True)
     loaded = load_system(system)
     dtype = loaded.resolve_dtype(checkpoint_dtype(config.training, config.training.device))
-    found = FrontierSearch(config=config, system=loaded, n_gpus=1, dtype=dtype, botorch=False)(gbs)
-    if found is None:
-        raise SystemExit(f"time_to_target: no one-device strategy fits gbs {gbs} on {system}")
-    return found.strategy.mbs
+    search = FrontierSearch(config=config, system=loaded, n_gpus=gpus, dtype=dtype, botorch=False)
+    if layout is None:
+        found = search(gbs)
+        if found is None:
+            raise SystemExit(f"time_to_target: no strategy on {gpus} device(s) fits gbs {gbs} on {system}")
+        return found.strategy
+    found_all = search_strategies(
+        config.model, loaded, gpus, gbs, options=search.options, dtype=dtype, top_k=1 << 20, botorch=False,
+        backend=search.profile,
+    )  # fmt: skip
+    same = [
+        s for s in (found_all.candidates[i] for i in range(len(found_all.candidates))) if _layout(s) == layout
+    ]
+    if not same:
+        raise SystemExit(
+            f"time_to_target: the ramp's layout dp{layout[0]}/tp{layout[1]}/pp{layout[2]} fits no strategy "
+            f"at gbs {gbs} on {system}"
+        )
+    return search.estimator.ranked(same, search.model_steps(same))[0].strategy
 
 
-def one_step_chain(gbs: int, mbs: int, iters: int) -> dict[str, Any]:
-    step = {"step_num": 1, "dp": 1, "tp": 1, "pp": 1, "gbs": gbs, "mbs": mbs, "train_iters": iters}
-    return {"steps": [{**step, "is_initial": True, "convert": False}]}
+def _layout(strategy: Any) -> Layout:
+    return (strategy.dp, strategy.tp, strategy.pp)
 
 
-def ramp_chain(stages: list[tuple[int, int]], switch_tokens: list[int], total_tokens: int, seq: int) -> dict:
-    """A one-device chain of ``(gbs, mbs)`` stages; stage k ends at the first iteration whose consumed tokens
-    reach ``switch_tokens[k]`` (the last at ``total_tokens``). ``train_iters`` are absolute iterations."""
+def chain_step(index: int, strategy: Any, iterations: int) -> dict[str, Any]:
+    """Step ``index`` (from 0) of a chain: ``strategy`` until the absolute iteration ``iterations``."""
+    step = {"step_num": index + 1, "dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp,
+            "gbs": strategy.gbs, "mbs": strategy.mbs, "train_iters": iterations,
+            "convert": False}  # fmt: skip
+    if index == 0:
+        return {**step, "is_initial": True}
+    return {**step, "load_dp": strategy.dp, "load_tp": strategy.tp, "load_pp": strategy.pp}
+
+
+def one_step_chain(strategy: Any, iterations: int) -> dict[str, Any]:
+    return {"steps": [chain_step(0, strategy, iterations)]}
+
+
+def ramp_chain(strategies: list[Any], switch_tokens: list[int], total_tokens: int, seq: int) -> dict:
+    """A chain of one layout whose stage k ends at the first iteration whose consumed tokens reach
+    ``switch_tokens[k]`` (the last at ``total_tokens``); ``train_iters`` are absolute iterations. Every
+    stage keeps the layout, so with ``--switch-in-place`` each switch continues in the workers' memory."""
     ends = [*switch_tokens, total_tokens]
-    if len(ends) != len(stages) or any(b <= a for a, b in zip(ends, ends[1:], strict=False)) or ends[0] <= 0:
+    if (
+        len(ends) != len(strategies)
+        or any(b <= a for a, b in zip(ends, ends[1:], strict=False))
+        or ends[0] <= 0
+    ):
         raise SystemExit(
             f"--ramp-tokens: {switch_tokens} must rise, stay below --total-tokens {total_tokens}"
         )
+    if len({_layout(s) for s in strategies}) > 1:
+        raise SystemExit("time_to_target: the ramp's stages must share one layout (it switches in place)")
     steps, iteration, tokens = [], 0, 0
-    for index, ((gbs, mbs), end) in enumerate(zip(stages, ends, strict=True)):
-        more = max(1, math.ceil((end - tokens) / (gbs * seq)))
-        iteration, tokens = iteration + more, tokens + more * gbs * seq
-        step = {
-            "step_num": index + 1,
-            "dp": 1,
-            "tp": 1,
-            "pp": 1,
-            "gbs": gbs,
-            "mbs": mbs,
-            "train_iters": iteration,
-        }
-        step |= {"is_initial": True} if index == 0 else {"load_dp": 1, "load_tp": 1, "load_pp": 1}
-        steps.append({**step, "convert": index < len(stages) - 1})
+    for index, (strategy, end) in enumerate(zip(strategies, ends, strict=True)):
+        more = max(1, math.ceil((end - tokens) / (strategy.gbs * seq)))
+        iteration, tokens = iteration + more, tokens + more * strategy.gbs * seq
+        steps.append(chain_step(index, strategy, iteration))
     return {"steps": steps}
 
 
@@ -269,15 +307,16 @@ def fixed_run_gbs(name: str, args: argparse.Namespace) -> tuple[int, list[str]]:
     return variant if variant is not None else (int(name.removeprefix("fixed-gbs")), [])
 
 
-def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan:
-    """The run called ``name`` (see :func:`run_names`): its folder, .conaconfig, chain and command."""
+def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path, *, seed: int) -> RunPlan:
+    """The run called ``name`` (see :func:`run_names`) of one seed: its folder, .conaconfig, chain and
+    command."""
     root = work / name
     root.mkdir(parents=True)
     seq, config = preset.model["seq"], root / ".conaconfig"
     fixed = name.startswith("fixed-gbs")
     eval_gbs, fixed_overrides = fixed_run_gbs(name, args) if fixed else (args.initial_gbs, [])
-    config.write_text(json.dumps(conaconfig(preset, args, eval_gbs=eval_gbs, root=root)))
-    common = ["--gpus", "1", "--quiet"]
+    config.write_text(json.dumps(conaconfig(preset, args, eval_gbs=eval_gbs, root=root, seed=seed)))
+    common = ["--gpus", str(args.gpus), "--quiet"]
     if name == "online" or name.startswith(ONLINE_VARIANT_PREFIX):
         extra = [
             "--system",
@@ -294,15 +333,18 @@ def plan_run(name: str, preset: Preset, args: argparse.Namespace, work: Path) ->
         extra += _checked_overrides(config, overrides, flag="--online-variant")
         return _plan(name, "online", root, config, [*common, *extra], args.online_cap_s)
     if name == "ramp":
+        first = _checked_strategy(config, args, preset, args.initial_gbs)
         gbs_steps = [args.initial_gbs * 2**k for k in range(len(args.ramp_tokens) + 1)]
-        stages = [(gbs, _checked_mbs(config, args, preset, gbs)) for gbs in gbs_steps]
-        chain = ramp_chain(stages, list(args.ramp_tokens), args.total_tokens, seq)
+        strategies = [
+            first,
+            *(_checked_strategy(config, args, preset, g, _layout(first)) for g in gbs_steps[1:]),
+        ]
+        chain = ramp_chain(strategies, list(args.ramp_tokens), args.total_tokens, seq)
         kind, cap = "ramp", args.ramp_cap_s
+        common.append("--switch-in-place")
     else:
-        gbs = eval_gbs
-        chain = one_step_chain(
-            gbs, _checked_mbs(config, args, preset, gbs), math.ceil(args.total_tokens / (gbs * seq))
-        )
+        strategy = _checked_strategy(config, args, preset, eval_gbs)
+        chain = one_step_chain(strategy, math.ceil(args.total_tokens / (eval_gbs * seq)))
         kind, cap = "fixed", args.fixed_cap_s
         common += _checked_overrides(config, fixed_overrides, flag="--fixed-variant")
     (root / "chain.json").write_text(json.dumps(chain))
@@ -315,19 +357,18 @@ WARMUP_ITERATIONS = 16
 
 def plan_warmup(preset: Preset, args: argparse.Namespace, work: Path) -> RunPlan:
     """A short eager fixed run at G0 before the measured ones, left out of the report. The first run of a
-    fresh machine loads the CUDA libraries from a cold disk: on the H200 an eager online run that came first
-    took 2.9 s for its first step against 0.8 s for a fixed gbs-8 run after it (issue 16), which is the
-    order, not the mode. It compiles nothing, and every run keeps its own compile cache."""
+    fresh machine loads the CUDA libraries from a cold disk, which would be charged to whichever run came
+    first. It compiles nothing, and every run keeps its own compile cache."""
     root = work / WARMUP_RUN
     root.mkdir(parents=True)
     eager = argparse.Namespace(**{**vars(args), "compile": False})
     config = root / ".conaconfig"
-    config.write_text(json.dumps(conaconfig(preset, eager, eval_gbs=args.initial_gbs, root=root)))
-    gbs = args.initial_gbs
-    (root / "chain.json").write_text(
-        json.dumps(one_step_chain(gbs, best_mbs(config, args.system, gbs), WARMUP_ITERATIONS))
+    config.write_text(
+        json.dumps(conaconfig(preset, eager, eval_gbs=args.initial_gbs, root=root, seed=SEEDS[0]))
     )
-    extra = ["--chain", str(root / "chain.json"), "--gpus", "1", "--quiet"]
+    strategy = best_strategy(config, args.system, args.gpus, args.initial_gbs)
+    (root / "chain.json").write_text(json.dumps(one_step_chain(strategy, WARMUP_ITERATIONS)))
+    extra = ["--chain", str(root / "chain.json"), "--gpus", str(args.gpus), "--quiet"]
     return _plan(WARMUP_RUN, "warmup", root, config, extra, args.fixed_cap_s)
 
 
@@ -346,11 +387,16 @@ def _checked_overrides(config: Path, overrides: list[str] | None, *, flag: str) 
     return [part for text in overrides for part in ("--set", text)]
 
 
-def _checked_mbs(config: Path, args: argparse.Namespace, preset: Preset, gbs: int) -> int:
-    mbs = best_mbs(config, args.system, gbs)
-    if eval_samples(preset, args.max_gbs) % mbs:
-        raise SystemExit(f"time_to_target: mbs {mbs} at gbs {gbs} would change the evaluation set")
-    return mbs
+def _checked_strategy(
+    config: Path, args: argparse.Namespace, preset: Preset, gbs: int, layout: Layout | None = None
+) -> Any:
+    strategy = best_strategy(config, args.system, args.gpus, gbs, layout)
+    if eval_samples(preset, args.max_gbs) % (strategy.mbs * strategy.dp):
+        raise SystemExit(
+            f"time_to_target: mbs {strategy.mbs} x dp {strategy.dp} at gbs {gbs} would change the "
+            "evaluation set"
+        )
+    return strategy
 
 
 def _plan(name: str, kind: str, root: Path, config: Path, extra: list[str], cap_s: float) -> RunPlan:

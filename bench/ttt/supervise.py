@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 45.0
 """After a stop request, how long the run may take to save and exit before it is terminated."""
 TERM_GRACE_S = 15.0
