@@ -449,7 +449,17 @@ def test_a_cpu_smoke_comparison_on_two_processes_runs_fixed_and_the_in_place_ram
     if not (demo / "wiki_text_document.bin").is_file():
         pytest.skip("the demo data (scripts/install.sh) is not there")
     out = tmp_path / "ttt.json"
-    argv = ["--smoke", "--gpus", "2", "--runs", "fixed-gbs2,ramp", "--stop-behind", "0", "--work-dir", str(tmp_path / "w")]
+    argv = [
+        "--smoke",
+        "--gpus",
+        "2",
+        "--runs",
+        "fixed-gbs2,ramp",
+        "--stop-behind",
+        "0",
+        "--work-dir",
+        str(tmp_path / "w"),
+    ]
     assert ttt.main([*argv, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {row["run"]: row for row in report["runs"]}
