@@ -163,7 +163,9 @@ def test_compiled_measured_steps_run_their_halves_in_the_graph(one_process_group
     rows, stances = {}, recorded_stances(monkeypatch)
     compile_model = torch.compile
     monkeypatch.setattr(
-        torch, "compile", lambda model, **options: compile_model(model, backend="aot_eager", dynamic=None)
+        torch,
+        "compile",
+        lambda model, dynamic=None, options=None: compile_model(model, backend="aot_eager", dynamic=dynamic),
     )
     for compiled in (True, False):
         torch._dynamo.reset()

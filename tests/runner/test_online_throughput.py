@@ -3,8 +3,8 @@
 A fake device with a host-bound floor (its step time is ``max(host, device)``, the model's is device only)
 feeds ``metrics.jsonl``; the real :class:`FrontierSearch` and :class:`StageSearch` read it. The throughput the
 decision expects of the candidate, on a device of a form the fitter does not know, must be the device's
-within 10%: dropping the correction (the raw model) or inverting it misses by far more, and so does the old
-one-factor anchor on the running strategy.
+within 10%: dropping the correction (the raw model) or inverting it misses by far more, and so would one
+factor anchored on the running strategy.
 """
 
 from __future__ import annotations
