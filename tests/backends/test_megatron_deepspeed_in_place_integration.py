@@ -46,22 +46,34 @@ def data_prefix(tmp_path_factory) -> Path:
 
 
 PP2 = {"dp": 1, "tp": 1, "pp": 2}
-GBS_CHAIN = [
-    {"step_num": 1, **PP2, "gbs": 4, "mbs": 1, "train_iters": 4, "is_initial": True},
-    {"step_num": 2, **PP2, "gbs": 8, "mbs": 1, "extra_iters": 3},
-    {"step_num": 3, **PP2, "gbs": 4, "mbs": 2, "extra_iters": 2},
-]
+
+
+def gbs_chain(env: MdsEnvironment) -> list[dict]:
+    """gbs 4 -> 8 on one layout (in place), then a step through the checkpoint: an mbs change where the
+    checkout runs micro-batches > 1 (per-head QKV), else (blocked QKV: mbs 1 only, no tp change) pp 2 ->
+    dp 2 through the universal copy."""
+    last = {"step_num": 3, "gbs": 4, "extra_iters": 2}
+    if qkv_layout(env.repo) == "blocked":
+        convert, last = {"convert": True}, {**last, "dp": 2, "tp": 1, "pp": 1, "mbs": 1}
+    else:
+        convert, last = {}, {**last, **PP2, "mbs": 2}
+    return [
+        {"step_num": 1, **PP2, "gbs": 4, "mbs": 1, "train_iters": 4, "is_initial": True},
+        {"step_num": 2, **PP2, "gbs": 8, "mbs": 1, "extra_iters": 3, **convert},
+        last,
+    ]
 
 
 def test_a_gbs_only_step_switches_in_place_with_the_losses_of_the_checkpointed_switch(
     env, data_prefix, tmp_path
 ):
     """``--switch-in-place``: step 2 (gbs 4 -> 8 on the same layout) continues step 1's processes, step 3
-    (an mbs change) goes through the checkpoint; the same chain without in-place switches gives the same
-    books and, iteration by iteration, the same samples (consumed counts), LR and losses (the pipeline
-    engine of pp 2 takes the new number of micro-batches in process). Every gbs-8 step trains at the gbs-8
-    rule's LR in both (the relaunch's optimizer state, which restores the gbs-4 one, is overridden)."""
-    args = _setup(tmp_path, data_prefix, GBS_CHAIN, lr_decay_tokens=4000)
+    (an mbs or layout change, :func:`gbs_chain`) goes through the checkpoint; the same chain without in-place
+    switches gives the same books and, iteration by iteration, the same samples (consumed counts), LR and
+    losses (the pipeline engine of pp 2 takes the new number of micro-batches in process). Every gbs-8 step
+    trains at the gbs-8 rule's LR in both (the relaunch's optimizer state, which restores the gbs-4 one, is
+    overridden)."""
+    args = _setup(tmp_path, data_prefix, gbs_chain(env), lr_decay_tokens=4000)
     args.switch_in_place, args.run_name = True, "in-place"
     in_place = run_mds_chain(chain_run_from_args(args), env)
     args.switch_in_place, args.run_name = False, "checkpointed"

@@ -117,3 +117,39 @@ def test_a_record_is_held_back_until_its_evaluation_could_follow():
     recorder.feed(lines[6])  # iteration 5 releases iteration 4
     assert [record["iteration"] for record in records] == [4]
     assert records[0]["eval_loss"] == 10.6769
+
+
+def training_line(iteration: int, samples: int, gbs: int, loss: float) -> str:
+    """A training line in the recorded lines' format (field widths and all)."""
+    return (
+        f" iteration {iteration:>8}/      12 | consumed samples: {samples:>12} | consumed tokens: "
+        f"{samples * 64:>12} | elapsed time per iteration (ms): 500.0 | learning rate: 4.909E-03 | "
+        f"global batch size: {gbs:>5} | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.722 | "
+        "number of skipped iterations:   0 | number of nan iterations:   0 |"
+    )
+
+
+def test_log_interval_2_with_a_gbs_change_and_an_evaluation_between_log_lines():
+    """Log interval 2, an evaluation at iteration 5 (between the lines of 4 and 6), and Megatron's gbs 8 where
+    the stage's strategy says 4: the records take Megatron's gbs, and the evaluation of iteration 5 goes
+    into no record of another iteration."""
+    records: list[dict] = []
+    recorder = _recorder(records)
+    lines = [
+        training_line(4, 16, 4, 10.8),
+        " validation loss at iteration 5 | lm loss value: 1.067690E+01 | lm loss PPL: 4.334289E+04 | ",
+        training_line(6, 32, 8, 10.7),
+        training_line(8, 48, 8, 10.6),
+        " validation loss at iteration 8 | lm loss value: 1.050000E+01 | lm loss PPL: 3.631550E+04 | ",
+    ]
+    for line in lines:
+        recorder.feed(line)
+    recorder.flush()
+    assert [(r["iteration"], r["gbs"], r["steps_in_interval"]) for r in records] == [
+        (4, 4, 2),
+        (6, 8, 2),
+        (8, 8, 2),
+    ]
+    assert records[1]["tokens_per_s"] == pytest.approx(8 * 64 / 0.5)
+    assert [r.get("eval_loss") for r in records] == [None, None, 10.5]
+    assert [e.iteration for e in recorder.evaluations] == [5, 8]

@@ -3,6 +3,7 @@
 Run under ``torchrun --nproc-per-node N`` (gloo) or as a plain script (one process, no process group).
 
     ckpt_worker.py WORKDIR [--real [--family F]] [--save LAYOUT ...] [--load SRC:DST ...] [--save-loop L]
+    ckpt_worker.py WORKDIR --real --plan '{"gpt": {"save": [...], "load": [...]}, "llama": {...}}'
 
 A LAYOUT is ``dp<D>_tp<T>_pp<P>_z<Z>`` with an optional ``_v<V>`` (interleaved 1F1B, V stages per rank);
 its D*T*P must equal the world size of the launch that uses it.
@@ -16,15 +17,17 @@ trains 2 steps, saves at iteration 2, writes (rank 0) ``dumps/<LAYOUT>.pt`` with
 and optimizer tensor, then trains 2 more steps and records their losses (or, for the stand-in, the state after
 one more step). ``--load`` builds DST from other initial values, loads SRC's checkpoint, requires every tensor
 to equal SRC's dump exactly, trains the same 2 steps and requires the losses of the uninterrupted run (1e-5
-relative). ``--save-loop`` saves a bigger stand-in over and over (iterations 1, 2, ...) until killed. Without
-torchrun, the layout must be 1 process: the real model then runs as a plain ``GPT`` with no process group at
-all.
+relative). ``--plan`` runs the saves and loads of several families in one launch, each family in a folder
+of its own under WORKDIR. ``--save-loop`` saves a bigger stand-in over and over (iterations 1, 2, ...) until
+killed. Without torchrun, the layout must be 1 process: the real model then runs as a plain ``GPT`` with no
+process group at all.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -361,21 +364,32 @@ def main() -> None:
     parser.add_argument("--load", nargs="*", default=[])
     parser.add_argument("--save-loop")
     parser.add_argument("--family", choices=sorted(FAMILY_KEYS), default="gpt")
+    parser.add_argument(
+        "--plan",
+        type=json.loads,
+        help='with --real, several families in one launch: {"FAMILY": {"save": [...], "load": [...]}, ...}, '
+        "each in WORKDIR/FAMILY, its lines after a line 'family FAMILY'",
+    )
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    shape = {**REAL, **FAMILY_KEYS[args.family]} if args.real else BIG if args.save_loop else SMALL
-    training = {"device": "cpu", "seed": 7, **FAMILY_TRAINING.get(args.family, {})}
-    config = parse_config({"model": shape, "training": training})
     make_run = (
         real_run if args.real else lambda cfg, strategy, variant: stand_in_run(cfg, strategy, 0.5 * variant)
     )
+    plans = args.plan or {args.family: {"save": args.save, "load": args.load}}
     try:
-        for name in args.save:
-            save(args.workdir, config, name, make_run)
-        for pair in args.load:
-            load(args.workdir, config, *pair.split(":"), make_run)
+        for family, plan in plans.items():
+            shape = {**REAL, **FAMILY_KEYS[family]} if args.real else BIG if args.save_loop else SMALL
+            training = {"device": "cpu", "seed": 7, **FAMILY_TRAINING.get(family, {})}
+            config = parse_config({"model": shape, "training": training})
+            workdir = args.workdir / family if args.plan else args.workdir
+            if args.plan:
+                report(f"family {family}")
+            for name in plan.get("save", []):
+                save(workdir, config, name, make_run)
+            for pair in plan.get("load", []):
+                load(workdir, config, *pair.split(":"), make_run)
         if args.save_loop:
             save_loop(args.workdir, config, args.save_loop)
     except BaseException:

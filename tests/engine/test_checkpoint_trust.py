@@ -23,8 +23,10 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 
 from cona.cli import main
 from cona.engine import checkpoint as ckpt
+from cona.engine import checkpoint_load
 from cona.engine.checkpoint import load_checkpoint, verify_checkpoint
 from cona.engine.checkpoint_dcp import failure_line
+from cona.engine.checkpoint_manifest import read_manifest, shares
 from cona.errors import CheckpointError
 
 BYTES_ENTRY = "param_groups.layers.0.w1.weight.lr"
@@ -121,6 +123,34 @@ def test_flipped_bytes_in_optimizer_state_are_refused_naming_the_file(saved) -> 
     config, path = saved
     shard = flip_bytes(path, "optim.state.layers.0.w1.weight.exp_avg_sq")
     refused_on_load(config, path, rf"^{shard}: corrupt: its SHA-256 is not the one in manifest.json")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_each_rank_hashes_its_own_share_of_the_files(saved, tmp_path: Path, monkeypatch, ranks) -> None:
+    """A load across ``ranks`` ranks splits the hashing: a damaged file of every share in turn is refused
+    by the rank that holds it (each rank hashing share 0 would find none of the others' damage)."""
+    _, path = saved
+    sizes = {name: entry["size"] for name, entry in read_manifest(path)["files"].items()}
+    parts = shares(sizes, ranks)
+    assert all(parts), parts
+    monkeypatch.setattr(checkpoint_load, "world_size", lambda: ranks)
+    monkeypatch.setattr(checkpoint_load, "gather", lambda found: [found])  # each rank's own finding
+    monkeypatch.setattr(checkpoint_load, "verify_complete", lambda path: None)  # reads what the hash refuses
+    for share, names in enumerate(parts):
+        damaged = Path(shutil.copytree(path, tmp_path / f"share{share}"))
+        with open(damaged / names[0], "r+b") as handle:
+            first = handle.read(1)
+            handle.seek(0)
+            handle.write(bytes([first[0] ^ 0xFF]))
+        refusing = []
+        for rank in range(ranks):
+            monkeypatch.setattr(checkpoint_load, "rank", lambda rank=rank: rank)
+            try:
+                verify_checkpoint(damaged, collective=True)
+            except CheckpointError as refusal:
+                assert str(refusal).startswith(f"{damaged / names[0]}: corrupt"), str(refusal)
+                refusing.append(rank)
+        assert refusing == [share]
 
 
 def test_an_edited_trainer_state_is_refused_naming_the_file(saved) -> None:

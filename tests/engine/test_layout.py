@@ -75,20 +75,30 @@ def test_message_names_the_strategy() -> None:
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "broken"),
     [
-        {"dp": 2, "tp": 2, "pp": 2},
-        {"pp": 2, "gbs": 4},
-        {"pp": 2, "pipeline_schedule": "gpipe", "gbs": 2},
-        {"pp": 2, "virtual_stages": 2, "pipeline_schedule": "interleaved_1f1b"},
-        {"tp": 4, "sequence_parallel": True, "zero_stage": 3},
-        {"pp": 1, "virtual_stages": 2, "pipeline_schedule": "interleaved_1f1b", "gbs": 2},  # no pipeline
-        {"pp": 1, "gbs": 2, "mbs": 2},  # 1f1b's micro-batch rule only applies to a pipeline
+        ({"dp": 2, "tp": 2, "pp": 2}, {"gbs": 4}),  # gbs 4: one micro-batch per dp rank, fewer than pp
+        ({"pp": 2, "gbs": 4}, {"gbs": 2}),
+        ({"pp": 2, "pipeline_schedule": "gpipe", "gbs": 2}, {"pipeline_schedule": "1f1b"}),
+        (
+            {"pp": 2, "virtual_stages": 2, "pipeline_schedule": "interleaved_1f1b"},
+            {"pipeline_schedule": "1f1b"},
+        ),
+        ({"tp": 4, "sequence_parallel": True, "zero_stage": 3}, {"tp": 8}),
+        (
+            {"pp": 1, "virtual_stages": 2, "pipeline_schedule": "interleaved_1f1b", "gbs": 2},
+            {"pp": 4},
+        ),  # no pipeline
+        ({"pp": 1, "gbs": 2, "mbs": 2}, {"pp": 2}),  # 1f1b's micro-batch rule only applies to a pipeline
     ],
 )
-def test_possible_layouts_pass(overrides) -> None:
+def test_possible_layouts_pass_and_their_neighbour_across_the_rule_does_not(overrides, broken) -> None:
+    """Each possible layout sits at the edge of a rule: one field more (``broken``) crosses it."""
     layout = strategy(**overrides)
     validate_layout(MODEL, TRAINING, layout, world_size=layout.world_size)
+    crossed = strategy(**(overrides | broken))
+    with pytest.raises(LayoutError):
+        validate_layout(MODEL, TRAINING, crossed, world_size=crossed.world_size)
 
 
 def test_gpipe_accepts_fewer_micro_batches_than_stages() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from cona.engine import periodic_save
 from cona.engine.periodic_save import PeriodicSaves, prune_periodic
 
 
@@ -62,3 +63,34 @@ def test_the_clock_counts_from_the_last_save_started():
     periodic.started_at = time.monotonic() - 61.0
     assert periodic.due_by_time()
     assert not saves().due_by_time() and not periodic.pending_written()
+
+
+class FakeClock:
+    """``time.monotonic`` of the periodic saves, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_saves_every_minute_are_due_a_minute_after_each_save_started(monkeypatch):
+    """A real interval (60 s, steps of 7 s): due at the first step a minute after the stage started, then a
+    minute after that save started, never on every step once the first was due."""
+    clock = FakeClock()
+    monkeypatch.setattr(periodic_save, "time", clock)
+    begun: list[float] = []
+
+    def start(progress, *, writer_group):
+        begun.append(clock.now)
+        return None  # no save in flight to finish (finishing is collective)
+
+    periodic = saves(every_seconds=60.0, start=start, started_at=clock.now)
+    periodic.writer_group = object()  # the writer group is made at the first save (collective)
+    began = clock.now
+    for _ in range(40):
+        clock.now += 7.0
+        if periodic.due_by_time():
+            periodic.begin(progress=None)
+    assert [round(at - began) for at in begun] == [63, 126, 189, 252]

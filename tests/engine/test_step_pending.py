@@ -162,8 +162,12 @@ def run_bench(*extra: str) -> list[str]:
 
 def test_bench_smoke_run_on_cpu() -> None:
     (row,) = [json.loads(line) for line in run_bench()]
-    assert (row["size"], row["mbs"]) == ("tiny", 2)
-    assert row["ref_step_ms"] > 0 and row["ours_step_ms"] > 0 and row["ratio"] > 0
+    assert (row["size"], row["mbs"], row["seq"]) == ("tiny", 2, 16)
+    for side in ("ref", "ours"):  # a step of 2 x 16 tokens of the tiny model: milliseconds, not minutes
+        assert 0 < row[f"{side}_step_ms"] < 10_000, row
+        assert row[f"{side}_tok_s"] == round(2 * 16 / (row[f"{side}_step_ms"] / 1e3))
+        assert row[f"{side}_first_step_s"] > 0
+    assert row["ratio"] == pytest.approx(row["ref_step_ms"] / row["ours_step_ms"], abs=1e-3)
 
 
 @pytest.mark.slow

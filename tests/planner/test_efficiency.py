@@ -148,6 +148,18 @@ def test_measurements_leave_the_window_but_at_least_min_samples_stay():
     assert NoiseScaleTracker(base_batch=8).window is None  # default: see WINDOW_FRACTION
 
 
+def test_the_default_window_is_three_quarters_of_the_run_early_and_500_base_batches_later():
+    tracker = NoiseScaleTracker(base_batch=2, min_samples=3)  # 500 batches of 2: 1,000 samples
+    measurement = exact_inputs(grad_sqr=1.0, trace_sigma=3.0)
+    for position in range(10, 1001, 10):
+        tracker = tracker.update(**measurement, consumed_samples=position)
+    assert tracker.measurements[0][0] == 250  # at 1,000: the last 750 samples (3/4 of the run so far)
+    for position in range(1010, 4001, 10):
+        tracker = tracker.update(**measurement, consumed_samples=position)
+    assert tracker.measurements[0][0] == 3000  # at 4,000: the last 1,000 samples (500 base batches)
+    assert tracker.noise_scale() == pytest.approx(3.0)
+
+
 def test_the_averages_restart_once_the_warm_up_is_over():
     """While the LR rises the measurements count; min_samples measurements after its peak replace them."""
     tracker = NoiseScaleTracker(base_batch=8, min_samples=3, window=math.inf)  # the restart alone

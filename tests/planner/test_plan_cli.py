@@ -19,7 +19,7 @@ STAGES = ({"dp": 4, "tp": 1, "pp": 1, "mbs": 1, "gbs": 4}, {"dp": 4, "tp": 1, "p
 SWITCH_GAP_S = 5.0
 
 
-def metrics_rows(iterations: int = 2000, stages: int = 1) -> list[dict]:
+def metrics_rows(iterations: int = 500, stages: int = 1) -> list[dict]:
     """Rows of a run whose noise scale grows from 2 to ~380 samples as the loss falls from 6 to 2.5;
     with two stages, the second starts at gbs 8 after a SWITCH_GAP_S pause."""
     rows, tokens, clock = [], 0, 1000.0

@@ -52,6 +52,21 @@ def test_a_layout_keeping_candidate_the_model_undersells_is_tried_in_place():
     assert decide(state, short, candidate, IN_PLACE).action == "stay"
 
 
+def test_a_trial_is_made_only_where_its_best_case_pays_for_the_switch_there_and_back():
+    """A trial that fails costs two switches (there and back): a best case saving between one and two
+    switch costs is no trial."""
+    state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
+    candidate = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0)
+    at_1e5 = decide(state, measure(20.0, remaining=1e5), candidate, IN_PLACE).record[
+        "trial_best_case_saved_s"
+    ]
+    one_way = IN_PLACE.predicted_in_place_cost_s * (1.0 + IN_PLACE.hysteresis)
+    for saved, tried in ((1.5 * one_way, False), (1.9 * one_way, False), (2.1 * one_way, True)):
+        decision = decide(state, measure(20.0, remaining=1e5 * saved / at_1e5), candidate, IN_PLACE)
+        assert decision.record["trial_best_case_saved_s"] == pytest.approx(saved)
+        assert (decision.action == "switch" and decision.target.trial) is tried, saved
+
+
 def test_a_candidate_fitted_on_measured_strategies_is_tried_only_where_its_prediction_could_miss_enough():
     """Perfect scaling bounds a trial's hope where the model rests on no measured strategy; once it rests on
     one or more, the prediction plus its margin (15%, or the largest miss the run saw) does."""

@@ -2,8 +2,9 @@
 
 A fake device with a host-bound floor (its step time is ``max(host, device)``, the model's is device only)
 feeds ``metrics.jsonl``; the real :class:`FrontierSearch` and :class:`StageSearch` read it. The throughput the
-decision expects of the candidate must be the fake's within 15%: dropping the correction (the raw model) or
-inverting it misses by far more, and so would one factor anchored on the running strategy.
+decision expects of the candidate, on a device of a form the fitter does not know, must be the device's
+within 10%: dropping the correction (the raw model) or inverting it misses by far more, and so would one
+factor anchored on the running strategy.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ class HostBoundDevice:
         model_s = float(model_step_seconds(self.config.model, [strategy], self.system, "fp32")[0])
         host = self.host_step_s + self.host_micro_batch_s * host_micro_batches(strategy)
         return strategy.gbs * SEQ / max(host, model_s / 0.8)
+
+
+class UnlikeTheFitDevice(HostBoundDevice):
+    """A device of no form the fitter knows: host time grows as micro-batches ** 0.85, the kernels' efficiency
+    grows with mbs (0.6 + 0.05 mbs), and host and device overlap imperfectly (a soft maximum, the 4-norm of
+    the two), so the fitted prediction is near the truth, not equal to it."""
+
+    def tokens_per_s(self, strategy: Strategy) -> float:
+        model_s = float(model_step_seconds(self.config.model, [strategy], self.system, "fp32")[0])
+        host = self.host_step_s + self.host_micro_batch_s * host_micro_batches(strategy) ** 0.85
+        device = model_s / (0.6 + 0.05 * strategy.mbs)
+        return strategy.gbs * SEQ / (host**4 + device**4) ** 0.25
 
 
 def one_gpu(gbs: int, mbs: int) -> Strategy:
@@ -114,7 +127,8 @@ def expected(record: dict) -> tuple[Strategy, float]:
 
 
 def test_the_candidates_throughput_is_the_devices_not_the_models(setup):
-    run_dir, frontier, device = setup
+    run_dir, frontier, host_bound = setup
+    device = UnlikeTheFitDevice(host_bound.config, host_bound.system)
     # Stage 1 trained gbs 2 and gbs 2 with two micro-batches; the running stage trains gbs 4.
     for strategy in (one_gpu(2, 2), one_gpu(2, 1)):
         frontier.add_measurement(strategy, device.tokens_per_s(strategy), intervals=5, source="stage 1")
@@ -124,7 +138,7 @@ def test_the_candidates_throughput_is_the_devices_not_the_models(setup):
     strategy, predicted = expected(last)
     assert strategy.gbs == 8 and last["candidate"]["throughput_source"] == "predicted"
     truth = device.tokens_per_s(strategy)
-    assert predicted == pytest.approx(truth, rel=0.15)
+    assert predicted == pytest.approx(truth, rel=0.1)  # 1.03 of it
     assert last["throughput_fit"]["measured_strategies"] == 3 and last["candidate"]["fitted_on"] == 3
     # What the planted bugs would have used instead: the raw model, its inverse correction, and the model
     # times measured / model of the running strategy (the old anchor) are all far off.

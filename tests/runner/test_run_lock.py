@@ -23,7 +23,7 @@ from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir
 from cona.processes import running
 from cona.runner.launch import start_torchrun
-from cona.runner.run_lock import RunLocked, lock_directory, lock_path, run_locks
+from cona.runner.run_lock import RunLocked, lock_directory, lock_path, popen_holding_locks, run_locks
 from cona.runner.schedules.sequence import run_chain
 from cona.strategy import Strategy
 
@@ -74,6 +74,20 @@ def test_a_held_directory_is_refused_naming_the_holder_and_free_once_the_holder_
         lock_directory(directory, "run directory")  # held by this process already: nothing to do
     with run_locks():  # released when the scope ended
         lock_directory(directory, "run directory")
+
+
+def test_a_scope_s_end_releases_its_locks_while_a_launcher_it_started_still_runs(tmp_path):
+    """A worker session's torchrun shares the lock's open file (it inherits the descriptor) and may outlive
+    the scope: closing the runner's descriptor alone would leave the lock held for as long as it lives."""
+    directory = tmp_path / "logs" / "run"
+    with run_locks():
+        lock_directory(directory, "run directory")
+        launcher = popen_holding_locks(["sleep", "60"])
+    try:
+        with run_locks():
+            lock_directory(directory, "run directory")
+    finally:
+        kill(launcher)
 
 
 def test_a_second_chain_on_a_live_run_directory_or_checkpoint_folder_is_refused_before_it_starts(tmp_path):
