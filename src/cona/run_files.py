@@ -29,6 +29,8 @@ LATEST = "latest"
 """Under ``log_root``: the newest run directory (a symlink, or a file naming it)."""
 METRICS = "metrics.jsonl"
 DECISIONS = "decisions.jsonl"
+PROBES = "probes.jsonl"
+"""One line per paired probe the workers ran (:mod:`cona.engine.probe_branch`): both branches' numbers."""
 SWITCH_REQUEST = "switch_request.json"
 RUNNER_STATE = "runner_state.json"
 ONLINE_STAGES = "online_stages.json"
@@ -54,7 +56,7 @@ MDS_HANDOVER = "mds_handover"
 """``<run_dir>/mds_handover/continue-<N>.json``: the runner's command to Megatron-DeepSpeed processes that
 handed a stage over in place at iteration N (``cona.backends.megatron_deepspeed.handover``)."""
 
-FRESH_FILES = (RUNNER_STATE, METRICS, SWITCH_REQUEST, DECISIONS, ONLINE_STAGES, REALIZED_CHAIN)
+FRESH_FILES = (RUNNER_STATE, METRICS, SWITCH_REQUEST, DECISIONS, PROBES, ONLINE_STAGES, REALIZED_CHAIN)
 """What ``--fresh`` removes from a run directory of any mode, besides ``stages/``."""
 
 
@@ -86,6 +88,10 @@ def metrics_path(run_dir: Path) -> Path:
 
 def decisions_path(run_dir: Path) -> Path:
     return Path(run_dir) / DECISIONS
+
+
+def probes_path(run_dir: Path) -> Path:
+    return Path(run_dir) / PROBES
 
 
 def switch_request_path(run_dir: Path) -> Path:

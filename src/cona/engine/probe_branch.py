@@ -18,15 +18,18 @@ branch's end.
 from __future__ import annotations
 
 import copy
+import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from cona import run_files
 from cona.engine.gns import local_tensor
-from cona.engine.optim import LRSchedule
+from cona.engine.optim import LRSchedule, lr_schedule
+from cona.engine.spec import StageSpec
 from cona.engine.train_model import TrainingModel
 from cona.planner.probe_rule import BranchRun, ProbeOutcome, judge, probe_samples
 from cona.strategy import Strategy
@@ -47,6 +50,65 @@ class ProbeRequest:
     """Samples each branch trains, before rounding up to whole steps of both batches."""
     tolerance: float
     """Probe-loss difference (nats) within which the branches count as equal."""
+
+
+def request_from(raw: dict[str, Any], spec: StageSpec) -> ProbeRequest:
+    """The probe a request file asks for, its candidate's LR schedule built as its stage's would be."""
+    schedule = lr_schedule(
+        spec.config.training,
+        planned_tokens=spec.planned_tokens,
+        lr_factor=float(raw["lr_factor"]),
+        min_lr_factor=float(raw["min_lr_factor"]),
+    )
+    return ProbeRequest(
+        candidate=Strategy(**raw["strategy"]),
+        lr_schedule=schedule,
+        samples=int(raw["samples"]),
+        tolerance=float(raw["tolerance"]),
+    )
+
+
+def refusal(spec: StageSpec, progress: Any, request: ProbeRequest) -> str | None:
+    """Why the probe cannot run here (None: it can): it keeps the layout, and both branches end within the
+    stage's stop rule."""
+    current, candidate = spec.strategy, request.candidate
+    if not current.same_layout(candidate):
+        return f"the candidate {candidate.short()} changes the layout of {current.short()}"
+    samples = probe_samples(request.samples, current.gbs, candidate.gbs)
+    steps = samples // min(current.gbs, candidate.gbs)
+    if spec.target_iteration is not None and progress.iteration + steps > spec.target_iteration:
+        return f"{steps} probe steps would pass the stage's last iteration {spec.target_iteration}"
+    tokens = progress.consumed_tokens + samples * spec.config.model.seq
+    if spec.max_tokens is not None and tokens > spec.max_tokens:
+        return f"{samples} probe samples would pass the stage's token budget {spec.max_tokens}"
+    return None
+
+
+def write_outcome(spec: StageSpec, record: dict[str, Any], *, request_done: bool) -> None:
+    """Rank 0: append the probe's record to ``probes.jsonl``; where the run goes on in this stage, remove
+    the request first (the runner then decides again once it reads the record)."""
+    if request_done:
+        spec.switch_request_path.unlink(missing_ok=True)
+    with open(run_files.probes_path(spec.run_dir), "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+@dataclass
+class HeldSteps:
+    """A branch's step-trace records, kept until the probe knows whether its steps are the run's."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self, **fields: Any) -> None:
+        self.records.append(fields)
+
+
+@dataclass
+class ProbeLog:
+    """What the stage's probes left: where the stage ended when a candidate branch won (the next stage's
+    first samples, already trained under its strategy, are the branch's), else None."""
+
+    stage_end: Any = None
 
 
 @dataclass(kw_only=True)
