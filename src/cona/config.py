@@ -178,6 +178,21 @@ class TrainingConfig:
     sooner than off, in three calls of three; docs/benchmarks.md). Off: a switch that pays on the prediction
     is kept without being judged again (``fallback`` off), even where the measured rate would not have
     paid."""
+    probe: bool = True
+    """Online mode decides a switch that keeps the layout by a paired probe: the next ``probe_tokens`` trained
+    from one state at the current gbs and again at the candidate's (its LR by ``lr_scale_strategy``), each
+    evaluated on the fixed evaluation set; the run continues from the branch that lowers the loss more per
+    second. Off: such switches are decided by the noise-scale model alone, as layout changes always are."""
+    probe_tokens: int = 131072
+    """Tokens each branch of a probe trains (rounded up to whole steps of both batches). A probe costs the
+    losing branch's time, about this many tokens at the current rate; with a probe repeated each time the
+    run's tokens double, a candidate's probes cost at most twice its last one. Long enough that the
+    branches' loss difference stands above the noise floor (the difference of two equal branches, which
+    ``bench/probe_noise.py`` measures), short next to the run."""
+    probe_tolerance: float = 0.01
+    """Probe-loss difference (nats) within which two branches count as equal, so the faster wins: the
+    critical-batch criterion of Merrill et al. 2025 (a larger batch is within its critical batch while its
+    loss stays within 0.01 of the smaller batch's on the same tokens). Keep it above the noise floor."""
     noise_scale_factor: float = 1.0
     """Multiplies the measured noise scale wherever the efficiency ``(phi + base_gbs) / (phi + gbs)`` values
     a batch (online decisions, ``cona plan``): above 1 credits larger batches more. The engine measures

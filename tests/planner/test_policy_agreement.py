@@ -42,12 +42,12 @@ def test_a_trial_the_windowed_reading_backs_is_not_left_on_a_lagging_ema():
     state = after_switch(state, new=trial, old_measured_tokens_per_s=1000.0, switch_cost_s=0.5, in_place=True)
     state = dataclasses.replace(state, noise_ema=5.0)
     backed = measure(30.0, tokens_per_s=1500.0, remaining=1e6)
-    assert decide(state, backed, None, EACH).action == "fallback"  # EMA 0.1 x 30 + 0.9 x 5 = 7.5
+    assert decide(state, backed, None, EACH).action == "switch"  # EMA 0.1 x 30 + 0.9 x 5 = 7.5
     kept = decide(state, backed, None, AGREE)
     assert kept.action == "stay" and kept.record["fallback_break_even_noise_scale"] == pytest.approx(16.0)
     # Both estimates below the break-even: the trial is left, and the reason names the higher one.
     low = decide(state, measure(10.0, tokens_per_s=1500.0, remaining=1e6), None, AGREE)
-    assert low.action == "fallback" and low.target.strategy == GBS_16
+    assert low.action == "switch" and low.target.strategy == GBS_16
     assert "noise scale (the higher estimate) 10" in low.reason
 
 

@@ -111,10 +111,10 @@ def test_a_trial_far_below_its_fitted_prediction_on_one_line_is_measured_once_mo
     waited = at(700.0, 1)  # 700 x 1.25 < 1600: maybe warm-up
     assert waited.action == "stay" and "measured once more" in waited.reason
     assert waited.state.below_break_even == 0
-    assert at(700.0, 2).action == "fallback"  # measured twice: judged
-    assert at(1300.0, 1).action == "fallback"  # 1300 x 1.25 >= 1600: judged now (and it loses)
+    assert at(700.0, 2).action == "switch"  # measured twice: judged
+    assert at(1300.0, 1).action == "switch"  # 1300 x 1.25 >= 1600: judged now (and it loses)
     assert at(1300.0, 1, IN_PLACE).action == "stay"  # the default margin, 15%: 1300 x 1.15 < 1600
-    assert at(700.0, 0).action == "fallback"  # intervals not counted (a simulation): judged
+    assert at(700.0, 0).action == "switch"  # intervals not counted (a simulation): judged
     raw_model = after_switch(
         initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0)),
         new=dataclasses.replace(trial, fitted_on=0),
@@ -123,10 +123,14 @@ def test_a_trial_far_below_its_fitted_prediction_on_one_line_is_measured_once_mo
         in_place=True,
     )
     measurement = dataclasses.replace(measure(20.0, tokens_per_s=700.0, remaining=1e6), measured_intervals=1)
-    assert decide(raw_model, measurement, None, IN_PLACE).action == "fallback"  # the raw model's: no wait
+    assert decide(raw_model, measurement, None, IN_PLACE).action == "switch"  # the raw model's: no wait
 
 
-def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():
+def _with_fallback() -> PolicySettings:
+    return dataclasses.replace(IN_PLACE, fallback=True)
+
+
+def test_a_trial_that_measures_slow_is_left_without_the_fallback_setting_and_says_so():
     state = initial_state(Candidate(strategy=ONE_GPU_8, predicted_tokens_per_s=1000.0))
     trial = Candidate(strategy=ONE_GPU_16, predicted_tokens_per_s=1150.0, trial=True)
     state = after_switch(state, new=trial, old_measured_tokens_per_s=1000.0, switch_cost_s=0.5, in_place=True)
@@ -134,8 +138,11 @@ def test_a_trial_that_measures_slow_falls_back_without_the_fallback_setting():
     assert not IN_PLACE.fallback and IN_PLACE.fallback_patience > 1
     # Measured 1.05x the gbs-16 rate: at noise scale 20 the larger batch loses, at its first measured rate.
     decision = decide(state, measure(20.0, tokens_per_s=1050.0, remaining=1e6), None, IN_PLACE)
-    assert decision.action == "fallback" and decision.record["below_break_even"] == 1
+    assert decision.action == "switch" and decision.record["below_break_even"] == 1
+    assert decision.reason.startswith("leaving the in-place trial of gbs 32, its measured rate does not pay")
     assert decision.target.strategy == ONE_GPU_8 and decision.record["in_place"]
+    fallback = decide(state, measure(20.0, tokens_per_s=1050.0, remaining=1e6), None, _with_fallback())
+    assert fallback.action == "fallback" and "leaving" not in fallback.reason
     # A trial that pays stays (1.9x the rate: break-even noise scale (1000*16 - 1900*8) / 900 = 0.9).
     assert decide(state, measure(20.0, tokens_per_s=1900.0, remaining=1e6), None, IN_PLACE).action == "stay"
 
@@ -169,10 +176,10 @@ def test_a_trial_left_for_a_larger_trial_is_judged_again_after_the_fallback_to_i
         return decide(state, measure(20.0, tokens_per_s=tokens_per_s, remaining=1e6), None, IN_PLACE)
 
     back = judge(state, 1100.0)  # gbs 64 at 1.05x the rate of 32: back to 32, still a trial
-    assert back.action == "fallback" and back.target.strategy == ONE_GPU_16 and back.target.trial
+    assert back.action == "switch" and back.target.strategy == ONE_GPU_16 and back.target.trial
     state = after_switch(back.state, new=back.target, old_measured_tokens_per_s=1100.0, switch_cost_s=0.0)
     again = judge(state, 1050.0)  # gbs 32 at 1.05x the rate of 16
-    assert again.action == "fallback" and again.target.strategy == ONE_GPU_8 and not again.target.trial
+    assert again.action == "switch" and again.target.strategy == ONE_GPU_8 and not again.target.trial
 
 
 def test_a_backend_that_keeps_mbs_in_place_switches_an_mbs_change_through_a_checkpoint():
@@ -252,5 +259,5 @@ def test_with_measure_before_commit_a_switch_on_a_predicted_rate_is_a_trial_left
         tried.state, new=tried.target, old_measured_tokens_per_s=1000.0, switch_cost_s=0.5, in_place=True
     )
     judged = decide(state, measure(20.0, tokens_per_s=1200.0, remaining=1e6), None, settings)
-    assert judged.action == "fallback" and judged.target.strategy == ONE_GPU_8
+    assert judged.action == "switch" and judged.target.strategy == ONE_GPU_8
     assert decide(state, measure(20.0, tokens_per_s=1800.0, remaining=1e6), None, settings).action == "stay"

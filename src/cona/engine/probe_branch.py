@@ -193,6 +193,7 @@ def run_probe(
         iteration=start.progress.iteration,
         consumed_samples=start.progress.consumed_samples,
         samples=samples,
+        tokens=progress.consumed_tokens - start.progress.consumed_tokens,
         start_loss=start_loss,
         current=current_run,
         candidate=candidate_run,

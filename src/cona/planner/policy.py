@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cona.planner.efficiency import NoiseScaleEstimate, statistical_efficiency
+from cona.planner.policy_probe import after_lost_probe, outcome_record, probe_plan, probe_target
 from cona.planner.policy_trial import prediction_miss, trial_candidate, warming_up
 from cona.planner.policy_types import (  # the policy's data, re-exported: callers import it from here
     DEFAULT_HYSTERESIS,
@@ -185,6 +186,8 @@ def decide(
     noise = _usable_noise_scale(measurement.noise, settings)
     record = _record_base(state, measurement, settings)
     measured = measurement.measured_tokens_per_s
+    if measurement.probe is not None and state.probing is not None:
+        return _after_probe(state, measurement, noise, record)
     if noise is None or measured is None or measured <= 0:
         return _decision("stay", None, _unknown_reason(measurement, settings), record, state)
     current = state.current.strategy
@@ -216,7 +219,79 @@ def decide(
     if settings.noise_scale_agreement and state.noise_ema < noise:
         noise = record["noise_scale_for_switch"] = state.noise_ema
         current_progress = progress_per_second(measured, current.gbs, noise, settings.base_gbs)
+    if settings.probe and switches_in_place(current, candidate.strategy, settings):
+        return _probe_or_stay(
+            state, measurement, candidate, current_progress, remaining_s, noise, settings, record
+        )
     return _compare(state, candidate, current_progress, remaining_s, noise, settings, record)
+
+
+def _probe_or_stay(
+    state: PolicyState,
+    measurement: Measurement,
+    candidate: Candidate,
+    current_progress: float,
+    remaining_s: float,
+    noise: float,
+    settings: PolicySettings,
+    record: dict[str, Any],
+) -> Decision:
+    """A layout-keeping candidate: probed where the prior says a probe is worth its cost, else stay. The
+    noise-scale model's view of the candidate is logged (``candidate.progress_per_s``), not acted on."""
+    _candidate_record(candidate, noise, settings, record)
+    prior = record["candidate"]["progress_per_s"] / current_progress
+    cost_s, source = switch_cost_s(state, settings, in_place=True)
+    record.update(switch_cost_s=cost_s, switch_cost_source=source, in_place=True, prior_progress_ratio=prior)
+    probing, why = probe_plan(
+        state, candidate, measurement, remaining_s=remaining_s, noise=noise, switch_cost_s=cost_s,
+        settings=settings, record=record,
+    )  # fmt: skip
+    why = f"{why} (the noise-scale model puts its progress per second at {prior:.3f}x the current's)"
+    if not probing:
+        return _decision("stay", None, why, record, state)
+    record["probe_request"] = {"tokens": settings.probe_tokens, "tolerance": settings.probe_tolerance}
+    return _decision("probe", candidate, why, record, dataclasses.replace(state, probing=candidate))
+
+
+def _after_probe(
+    state: PolicyState, measurement: Measurement, noise: float | None, record: dict[str, Any]
+) -> Decision:
+    """The probe's outcome decides: a won probe is a switch the workers already made (the run goes on from
+    the candidate's branch), a lost one a stay, remembered for the next probe of that gbs."""
+    outcome, candidate = measurement.probe, state.probing
+    assert outcome is not None and candidate is not None
+    record["probe"] = outcome_record(outcome)
+    record["in_place"] = True
+    state = dataclasses.replace(state, probing=None)
+    why = f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}"
+    if outcome.winner == "candidate":
+        target = probe_target(candidate, outcome)
+        record["candidate"] = {
+            "strategy": strategy_dict(target.strategy),
+            "predicted_tokens_per_s": target.predicted_tokens_per_s,
+            "throughput_source": target.throughput_source,
+        }
+        return _decision("switch", target, why, record, state)
+    state = after_lost_probe(state, outcome, measurement.consumed_tokens, noise)
+    return _decision("stay", None, why, record, state)
+
+
+def _candidate_record(
+    candidate: Candidate, noise: float, settings: PolicySettings, record: dict[str, Any]
+) -> float:
+    """The candidate's part of the decision line; returns its progress per second under the noise model."""
+    gbs = candidate.strategy.gbs
+    candidate_progress = progress_per_second(candidate.predicted_tokens_per_s, gbs, noise, settings.base_gbs)
+    record["candidate"] = {
+        "strategy": strategy_dict(candidate.strategy),
+        "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
+        "throughput_source": candidate.throughput_source,
+        "fitted_on": candidate.fitted_on,
+        "on_first_line": candidate.on_first_line,
+        "efficiency": _efficiency(gbs, noise, settings),
+        "progress_per_s": candidate_progress,
+    }
+    return candidate_progress
 
 
 def _compare(
@@ -229,17 +304,7 @@ def _compare(
     record: dict[str, Any],
 ) -> Decision:
     """The switch rule: the time the candidate saves over the remaining training against the switch cost."""
-    gbs = candidate.strategy.gbs
-    candidate_progress = progress_per_second(candidate.predicted_tokens_per_s, gbs, noise, settings.base_gbs)
-    record["candidate"] = {
-        "strategy": strategy_dict(candidate.strategy),
-        "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
-        "throughput_source": candidate.throughput_source,
-        "fitted_on": candidate.fitted_on,
-        "on_first_line": candidate.on_first_line,
-        "efficiency": _efficiency(gbs, noise, settings),
-        "progress_per_s": candidate_progress,
-    }
+    candidate_progress = _candidate_record(candidate, noise, settings, record)
     saved_s = max(1.0 - current_progress / candidate_progress, 0.0) * remaining_s
     in_place = switches_in_place(state.current.strategy, candidate.strategy, settings)
     cost_s, source = switch_cost_s(state, settings, in_place=in_place)
@@ -261,8 +326,9 @@ def _compare(
         f"{ratio}; would save {saved_s:.1f} s over the remaining {remaining_s:.1f} s, not more than {margin}"
     )
     trial = trial_candidate(state, candidate, current_progress, remaining_s, noise, settings, record)
-    if trial is not None:
-        return _decision("switch", trial, f"{why}; {record['trial']}", record, state)
+    if trial is not None:  # the trial first: on the prediction alone the candidate loses
+        why = f"{record['trial']} (on its prediction alone it would not pay: {why})"
+        return _decision("switch", trial, why, record, state)
     return _decision("stay", None, why, record, state)
 
 
@@ -352,7 +418,12 @@ def _fallback_check(
         trial=previous.trial,
     )
     record["in_place"] = switches_in_place(state.current.strategy, previous.strategy, settings)
-    decision = _decision("fallback", target, why, record, dataclasses.replace(state, below_break_even=0))
+    # A fallback is the setting's; without it only a trial is left, and that is a switch back.
+    action: Action = "fallback" if settings.fallback else "switch"
+    if action == "switch":
+        gbs = state.current.strategy.gbs
+        why = f"leaving the in-place trial of gbs {gbs}, its measured rate does not pay: {why}"
+    decision = _decision(action, target, why, record, dataclasses.replace(state, below_break_even=0))
     return state, decision
 
 

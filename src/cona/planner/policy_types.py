@@ -11,12 +11,16 @@ from typing import Any, Literal
 from cona.config import TrainingConfig
 from cona.errors import PlanError
 from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate
+from cona.planner.probe_rule import ProbeOutcome
 from cona.strategy import Strategy
 
 DEFAULT_HYSTERESIS = 0.05
 """Relative margin a switch must clear (AdaptDL uses 5 % on goodput, its issue #27)."""
 
-Action = Literal["stay", "switch", "fallback"]
+Action = Literal["stay", "probe", "switch", "fallback"]
+"""``probe``: run a paired probe of the target (:mod:`cona.planner.policy_probe`); ``switch``: move to the
+target; ``fallback``: back to the previous stage's strategy (``training.fallback`` on, or leaving an in-place
+trial); ``stay``: neither."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +77,12 @@ class PolicySettings:
     decision_interval: int = 1
     """Iterations between two decisions: a run decides at its metrics lines (``training.log_interval``),
     so an offline simulation (:func:`cona.planner.plan.online_assignment`) may not decide more often."""
+    probe: bool = False
+    """Decide a switch that keeps the layout (with ``in_place``) by a paired probe (``training.probe``)."""
+    probe_tokens: int = 131072
+    """Tokens each branch of a probe trains (``training.probe_tokens``)."""
+    probe_tolerance: float = 0.01
+    """Probe-loss difference (nats) within which branches count as equal (``training.probe_tolerance``)."""
 
     def __post_init__(self) -> None:
         if self.base_gbs < 1 or self.max_gbs < 1:
@@ -89,6 +99,8 @@ class PolicySettings:
             raise PlanError(f"noise_scale_factor must be positive, got {self.noise_scale_factor}")
         if self.decision_interval < 1:
             raise PlanError(f"decision_interval must be at least 1, got {self.decision_interval}")
+        if self.probe_tokens < 1 or self.probe_tolerance < 0:
+            raise PlanError("probe_tokens must be positive and probe_tolerance non-negative")
         if not 0.0 < self.fallback_ema_alpha <= 1.0 or self.fallback_patience < 1:
             raise PlanError("fallback_ema_alpha must be in (0, 1] and fallback_patience at least 1")
 
@@ -105,6 +117,9 @@ class PolicySettings:
             "measure_before_commit": training.measure_before_commit,
             "trial_prediction_error": training.trial_prediction_error,
             "decision_interval": training.log_interval,
+            "probe": training.probe,
+            "probe_tokens": training.probe_tokens,
+            "probe_tolerance": training.probe_tolerance,
         }
         values.update(overrides)
         return cls(**values)
@@ -141,6 +156,15 @@ class FinishedStage:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ProbedAt:
+    """Where a candidate gbs last lost a probe: the run's tokens and the noise scale then (samples)."""
+
+    gbs: int
+    consumed_tokens: int
+    noise_scale: float | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PolicyState:
     """What the policy remembers between evaluations. Start with :func:`initial_state`."""
 
@@ -158,6 +182,10 @@ class PolicyState:
     """The fallback EMA of the noise scale (samples)."""
     below_break_even: int = 0
     """Consecutive evaluations with the EMA below the fallback break-even noise scale."""
+    probing: Candidate | None = None
+    """The candidate of the probe asked for and not yet answered."""
+    probed: tuple[ProbedAt, ...] = ()
+    """The latest lost probe of each candidate gbs (:data:`cona.planner.policy_probe.PROBE_SPACING`)."""
     largest_prediction_miss: float = 0.0
     """The largest ``|measured / predicted - 1|`` of the strategies left so far that were switched to on a
     prediction fitted on measured strategies (the trial rule's margin when over its setting)."""
@@ -185,6 +213,8 @@ class Measurement:
     """Log intervals behind ``measured_tokens_per_s`` (0: not counted, as in a simulation)."""
     remaining_tokens: float
     """Tokens still to train under the current strategy (the run's budget minus what is done)."""
+    probe: ProbeOutcome | None = None
+    """The outcome of the probe the last decision asked for, when it arrived since (None: none)."""
     interval_tokens: float = 0.0
     """Tokens between two evaluations (a metrics interval): a switch needs some left after it to happen at
     all, and to be measured (0: no such limit, as in a simulation that switches between evaluations)."""

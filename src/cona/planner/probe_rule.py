@@ -54,6 +54,8 @@ class ProbeOutcome:
     consumed_samples: int
     """Samples trained before the probe; each branch trains ``samples`` after them."""
     samples: int
+    tokens: int
+    """Tokens each branch trained (``samples`` sequences)."""
     start_loss: float
     """Probe-set loss before either branch (nats)."""
     current: BranchRun
