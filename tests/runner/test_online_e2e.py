@@ -185,6 +185,7 @@ def in_place_run(tmp_path, *, total_iters: int) -> tuple[OnlineRun, dict]:
             "predicted_switch_cost_s": 0.0,
             "predicted_in_place_cost_s": 0.0,
             "measure_before_commit": False,
+            "probe": False,  # decided on the noise-scale model: test_online_probe_e2e.py probes
         },
     )
     return run, raw

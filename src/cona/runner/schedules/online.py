@@ -30,7 +30,9 @@ from cona import run_files
 from cona.atomic_files import write_json_atomic
 from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
+from cona.jsonl import read_lines
 from cona.planner.policy import Candidate
+from cona.planner.probe_rule import ProbeOutcome
 from cona.planner.systems import load_system
 from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
 from cona.runner.nodes.multinode import cona_command
@@ -48,7 +50,7 @@ from cona.runner.schedules.online_search import (
     log_not_carried_out,
 )
 from cona.runner.schedules.online_stages import StageRecords
-from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, torchrun_launcher
+from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, stage_lr, torchrun_launcher
 from cona.runner.state import (
     ONLINE_CHAIN,
     RunState,
@@ -257,12 +259,18 @@ class OnlineSchedule:
             out=self.out,
             print_stays=not self.run.quiet,  # quiet mode: stage lines, switches and stops only
             run_tracker=self.run_tracker,
+            lr_factors=self._lr_factors,
         )
         search.start()
         try:
             yield
         finally:
             self.outcome = search.stop()
+
+    def _lr_factors(self, gbs: int, iteration: int) -> tuple[float, float]:
+        """The LR factors of a stage at ``gbs`` from ``iteration`` (a probe's candidate branch trains so)."""
+        lr = stage_lr(self.run.run_dir, self.run.config.training, gbs, iteration)
+        return lr.lr_factor, lr.min_lr_factor
 
     def after_training(self, state: RunState, stage: StageState) -> RunState:
         """Record the next stage when the stage ended on a switch request (read back from the request
@@ -279,6 +287,8 @@ class OnlineSchedule:
                 self._note_unrealized(stage, request)
             return state
         request = json.loads(request_path.read_text())
+        if request["action"] == "probe" and result.reason == "switch_in_place":
+            request = won_probe_request(self.run.run_dir, stage.step_num, request)
         if request["action"] in ("switch", "fallback"):
             state = self._record_next(state, stage, request, result)
         request_path.unlink()
@@ -348,6 +358,23 @@ class OnlineSchedule:
         realized = write_json_atomic(run_dir / run_files.REALIZED_CHAIN, chain)
         print_summary(run_dir, state, self.records.entries, target_ppl=self.run.target_ppl, out=self.out)
         self.out(f"realized chain: {realized} (cona train --chain replays it)")
+
+
+def won_probe_request(run_dir: Path, stage: int, request: dict) -> dict:
+    """The switch a probe's candidate won, as a switch request: the probe's target at the rate its branch
+    measured, with the probe's reason (the stage's last line of ``probes.jsonl``)."""
+    records = (line.value for line in read_lines(run_files.probes_path(run_dir)))
+    lines = [r for r in records if isinstance(r, dict) and r.get("stage") == stage]
+    outcome = ProbeOutcome.from_dict(lines[-1])
+    if outcome.winner != "candidate":
+        raise LaunchError(f"stage {stage} ended in place on a probe its candidate did not win")
+    return request | {
+        "action": "switch",
+        "predicted_tokens_per_s": outcome.tokens / outcome.candidate.steady_seconds,
+        "throughput_source": "probed",
+        "trial": False,
+        "reason": f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}",
+    }
 
 
 def _size(path: Path) -> int:
