@@ -38,6 +38,8 @@ from cona.planner.policy import (
     next_frontier,
     next_gbs,
 )
+from cona.planner.probe_replay import modelled_outcome, probes_lost_s, recorded_outcome
+from cona.planner.probe_rule import ProbeOutcome
 from cona.planner.profiles import BackendProfile
 from cona.planner.search_choice import search_strategies
 from cona.planner.space import SpaceOptions
@@ -195,6 +197,7 @@ def online_assignment(
     seq: int,
     believed: tuple[Candidate, ...] | None = None,
     measure: Callable[[int, int], float] | None = None,
+    probes: tuple[ProbeOutcome, ...] = (),
 ) -> tuple[np.ndarray, tuple[dict, ...]]:
     """CONA's chain: :func:`decide` at a segment boundary on what is known there, starting at the first
     candidate, once ``settings.decision_interval`` iterations have run since the last decision (as a run
@@ -203,8 +206,9 @@ def online_assignment(
     throughputs (what the running strategy is measured at); ``believed`` the same strategies with the
     throughputs the policy is told for the frontier (default: the true ones), to test a model's error;
     ``measure(segment, index)`` what the running candidate is measured at (default: its throughput in
-    ``candidates``, exactly). Returns the assignment and the records of the switch and fallback
-    decisions."""
+    ``candidates``, exactly). A probe the policy asks for is answered by the run's recorded ``probes``
+    where one fits, else by the world (:mod:`cona.planner.probe_replay`); its losing branch's time is added
+    to the clock. Returns the assignment and the records of the probe, switch and fallback decisions."""
     believed = believed or candidates
     times = segment_times(profile, candidates, settings.base_gbs)
     tokens = raw_tokens(profile, candidates, settings.base_gbs)
@@ -229,6 +233,23 @@ def online_assignment(
             )
             frontier = next_frontier(running.strategy.gbs, measured, settings, by_gbs.get)
             decision = decide(state, measurement, frontier, settings)
+            if decision.action == "probe" and frontier is not None:
+                decisions.append(decision.record)
+                other = index_of[frontier.strategy]
+                outcome = recorded_outcome(
+                    probes, consumed_tokens=consumed, current_gbs=running.strategy.gbs,
+                    candidate_gbs=frontier.strategy.gbs,
+                ) or modelled_outcome(
+                    consumed_tokens=consumed, probe_tokens=settings.probe_tokens, current=running.strategy,
+                    candidate=frontier.strategy,
+                    rates=(running.predicted_tokens_per_s, candidates[other].predicted_tokens_per_s),
+                    segment_s=(float(times[k, current]), float(times[k, other])),
+                )  # fmt: skip
+                loser = outcome.current if outcome.winner == "candidate" else outcome.candidate
+                clock += loser.seconds
+                decision = decide(decision.state, replace(measurement, probe=outcome), frontier, settings)
+                if decision.target is None:  # a lost probe: its record holds the time the probe cost
+                    decisions.append(decision.record)
             state = decision.state
             if decision.target is not None:
                 decisions.append(decision.record)
@@ -334,6 +355,7 @@ def plan(
         policy=policy,
         switch_cost_s=switch_cost_s,
         seq=config.model.seq,
+        probes=trace.probes,
     )
 
 
@@ -345,17 +367,18 @@ def simulate(
     switch_cost_s: float,
     seq: int,
     believed: tuple[Candidate, ...] | None = None,
+    probes: tuple[ProbeOutcome, ...] = (),
 ) -> PlanResult:
-    """The comparison on given candidates (increasing gbs) and noise profile; ``believed`` as in
-    :func:`online_assignment`."""
+    """The comparison on given candidates (increasing gbs) and noise profile; ``believed`` and ``probes`` as
+    in :func:`online_assignment` (the online chain's time includes its probes' losing branches)."""
     base = policy.base_gbs
     times = segment_times(profile, candidates, base)
 
-    def chain(name: str, assignment: np.ndarray) -> ChainPlan:
+    def chain(name: str, assignment: np.ndarray, extra_s: float = 0.0) -> ChainPlan:
         return ChainPlan(
             name=name,
             assignment=assignment,
-            time_s=chain_time(times, assignment, switch_cost_s),
+            time_s=chain_time(times, assignment, switch_cost_s) + extra_s,
             stages=stages_of(assignment, profile, candidates, base_gbs=base, seq=seq),
         )
 
@@ -365,13 +388,13 @@ def simulate(
     )
     settings = replace(policy, predicted_switch_cost_s=switch_cost_s)
     online, decisions = online_assignment(
-        profile, candidates, settings, switch_cost_s=switch_cost_s, seq=seq, believed=believed
+        profile, candidates, settings, switch_cost_s=switch_cost_s, seq=seq, believed=believed, probes=probes
     )
     return PlanResult(
         candidates=candidates,
         static=static,
         optimum=chain("hindsight optimum", optimal_assignment(times, switch_cost_s)),
-        online=chain("CONA online", online),
+        online=chain("CONA online", online, probes_lost_s(decisions)),
         decisions=decisions,
         target_progress=float(profile.edges[-1]),
         switch_cost_s=switch_cost_s,
