@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from cona.planner.policy_probe import PROBE_SPACING
+from cona.planner.policy_types import Candidate
 from cona.planner.probe_rule import BranchRun, ProbeOutcome
 from cona.strategy import Strategy
 
@@ -39,7 +40,6 @@ def recorded_outcome(
 
 def modelled_outcome(
     *,
-    consumed_tokens: float,
     probe_tokens: int,
     current: Strategy,
     candidate: Strategy,
@@ -87,3 +87,36 @@ def probes_lost_s(decisions: tuple[dict[str, Any], ...]) -> float:
         for record in decisions
         if isinstance(record.get("probe"), dict)
     )
+
+
+def replayed_outcome(
+    recorded: tuple[ProbeOutcome, ...],
+    *,
+    consumed_tokens: float,
+    probe_tokens: int,
+    current: Candidate,
+    candidate: Candidate,
+    segment_s: tuple[float, float],
+) -> ProbeOutcome:
+    """The recorded outcome that fits (:func:`recorded_outcome`), else the world's (:func:`modelled_outcome`,
+    ``current`` and ``candidate`` at their true rates)."""
+    found = recorded_outcome(
+        recorded,
+        consumed_tokens=consumed_tokens,
+        current_gbs=current.strategy.gbs,
+        candidate_gbs=candidate.strategy.gbs,
+    )
+    if found is not None:
+        return found
+    return modelled_outcome(
+        probe_tokens=probe_tokens,
+        current=current.strategy,
+        candidate=candidate.strategy,
+        rates=(current.predicted_tokens_per_s, candidate.predicted_tokens_per_s),
+        segment_s=segment_s,
+    )
+
+
+def lost_s(outcome: ProbeOutcome) -> float:
+    """The losing branch's wall seconds: what the probe cost the run beyond the winner's training."""
+    return (outcome.current if outcome.winner == "candidate" else outcome.candidate).seconds
