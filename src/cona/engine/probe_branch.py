@@ -33,6 +33,7 @@ from cona.engine.spec import StageSpec
 from cona.engine.train_model import TrainingModel
 from cona.planner.probe_rule import BranchRun, ProbeOutcome, judge, probe_samples
 from cona.strategy import Strategy
+from cona.switch_request import SwitchRequest
 
 StepFn = Callable[[Strategy, LRSchedule, Any], torch.Tensor]
 """One training step at a strategy and LR schedule from the progress given, which it advances; returns the
@@ -41,7 +42,7 @@ step's loss as a device tensor."""
 
 @dataclass(frozen=True, kw_only=True)
 class ProbeRequest:
-    """What the runner asks a probe to compare (``switch_request.json`` with ``"action": "probe"``)."""
+    """What a probe compares (from a :class:`cona.switch_request.SwitchRequest` of action ``probe``)."""
 
     candidate: Strategy
     lr_schedule: LRSchedule
@@ -52,19 +53,20 @@ class ProbeRequest:
     """Probe-loss difference (nats) within which the branches count as equal."""
 
 
-def request_from(raw: dict[str, Any], spec: StageSpec) -> ProbeRequest:
-    """The probe a request file asks for, its candidate's LR schedule built as its stage's would be."""
+def request_from(asked: SwitchRequest, spec: StageSpec) -> ProbeRequest:
+    """The probe a request asks for, its candidate's LR schedule built as its stage's would be."""
+    assert asked.probe is not None and asked.strategy is not None  # a probe request has both
     schedule = lr_schedule(
         spec.config.training,
         planned_tokens=spec.planned_tokens,
-        lr_factor=float(raw["lr_factor"]),
-        min_lr_factor=float(raw["min_lr_factor"]),
+        lr_factor=asked.probe.lr_factor,
+        min_lr_factor=asked.probe.min_lr_factor,
     )
     return ProbeRequest(
-        candidate=Strategy(**raw["strategy"]),
+        candidate=asked.strategy,
         lr_schedule=schedule,
-        samples=int(raw["samples"]),
-        tolerance=float(raw["tolerance"]),
+        samples=asked.probe.samples,
+        tolerance=asked.probe.tolerance,
     )
 
 

@@ -12,7 +12,6 @@ the line lists each measured step (``gns_steps``) where it has more than one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from cona.engine.train_model import PendingStepOutput, TrainingModel
 from cona.metrics_record import MetricsRecord
 from cona.planner.efficiency import MIN_SAMPLES
 from cona.strategy import Strategy
+from cona.switch_request import SwitchRequest
 
 Batch = list[tuple[Tensor, Tensor]]
 RUNNER_GONE = "runner_gone"
@@ -193,8 +193,8 @@ class Boundary:
     """``save_interval_minutes`` passed since the last periodic save started."""
     pending_written: bool = False
     """The periodic save in flight is written: it can be published without waiting."""
-    probe: dict[str, Any] | None = None
-    """The paired probe the runner asks for (a request with ``"action": "probe"``), the same on every rank."""
+    probe: SwitchRequest | None = None
+    """The paired probe the runner asks for (a request with action ``probe``), the same on every rank."""
 
 
 def step_boundary(
@@ -208,13 +208,13 @@ def step_boundary(
     gone, or None; and rank 0's view of the periodic saves. Rank 0 reads the request file and its clock;
     one broadcast makes every rank agree on what it saw. The flags travel through a gloo group as a CPU
     tensor, so the check never waits for the GPU."""
-    code, by_time, written = 0, False, False
+    code, by_time, written, request = 0, False, False, None
     if dist.get_rank() == 0:
         if runner_watch is not None and runner_watch.runner_gone():
             code = 3
         elif request_path.exists():
-            request = _read_request(request_path)
-            code = 4 if request.get("action") == "probe" else 2 if request.get("in_place") is True else 1
+            request = SwitchRequest.read(request_path)  # unreadable: the safe way, through a checkpoint
+            code = 1 if request is None else 4 if request.action == "probe" else 2 if request.in_place else 1
         if periodic is not None:
             by_time, written = periodic.due_by_time(), periodic.pending_written()
     flags = torch.tensor([code, int(by_time), int(written)], dtype=torch.int32)
@@ -229,21 +229,13 @@ def step_boundary(
     return Boundary(switch=switch, save_due_by_time=bool(by_time), pending_written=bool(written), probe=probe)
 
 
-def _read_request(request_path: Path) -> dict[str, Any]:
-    try:
-        request = json.loads(request_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}  # unreadable: the safe way, a switch through a checkpoint
-    return request if isinstance(request, dict) else {}
-
-
-def _probe(ctx: StageContext, progress: Progress, raw: dict[str, Any]) -> str | None:
+def _probe(ctx: StageContext, progress: Progress, asked: SwitchRequest) -> str | None:
     """Run the paired probe the runner asked for at this boundary (:mod:`cona.engine.probe_branch`); returns
     ``switch_in_place`` when the candidate won (the stage ends where the probe began; the next stage, the
     candidate's, starts with the branch's samples trained), else None (the stage goes on from the current
     branch). The winner's steps join the step trace, the loser's do not: they are the same samples."""
     spec, rank0 = ctx.spec, dist.get_rank() == 0
-    request = probe_branch.request_from(raw, spec)
+    request = probe_branch.request_from(asked, spec)
     refused = probe_branch.refusal(spec, progress, request)
     if refused is not None:
         if rank0:

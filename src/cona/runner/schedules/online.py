@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,6 +63,7 @@ from cona.runner.state import (
 from cona.runner.views.online_report import print_summary, realized_chain
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
+from cona.switch_request import SwitchRequest
 
 __all__ = ["OnlineRun", "OnlineSchedule", "run_online"]
 
@@ -280,49 +280,49 @@ class OnlineSchedule:
             request_path.unlink(missing_ok=True)
             return state
         result = StageResult.read(run_files.stage_result_path(self.run.run_dir, stage.step_num))
-        if result.reason not in ("switch_requested", "switch_in_place") or not request_path.is_file():
-            if request_path.is_file():  # decided after the workers' last boundary check: they completed
-                request = json.loads(request_path.read_text())
+        request = SwitchRequest.read(request_path) if request_path.is_file() else None
+        if result.reason not in ("switch_requested", "switch_in_place") or request is None:
+            if request is not None:  # decided after the workers' last boundary check: they completed
                 request_path.unlink()  # first: a kill between the two then loses the note, not repeats it
                 self._note_unrealized(stage, request)
             return state
-        request = json.loads(request_path.read_text())
-        if request["action"] == "probe" and result.reason == "switch_in_place":
+        if request.action == "probe" and result.reason == "switch_in_place":
             request = won_probe_request(self.run.run_dir, stage.step_num, request)
-        if request["action"] in ("switch", "fallback"):
+        if request.action in ("switch", "fallback"):
             state = self._record_next(state, stage, request, result)
         request_path.unlink()
         return state
 
-    def _note_unrealized(self, stage: StageState, request: dict) -> None:
-        if request.get("action") not in ("switch", "fallback"):
+    def _note_unrealized(self, stage: StageState, request: SwitchRequest) -> None:
+        if request.action not in ("switch", "fallback"):
             return
         record = log_not_carried_out(self.run.run_dir, stage.step_num, request, stage.last_iteration)
         self.out(f"stage {stage.step_num}: {record['reason']}")
 
     def _record_next(
-        self, state: RunState, stage: StageState, request: dict, result: StageResult
+        self, state: RunState, stage: StageState, request: SwitchRequest, result: StageResult
     ) -> RunState:
+        assert request.strategy is not None and request.predicted_tokens_per_s is not None
         target = Candidate(
-            strategy=Strategy(**request["strategy"]),
-            predicted_tokens_per_s=request["predicted_tokens_per_s"],
-            throughput_source=request.get("throughput_source", "predicted"),
-            fitted_on=request.get("fitted_on", 0),
-            on_first_line=request.get("on_first_line", False),
-            trial=request.get("trial", False),
+            strategy=request.strategy,
+            predicted_tokens_per_s=request.predicted_tokens_per_s,
+            throughput_source=request.throughput_source,
+            fitted_on=request.fitted_on,
+            on_first_line=request.on_first_line,
+            trial=request.trial,
         )
-        in_place = request.get("in_place") is True and result.handed_over
-        self.records.add(target, action=request["action"], reason=request["reason"], in_place=in_place)
+        in_place = request.in_place and result.handed_over
+        self.records.add(target, action=request.action, reason=request.reason, in_place=in_place)
         state = dataclasses.replace(state, stages=(*state.stages, StageState(step_num=stage.step_num + 1)))
         save_state(self.run.run_dir, state)
         how = " in place" if in_place else ""
         self.out(
-            f"stage {stage.step_num} -> {stage.step_num + 1}: {request['action']}{how} to "
+            f"stage {stage.step_num} -> {stage.step_num + 1}: {request.action}{how} to "
             f"{target.strategy.short()} at iteration {stage.last_iteration}"
         )
         self.run_tracker.switch(
-            stage=stage.step_num + 1, iteration=stage.last_iteration or 0, action=request["action"],
-            strategy=target.strategy.short(), reason=request["reason"], in_place=in_place,
+            stage=stage.step_num + 1, iteration=stage.last_iteration or 0, action=request.action,
+            strategy=target.strategy.short(), reason=request.reason, in_place=in_place,
         )  # fmt: skip
         return state
 
@@ -360,21 +360,23 @@ class OnlineSchedule:
         self.out(f"realized chain: {realized} (cona train --chain replays it)")
 
 
-def won_probe_request(run_dir: Path, stage: int, request: dict) -> dict:
+def won_probe_request(run_dir: Path, stage: int, request: SwitchRequest) -> SwitchRequest:
     """The switch a probe's candidate won, as a switch request: the probe's target at the rate its branch
     measured, with the probe's reason (the stage's last line of ``probes.jsonl``)."""
     records = (line.value for line in read_lines(run_files.probes_path(run_dir)))
-    lines = [r for r in records if isinstance(r, dict) and r.get("stage") == stage]
-    outcome = ProbeOutcome.from_dict(lines[-1])
-    if outcome.winner != "candidate":
+    lines = [r for r in records if isinstance(r, dict) and r.get("stage") == stage and "skipped" not in r]
+    outcome = ProbeOutcome.from_dict(lines[-1]) if lines else None
+    if outcome is None or outcome.winner != "candidate":
         raise LaunchError(f"stage {stage} ended in place on a probe its candidate did not win")
-    return request | {
-        "action": "switch",
-        "predicted_tokens_per_s": outcome.tokens / outcome.candidate.steady_seconds,
-        "throughput_source": "probed",
-        "trial": False,
-        "reason": f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}",
-    }
+    return dataclasses.replace(
+        request,
+        action="switch",
+        predicted_tokens_per_s=outcome.tokens / outcome.candidate.steady_seconds,
+        throughput_source="probed",
+        trial=False,
+        probe=None,
+        reason=f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}",
+    )
 
 
 def _size(path: Path) -> int:

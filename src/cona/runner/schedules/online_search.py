@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from cona import run_files
-from cona.atomic_files import write_json_atomic
 from cona.jsonl import JsonlTail
 from cona.metrics_record import MetricsRecord, metrics_records, stage_rates, steady_rates
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
@@ -47,6 +46,7 @@ from cona.planner.probe_rule import ProbeOutcome
 from cona.runner.schedules.frontier import FrontierSearch
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
+from cona.switch_request import ProbeAsk, SwitchRequest
 
 DECISIONS_NAME = run_files.DECISIONS
 POLL_INTERVAL_S = 0.05
@@ -238,7 +238,7 @@ class StageSearch:
             self.target_reached = record.to_dict()
             self.stop_reason = f"eval perplexity {ppl:.2f} <= --target-ppl {target:g}"
             self.out(f"stage {self.stage}: {self.stop_reason} at iteration {record.iteration}; stopping")
-            write_json_atomic(self.switch_request_path, {"action": "stop", "reason": self.stop_reason})
+            SwitchRequest(action="stop", reason=self.stop_reason).write(self.switch_request_path)
 
     def _account_start(self, record: MetricsRecord) -> None:
         """The first interval of the stage dates its start-up: launch until the first step was done."""
@@ -290,29 +290,22 @@ class StageSearch:
         self._log(decision, evaluation_s=time.perf_counter() - started)
         if decision.action != "stay" and probe is None:  # after a probe the workers already acted
             self.decision = decision
-            request = {
-                "action": decision.action,
-                "in_place": bool(decision.record.get("in_place")),
-                **_target(decision),
-            }
-            if decision.action == "probe":
-                request.update(self._probe_request(decision, iteration))
-                self.probing = True
-            write_json_atomic(self.switch_request_path, request)  # a worker never reads half of it
+            ask = self._probe_ask(decision, iteration) if decision.action == "probe" else None
+            self.probing = ask is not None
+            switch_request(decision, ask).write(self.switch_request_path)
         return decision
 
-    def _probe_request(self, decision: Decision, iteration: int) -> dict[str, Any]:
+    def _probe_ask(self, decision: Decision, iteration: int) -> ProbeAsk:
         """What the workers need for a probe besides its target: the candidate's LR factors (its stage's,
         from the next boundary), the samples per branch and the tolerance."""
         assert decision.target is not None
         lr_factor, min_lr_factor = self.lr_factors(decision.target.strategy.gbs, iteration)
-        samples = -(-self.settings.probe_tokens // self.budget.seq)
-        return {
-            "lr_factor": lr_factor,
-            "min_lr_factor": min_lr_factor,
-            "samples": samples,
-            "tolerance": self.settings.probe_tolerance,
-        }
+        return ProbeAsk(
+            lr_factor=lr_factor,
+            min_lr_factor=min_lr_factor,
+            samples=-(-self.settings.probe_tokens // self.budget.seq),
+            tolerance=self.settings.probe_tolerance,
+        )
 
     def _current_rate(self) -> tuple[float | None, bool]:
         """The running strategy's rate and whether it was measured. Until the run has a steady line it is
@@ -421,18 +414,18 @@ class StageSearch:
 
 
 def log_not_carried_out(
-    run_dir: Path, stage: int, request: dict[str, Any], last_iteration: int | None
+    run_dir: Path, stage: int, request: SwitchRequest, last_iteration: int | None
 ) -> dict[str, Any]:
     """Append to ``decisions.jsonl`` that the stage's switch request came after its workers' last step
     boundary (they completed first), so it was not carried out; returns the record."""
-    target = Strategy(**request["strategy"]).short() if isinstance(request.get("strategy"), dict) else "?"
+    target = request.strategy.short() if request.strategy is not None else "?"
     record = {
         "stage": stage,
         "iteration": last_iteration,
         "decision": "not_carried_out",
-        "requested": request.get("action"),
-        "strategy": request.get("strategy"),
-        "reason": f"the {request.get('action')} to {target} was requested after the stage's last step "
+        "requested": request.action,
+        "strategy": strategy_dict(request.strategy) if request.strategy is not None else None,
+        "reason": f"the {request.action} to {target} was requested after the stage's last step "
         f"(iteration {last_iteration}): not carried out",
     }
     record["time"] = record["decided_at"] = time.time()  # no metrics line: when the runner found it
@@ -446,14 +439,19 @@ def _time_of(record: MetricsRecord) -> float:
     return time.time() if record.time is None else record.time
 
 
-def _target(decision: Decision) -> dict[str, Any]:
-    assert decision.target is not None, "a switch or fall-back always names its target"
-    return {
-        "strategy": strategy_dict(decision.target.strategy),
-        "predicted_tokens_per_s": decision.target.predicted_tokens_per_s,
-        "throughput_source": decision.target.throughput_source,
-        "fitted_on": decision.target.fitted_on,
-        "on_first_line": decision.target.on_first_line,
-        "trial": decision.target.trial,
-        "reason": decision.reason,
-    }
+def switch_request(decision: Decision, probe: ProbeAsk | None = None) -> SwitchRequest:
+    """The request a switch, fall-back or probe decision writes for the workers."""
+    target = decision.target
+    assert target is not None, "a switch, fall-back or probe always names its target"
+    return SwitchRequest(
+        action=decision.action,
+        reason=decision.reason,
+        in_place=bool(decision.record.get("in_place")),
+        strategy=target.strategy,
+        predicted_tokens_per_s=target.predicted_tokens_per_s,
+        throughput_source=target.throughput_source,
+        fitted_on=target.fitted_on,
+        on_first_line=target.on_first_line,
+        trial=target.trial,
+        probe=probe,
+    )
