@@ -167,17 +167,7 @@ class TrainingConfig:
     fallback_ema_alpha: float = 0.1
     """Weight of a new noise-scale measurement in the fallback EMA, in (0, 1]."""
     fallback_patience: int = 3
-    """Consecutive evaluations of a dropping noise scale before falling back (an in-place trial: one)."""
-    trial_prediction_error: float = 0.15
-    """How far above its fitted prediction an untried layout-keeping gbs's throughput may turn out before
-    online mode tries it in place for a few steps (a trial); 0 makes such trials only where the fitted
-    prediction itself pays."""
-    measure_before_commit: bool = True
-    """Make every in-place switch to a gbs whose throughput is only predicted a trial: measured for a line,
-    then kept only where it pays at the measured rate (on: eager on the H200 it reached the target 4-8%
-    sooner than off, in three calls of three; docs/benchmarks.md). Off: a switch that pays on the prediction
-    is kept without being judged again (``fallback`` off), even where the measured rate would not have
-    paid."""
+    """Consecutive evaluations of a dropping noise scale before falling back."""
     probe: bool = True
     """Online mode decides a switch that keeps the layout by a paired probe: the next ``probe_tokens`` trained
     from one state at the current gbs and again at the candidate's (its LR by ``lr_scale_strategy``), each
@@ -199,11 +189,6 @@ class TrainingConfig:
     McCandlish's ``B_simple``, which need not be the critical batch (Adam's is larger than SGD's): eight eager
     GPT-125M online runs were credited most nearly alike at equal perplexity with 4-8, whole fixed runs
     with 1 (docs/benchmarks.md, twenty-third session). 1: the measurement as it is."""
-    noise_scale_agreement: bool = False
-    """Decide on both noise-scale estimates: switch to a larger gbs only where the windowed estimate and its
-    EMA both say it pays, fall back (or leave a trial) only where both say it does not. Off: switches follow
-    the windowed estimate, fall-backs the EMA, so one high windowed reading can move a run up early and a
-    lagging EMA can end a trial that the windowed estimate backs."""
     lr_decay_tokens: int | None = None
     """Tokens of the cosine decay; the planned tokens of the run when omitted."""
     lr_warmup_frac: float = 0.01

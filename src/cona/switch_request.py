@@ -52,7 +52,6 @@ class SwitchRequest:
     """``predicted``, ``measured`` (the run trained it) or ``probed`` (a probe's branch measured it)."""
     fitted_on: int = 0
     on_first_line: bool = False
-    trial: bool = False
     probe: ProbeAsk | None = None
     """Set for ``probe``."""
 

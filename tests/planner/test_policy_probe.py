@@ -41,14 +41,9 @@ def test_a_layout_keeping_candidate_is_probed_even_where_the_noise_scale_says_it
     assert decision.record["prior_progress_ratio"] < 1.0
     assert decision.record["probe_request"] == {"tokens": 8192, "tolerance": 0.01}
     assert decision.state.probing == CANDIDATE
-    # Without probes the noise-scale model decides: it would not switch, only try the candidate in place,
-    # and the decision says so first.
+    # Without probes the noise-scale model decides alone, and says the candidate does not pay.
     plain = decide(fresh_state(), measure(1.0), CANDIDATE, dataclasses.replace(PROBING, probe=False))
-    assert plain.action == "switch" and plain.target.trial
-    assert (
-        plain.reason.startswith("trial in place: ")
-        and "on its prediction alone it would not pay" in plain.reason
-    )
+    assert plain.action == "stay" and "would save" in plain.reason
 
 
 def test_a_probe_is_not_made_where_even_equal_token_value_would_not_pay_for_it():

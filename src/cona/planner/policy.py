@@ -17,13 +17,16 @@ A switch is never made on an unknown noise scale (the tracker's ``|G|^2`` averag
 ``min_measurements`` measurements): with no noise information the efficiency of a larger batch is unknowable,
 and AdaptDL's habit of reading that as an infinite noise scale jumps to the largest batch exactly when the
 estimate is worst. Before the run has measured any throughput (its first line holds the start-up), the
-current strategy's rate is the estimator's prediction (``Measurement.rate_measured`` False), and a switch is
-then made only as an in-place trial, which is measured and judged before the run stays on it.
+current strategy's rate is the estimator's prediction (``Measurement.rate_measured`` False), and no switch is
+made on it; a probe, which measures both rates itself, may be.
+
+A candidate that keeps the layout, where the run switches in place and ``probe`` is on, is decided by a
+paired probe instead (:mod:`cona.planner.policy_probe`): the rule above is then its prior, logged beside it.
 
 With ``fallback`` on, an exponential moving average of the noise scale is compared with the noise scale at
 which the previous (smaller) gbs and the current one make equal progress per second (both measured). When the
-average stays below that break-even point for ``fallback_patience`` consecutive evaluations (one for a trial:
-see :func:`_patience`), the policy falls back to the previous strategy.
+average stays below that break-even point for ``fallback_patience`` consecutive evaluations, the policy falls
+back to the previous strategy.
 
 Everything here is a pure function over frozen dataclasses: the runner's search thread and the offline
 simulator (:mod:`cona.planner.plan`) call the same code.
@@ -38,7 +41,6 @@ from typing import Any
 
 from cona.planner.efficiency import NoiseScaleEstimate, statistical_efficiency
 from cona.planner.policy_probe import after_lost_probe, outcome_record, probe_plan, probe_target
-from cona.planner.policy_trial import prediction_miss, trial_candidate, warming_up
 from cona.planner.policy_types import (  # the policy's data, re-exported: callers import it from here
     DEFAULT_HYSTERESIS,
     Action,
@@ -54,7 +56,7 @@ from cona.strategy import Strategy
 __all__ = [
     "DEFAULT_HYSTERESIS", "Action", "Candidate", "Decision", "FinishedStage", "Measurement", "PolicySettings",
     "PolicyState", "after_switch", "break_even_noise_scale", "decide", "initial_state", "next_frontier",
-    "next_gbs", "prediction_miss", "progress_per_second", "refresh_predicted_rates", "strategy_dict",
+    "next_gbs", "progress_per_second", "refresh_predicted_rates", "strategy_dict",
     "switch_cost_s", "switches_in_place",
 ]  # fmt: skip
 
@@ -116,15 +118,12 @@ def after_switch(
     the measured costs (of in-place switches apart) replaces the predicted one in later decisions.
     ``old_rate_measured``: False when the stage left had no steady line (its rate is the estimator's).
     """
-    miss = prediction_miss(state.current, old_measured_tokens_per_s) if old_rate_measured else 0.0
-    state = dataclasses.replace(state, largest_prediction_miss=max(state.largest_prediction_miss, miss))
     if new.strategy.gbs < state.current.strategy.gbs:
         earlier = state.earlier[:-1] if state.earlier else ()
     else:
         finished = FinishedStage(
             strategy=state.current.strategy,
             measured_tokens_per_s=old_measured_tokens_per_s,
-            trial=state.current.trial,
             rate_measured=old_rate_measured,
         )
         earlier = (*state.earlier, finished)
@@ -199,26 +198,17 @@ def decide(
     record["remaining_s"] = remaining_s
     state = _with_ema(state, noise, settings)
     record["noise_scale_ema"] = state.noise_ema
-    if warming_up(state.current, measurement, settings):
-        why = (
-            f"trial measured at {measured / state.current.predicted_tokens_per_s:.2f} of its prediction on "
-            "its first measured line: measured once more before it is judged (a new shape's warm-up)"
-        )
-        return _decision("stay", None, why, record, state)
     if measurement.remaining_tokens <= ENDING_INTERVALS * measurement.interval_tokens:
         # The workers would reach the end before (or just after) the handover: a switch decided now would
         # not happen, or not run long enough to be measured.
         left = measurement.remaining_tokens
         why = f"training ends within {ENDING_INTERVALS} evaluations ({left:,.0f} tokens left): no switch"
         return _decision("stay", None, why, record, state)
-    state, fallback = _fallback_check(state, measured, noise, settings, record)
+    state, fallback = _fallback_check(state, measured, settings, record)
     if fallback is not None:
         return fallback
     if candidate is None:
         return _decision("stay", None, f"no frontier beyond gbs {current.gbs} can win", record, state)
-    if settings.noise_scale_agreement and state.noise_ema < noise:
-        noise = record["noise_scale_for_switch"] = state.noise_ema
-        current_progress = progress_per_second(measured, current.gbs, noise, settings.base_gbs)
     if settings.probe and switches_in_place(current, candidate.strategy, settings):
         return _probe_or_stay(
             state, measurement, candidate, current_progress, remaining_s, noise, settings, record
@@ -315,20 +305,13 @@ def _compare(
     pays = saved_s > cost_s * (1.0 + settings.hysteresis) and candidate_progress > current_progress
     if pays and record["current"]["rate_measured"]:
         why = f"{ratio}; saves {saved_s:.1f} s over the remaining {remaining_s:.1f} s, more than {margin}"
-        if settings.measure_before_commit and in_place and candidate.throughput_source == "predicted":
-            record["trial"] = (
-                "trial in place: its rate is only predicted; left again if its measured rate does not pay"
-            )
-            candidate = dataclasses.replace(candidate, trial=True)
-            why = f"{why}; {record['trial']}"
         return _decision("switch", candidate, why, record, state)
+    if pays:
+        why = f"{ratio}, but the current rate is only predicted: a switch waits for its first measured line"
+        return _decision("stay", None, why, record, state)
     why = (
         f"{ratio}; would save {saved_s:.1f} s over the remaining {remaining_s:.1f} s, not more than {margin}"
     )
-    trial = trial_candidate(state, candidate, current_progress, remaining_s, noise, settings, record)
-    if trial is not None:  # the trial first: on the prediction alone the candidate loses
-        why = f"{record['trial']} (on its prediction alone it would not pay: {why})"
-        return _decision("switch", trial, why, record, state)
     return _decision("stay", None, why, record, state)
 
 
@@ -384,54 +367,38 @@ def _with_ema(state: PolicyState, noise: float, settings: PolicySettings) -> Pol
 def _fallback_check(
     state: PolicyState,
     measured_tokens_per_s: float,
-    noise: float,
     settings: PolicySettings,
     record: dict[str, Any],
 ) -> tuple[PolicyState, Decision | None]:
-    """Count evaluations with the EMA (with ``noise_scale_agreement``, the higher of it and the windowed
-    ``noise``) below the break-even point; a fallback decision after ``patience``."""
-    if not (settings.fallback or state.current.trial) or not state.earlier or state.noise_ema is None:
+    """Count evaluations with the EMA below the break-even point; a fallback decision after
+    ``fallback_patience``."""
+    if not settings.fallback or not state.earlier or state.noise_ema is None:
         return state, None
     previous = state.earlier[-1]
     break_even = break_even_noise_scale(previous, state.current.strategy.gbs, measured_tokens_per_s)
-    judged = max(noise, state.noise_ema) if settings.noise_scale_agreement else state.noise_ema
+    judged = state.noise_ema
     below = state.below_break_even + 1 if judged * (1.0 + settings.hysteresis) < break_even else 0
     # None stands for "never breaks even" (JSON has no infinity); the smaller batch's rate may be predicted.
     record.update(fallback_break_even_noise_scale=break_even if math.isfinite(break_even) else None)
     record.update(below_break_even=below, fallback_previous_rate_measured=previous.rate_measured)
-    if below < _patience(state, settings):
+    if below < settings.fallback_patience:
         return dataclasses.replace(state, below_break_even=below), None
-    label = "noise scale (the higher estimate)" if settings.noise_scale_agreement else "smoothed noise scale"
     why = (
-        f"{label} {judged:.4g} below the break-even {break_even:.4g} of gbs "
+        f"smoothed noise scale {judged:.4g} below the break-even {break_even:.4g} of gbs "
         f"{previous.strategy.gbs} vs {state.current.strategy.gbs} for {below} evaluations"
     )
     record["fallback_candidate"] = {
         "strategy": strategy_dict(previous.strategy),
         "measured_tokens_per_s": previous.measured_tokens_per_s,
     }
-    # A trial left for a larger trial before it was judged is judged again once the run is back on it.
     target = Candidate(
         strategy=previous.strategy,
         predicted_tokens_per_s=previous.measured_tokens_per_s,
         throughput_source="measured" if previous.rate_measured else "predicted",
-        trial=previous.trial,
     )
     record["in_place"] = switches_in_place(state.current.strategy, previous.strategy, settings)
-    # A fallback is the setting's; without it only a trial is left, and that is a switch back.
-    action: Action = "fallback" if settings.fallback else "switch"
-    if action == "switch":
-        gbs = state.current.strategy.gbs
-        why = f"leaving the in-place trial of gbs {gbs}, its measured rate does not pay: {why}"
-    decision = _decision(action, target, why, record, dataclasses.replace(state, below_break_even=0))
+    decision = _decision("fallback", target, why, record, dataclasses.replace(state, below_break_even=0))
     return state, decision
-
-
-def _patience(state: PolicyState, settings: PolicySettings) -> int:
-    """Evaluations below the break-even point before a fallback. A trial is judged at its first measured
-    rate: the model had already said it loses, and what it was tried for, its throughput, is then measured;
-    waiting longer trains on at the batch that does not pay (on the H200, 2 more lines of gbs 64, ~2 s)."""
-    return 1 if state.current.trial else settings.fallback_patience
 
 
 def _record_base(state: PolicyState, measurement: Measurement, settings: PolicySettings) -> dict[str, Any]:

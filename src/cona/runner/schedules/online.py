@@ -309,7 +309,6 @@ class OnlineSchedule:
             throughput_source=request.throughput_source,
             fitted_on=request.fitted_on,
             on_first_line=request.on_first_line,
-            trial=request.trial,
         )
         in_place = request.in_place and result.handed_over
         self.records.add(target, action=request.action, reason=request.reason, in_place=in_place)
@@ -373,7 +372,6 @@ def won_probe_request(run_dir: Path, stage: int, request: SwitchRequest) -> Swit
         action="switch",
         predicted_tokens_per_s=outcome.tokens / outcome.candidate.steady_seconds,
         throughput_source="probed",
-        trial=False,
         probe=None,
         reason=f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}",
     )

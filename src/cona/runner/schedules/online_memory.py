@@ -3,8 +3,8 @@
 Between stages of one runner process the search hands its outcome to the next stage's search; after a kill,
 the same memory is rebuilt from the run directory: the noise-scale tracker from ``metrics.jsonl``, the
 measured switch costs from the run state (in-place switches apart from those through a checkpoint, as the
-policy keeps them), the earlier stages' measured throughputs (the fallback targets), the largest miss of
-their fitted predictions (the trial rule's margin) and the probes the candidates lost (``probes.jsonl``).
+policy keeps them), the earlier stages' measured throughputs (the fallback targets) and the probes the
+candidates lost (``probes.jsonl``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cona.engine.checkpoint_info import read_checkpoint_info
 from cona.errors import CheckpointError
 from cona.jsonl import read_lines
 from cona.planner.efficiency import NoiseScaleTracker
-from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state, prediction_miss
+from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state
 from cona.planner.policy_probe import after_lost_probe
 from cona.planner.probe_rule import ProbeOutcome
 from cona.runner.noise_history import noise_tracker
@@ -51,10 +51,7 @@ def resumed_memory(
     earlier = len(state.stages) - 1
     if earlier:
         rates = stage_rows(run.run_dir, state, records.entries)[:earlier]
-        miss = max(prediction_miss(records.candidate(row["stage"]), row["tokens_per_s"]) for row in rates)
-        policy_state = dataclasses.replace(
-            policy_state, earlier=_earlier_stages(rates, records), largest_prediction_miss=miss
-        )
+        policy_state = dataclasses.replace(policy_state, earlier=_earlier_stages(rates, records))
     policy_state = lost_probes(run.run_dir, policy_state, seq=run.config.model.seq)
     # Probes need the native engine's workers: another backend switches on the noise-scale model alone.
     probe = training.probe and run.backend == "native"
@@ -89,7 +86,6 @@ def _earlier_stages(rates: list[dict], records: StageRecords) -> tuple[FinishedS
         finished = FinishedStage(  # a stage without a steady line: the rate it was chosen on, as in-process
             strategy=left,
             measured_tokens_per_s=row["tokens_per_s"] or candidate.predicted_tokens_per_s,
-            trial=candidate.trial,
             rate_measured=row["tokens_per_s"] is not None,
         )
         earlier = (*earlier, finished)

@@ -275,7 +275,6 @@ class StageSearch:
             noise_measurements=len(self.tracker.measurements),
             measured_tokens_per_s=measured,
             rate_measured=rate_measured,
-            measured_intervals=len(self.steady_rates()),
             remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
             interval_tokens=float(last.steps_in_interval or 1) * current.gbs * self.budget.seq,
             probe=probe,
@@ -309,9 +308,8 @@ class StageSearch:
 
     def _current_rate(self) -> tuple[float | None, bool]:
         """The running strategy's rate and whether it was measured. Until the run has a steady line it is
-        the estimator's (:meth:`FrontierSearch.add_first_line`): the first decision, a trial only, comes at
-        the first line, not 0.65 s later at the second (H200, eager GPT-125M at gbs 8; fixed gbs 16 reaches
-        the ladder's easiest levels 4.4-7.4 s after its first step: issue 16)."""
+        the estimator's (:meth:`FrontierSearch.add_first_line`): the first decision, a probe only, comes at
+        the first line, not one line later, when the easiest targets of a short run may already be near."""
         measured = self.measured_tokens_per_s()
         if measured is not None:
             return measured, True
@@ -452,6 +450,5 @@ def switch_request(decision: Decision, probe: ProbeAsk | None = None) -> SwitchR
         throughput_source=target.throughput_source,
         fitted_on=target.fitted_on,
         on_first_line=target.on_first_line,
-        trial=target.trial,
         probe=probe,
     )
