@@ -13,7 +13,7 @@ schedule, evaluation set and evaluation spacing (``ttt_plan``):
   planner's best strategy for its gbs;
 * **online-NAME** (``--online-variant NAME training.KEY=VALUE ...``): online with config keys set (``cona
   train --set``), to compare a policy setting with the defaults in one call, e.g. ``--online-variant
-  windowed training.fallback_ema_alpha=1`` (a trial judged on the windowed noise scale, not its EMA);
+  noprobe training.probe=false`` (switches on the noise-scale model alone, as layout changes are);
 * **fixed-gbsG-NAME** (``--fixed-variant NAME G training.KEY=VALUE ...``): a fixed run at G with config keys
   set, e.g. ``--fixed-variant lr32 16 training.base_lr=...`` (gbs 16 at another LR). It is a fixed run: it
   competes for the best fixed one.
