@@ -135,3 +135,22 @@ def test_the_run_continues_from_the_winner_and_trains_each_sample_once(
     assert by_tag["current"] == by_tag["candidate"] == list(range(8, 16))
     history = [i for tag, i in probed.trained if tag in ("main", winner)]
     assert Counter(history) == Counter(range(max(history) + 1))
+
+
+def test_after_a_lost_probe_the_workers_remove_its_request_but_never_a_stop_written_since(tmp_path) -> None:
+    from tests.engine.test_trainer import make_spec
+
+    from cona.switch_request import ProbeAsk, SwitchRequest
+
+    spec = make_spec(tmp_path)
+    spec.run_dir.mkdir(parents=True)
+    ask = ProbeAsk(lr_factor=1.0, min_lr_factor=1.0, samples=8, tolerance=0.01)
+    SwitchRequest(action="probe", reason="r", in_place=True, strategy=CANDIDATE, probe=ask).write(
+        spec.switch_request_path
+    )
+    probe_branch.write_outcome(spec, {"stage": 1, "winner": "current"}, request_done=True)
+    assert not spec.switch_request_path.exists()
+    SwitchRequest(action="stop", reason="target").write(spec.switch_request_path)
+    probe_branch.write_outcome(spec, {"stage": 1, "winner": "current"}, request_done=True)
+    assert SwitchRequest.read(spec.switch_request_path).action == "stop"
+    assert len((spec.run_dir / "probes.jsonl").read_text().splitlines()) == 2

@@ -88,8 +88,10 @@ def refusal(spec: StageSpec, progress: Any, request: ProbeRequest) -> str | None
 
 def write_outcome(spec: StageSpec, record: dict[str, Any], *, request_done: bool) -> None:
     """Rank 0: append the probe's record to ``probes.jsonl``; where the run goes on in this stage, remove
-    the request first (the runner then decides again once it reads the record)."""
-    if request_done:
+    the probe's request first (the runner then decides again once it reads the record), never a request
+    written since (a stop at the run's target)."""
+    request = SwitchRequest.read(spec.switch_request_path) if request_done else None
+    if request is not None and request.action == "probe":
         spec.switch_request_path.unlink(missing_ok=True)
     with open(run_files.probes_path(spec.run_dir), "a") as handle:
         handle.write(json.dumps(record) + "\n")

@@ -281,13 +281,16 @@ class OnlineSchedule:
             return state
         result = StageResult.read(run_files.stage_result_path(self.run.run_dir, stage.step_num))
         request = SwitchRequest.read(request_path) if request_path.is_file() else None
+        if result.reason == "switch_in_place":  # a won probe ended the stage, whatever the file says now
+            won = won_probe_switch(
+                self.run.run_dir, stage.step_num, result.last_iteration, self.strategy(stage.step_num)
+            )
+            request = won or request
         if result.reason not in ("switch_requested", "switch_in_place") or request is None:
             if request is not None:  # decided after the workers' last boundary check: they completed
                 request_path.unlink()  # first: a kill between the two then loses the note, not repeats it
                 self._note_unrealized(stage, request)
             return state
-        if request.action == "probe" and result.reason == "switch_in_place":
-            request = won_probe_request(self.run.run_dir, stage.step_num, request)
         if request.action in ("switch", "fallback"):
             state = self._record_next(state, stage, request, result)
         request_path.unlink()
@@ -359,21 +362,23 @@ class OnlineSchedule:
         self.out(f"realized chain: {realized} (cona train --chain replays it)")
 
 
-def won_probe_request(run_dir: Path, stage: int, request: SwitchRequest) -> SwitchRequest:
-    """The switch a probe's candidate won, as a switch request: the probe's target at the rate its branch
-    measured, with the probe's reason (the stage's last line of ``probes.jsonl``)."""
+def won_probe_switch(run_dir: Path, stage: int, ended_at: int, current: Strategy) -> SwitchRequest | None:
+    """The switch a probe's candidate won where the stage ended on one (its last line of ``probes.jsonl``
+    is a candidate's win that began where the stage ended), else None: the candidate's strategy at the
+    rate its branch measured, with the probe's reason. A stop asked for during the probe does not undo it:
+    the workers went on from the candidate's branch."""
     records = (line.value for line in read_lines(run_files.probes_path(run_dir)))
     lines = [r for r in records if isinstance(r, dict) and r.get("stage") == stage and "skipped" not in r]
     outcome = ProbeOutcome.from_dict(lines[-1]) if lines else None
-    if outcome is None or outcome.winner != "candidate":
-        raise LaunchError(f"stage {stage} ended in place on a probe its candidate did not win")
-    return dataclasses.replace(
-        request,
+    if outcome is None or outcome.winner != "candidate" or outcome.iteration != ended_at:
+        return None
+    return SwitchRequest(
         action="switch",
+        reason=f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}",
+        in_place=True,
+        strategy=dataclasses.replace(current, gbs=outcome.candidate.gbs, mbs=outcome.candidate.mbs),
         predicted_tokens_per_s=outcome.tokens / outcome.candidate.steady_seconds,
         throughput_source="probed",
-        probe=None,
-        reason=f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}",
     )
 
 
