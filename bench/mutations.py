@@ -241,15 +241,6 @@ MUTATIONS = (
         tests=("tests/planner/test_efficiency.py",),
     ),
     Mutation(
-        name="trial_charged_one_switch",
-        why="an in-place trial is charged one switch, not the switch there and back",
-        path="src/cona/planner/policy_trial.py",
-        function="trial_candidate",
-        old='2 * record["switch_cost_s"]',
-        new='record["switch_cost_s"]',
-        tests=("tests/planner/test_policy_in_place.py",),
-    ),
-    Mutation(
         name="mds_gbs_from_strategy",
         why="Megatron-DeepSpeed log parsing takes the gbs from the strategy, not from Megatron's line",
         path="src/cona/backends/megatron_deepspeed/log_parse.py",

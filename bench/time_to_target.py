@@ -17,7 +17,8 @@ and evaluation spacing (:mod:`ttt.plan`), once per seed of ``--seeds`` (``traini
   train --chain --switch-in-place``), in the layout the planner picks for G0: a batch-size ramp at token
   milestones in a fixed layout, as Megatron-LM's and OLMo-core's batch-size schedules run one;
 * **online-NAME** (``--online-variant NAME training.KEY=VALUE ...``): online with config keys set (``cona
-  train --set``), to compare a policy setting with the defaults in one call;
+  train --set``), to compare a policy setting with the defaults in one call, e.g. ``--online-variant
+  noprobe training.probe=false`` (switches on the noise-scale model alone, as layout changes are);
 * **fixed-gbsG-NAME** (``--fixed-variant NAME G training.KEY=VALUE ...``): a fixed run at G with config keys
   set (e.g. another LR). It is a fixed run: it competes for the best fixed one.
 

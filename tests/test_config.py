@@ -85,7 +85,8 @@ def test_relative_paths_are_relative_to_the_file(tmp_path):
         (MODEL, {"save_interval": 0}, "training.save_interval: must be positive (or null"),
         (MODEL, {"save_interval_minutes": -5}, "training.save_interval_minutes: must be positive (or null"),
         (MODEL, {"keep_checkpoints": 0}, "training.keep_checkpoints: must be positive"),
-        (MODEL, {"trial_prediction_error": -0.1}, "training.trial_prediction_error: must be non-negative"),
+        (MODEL, {"probe_tolerance": -0.1}, "training.probe_tolerance: must be non-negative"),
+        (MODEL, {"probe_tokens": 0}, "training.probe_tokens: must be positive"),
         (MODEL, {"noise_scale_factor": 0.0}, "training.noise_scale_factor: must be positive"),
     ],
 )
@@ -184,4 +185,4 @@ def test_a_run_is_identified_by_the_keys_that_differ_from_their_defaults(tmp_pat
     assert set(plain.identity_dict()["training"]) == {"base_gbs", "log_root"}
     assert set(changed.identity_dict()["training"]) == {"base_gbs", "log_root", "fallback"}
     assert MODEL.items() <= plain.identity_dict()["model"].items()
-    assert "noise_scale_agreement" in plain.to_dict()["training"]
+    assert "probe_tokens" in plain.to_dict()["training"]

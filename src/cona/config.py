@@ -167,26 +167,27 @@ class TrainingConfig:
     fallback_ema_alpha: float = 0.1
     """Weight of a new noise-scale measurement in the fallback EMA, in (0, 1]."""
     fallback_patience: int = 3
-    """Consecutive evaluations of a dropping noise scale before falling back (an in-place trial: one)."""
-    trial_prediction_error: float = 0.15
-    """How far above its fitted prediction an untried layout-keeping gbs's throughput may turn out before
-    online mode tries it in place for a few steps (a trial); 0 makes such trials only where the fitted
-    prediction itself pays."""
-    measure_before_commit: bool = True
-    """Make every in-place switch to a gbs whose throughput is only predicted a trial: measured for a line,
-    then kept only where it pays at the measured rate (a prediction can be optimistic, and a switch kept on
-    it trains on at a batch that does not pay). Off: a switch that pays on the prediction is kept without
-    being judged again (``fallback`` off), even where the measured rate would not have paid."""
+    """Consecutive evaluations of a dropping noise scale before falling back."""
+    probe: bool = True
+    """Online mode decides a switch that keeps the layout by a paired probe: the next ``probe_tokens`` trained
+    from one state at the current gbs and again at the candidate's (its LR by ``lr_scale_strategy``), each
+    evaluated on the fixed evaluation set; the run continues from the branch that lowers the loss more per
+    second. Off: such switches are decided by the noise-scale model alone, as layout changes always are."""
+    probe_tokens: int = 131072
+    """Tokens each branch of a probe trains (rounded up to whole steps of both batches). A probe costs the
+    losing branch's time, about this many tokens at the current rate; with a probe repeated each time the
+    run's tokens double, a candidate's probes cost at most twice its last one. Long enough that the
+    branches' loss difference stands above the noise floor (the difference of two equal branches, which
+    ``bench/probe_noise.py`` measures), short next to the run."""
+    probe_tolerance: float = 0.01
+    """Probe-loss difference (nats) within which two branches count as equal, so the faster wins: the
+    critical-batch criterion of Merrill et al. 2025 (a larger batch is within its critical batch while its
+    loss stays within 0.01 of the smaller batch's on the same tokens). Keep it above the noise floor."""
     noise_scale_factor: float = 1.0
     """Multiplies the measured noise scale wherever the efficiency ``(phi + base_gbs) / (phi + gbs)`` values
     a batch (online decisions, ``cona plan``): above 1 credits larger batches more. The engine measures
     McCandlish's ``B_simple``, which need not be the critical batch (Adam's is larger than SGD's). 1: the
     measurement as it is."""
-    noise_scale_agreement: bool = False
-    """Decide on both noise-scale estimates: switch to a larger gbs only where the windowed estimate and its
-    EMA both say it pays, fall back (or leave a trial) only where both say it does not. Off: switches follow
-    the windowed estimate, fall-backs the EMA, so one high windowed reading can move a run up early and a
-    lagging EMA can end a trial that the windowed estimate backs."""
     lr_decay_tokens: int | None = None
     """Tokens of the cosine decay; the planned tokens of the run when omitted."""
     lr_warmup_frac: float = 0.01

@@ -73,6 +73,7 @@ def _check_training(model: Any, training: Any, where: str) -> None:
         "eval_iters",
         "distributed_timeout_minutes",
         "fallback_patience",
+        "probe_tokens",
         "pipeline_virtual_stages",
         "max_skipped_steps",
         "keep_checkpoints",
@@ -135,8 +136,8 @@ def _check_lr(training: Any, where: str) -> None:
         fail("training.lr_scale_pivot_gbs", "must be positive")
     if not 0.0 < training.fallback_ema_alpha <= 1.0:
         fail("training.fallback_ema_alpha", "must be in (0, 1]")
-    if training.trial_prediction_error < 0:
-        fail("training.trial_prediction_error", "must be non-negative")
+    if not training.probe_tolerance >= 0:
+        fail("training.probe_tolerance", "must be non-negative (nats)")
     if not training.noise_scale_factor > 0:
         fail("training.noise_scale_factor", "must be positive")
     if not 0.0 <= training.lr_warmup_frac < 1.0:

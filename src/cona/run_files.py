@@ -31,6 +31,8 @@ LATEST = "latest"
 """Under ``log_root``: the newest run directory (a symlink, or a file naming it)."""
 METRICS = "metrics.jsonl"
 DECISIONS = "decisions.jsonl"
+PROBES = "probes.jsonl"
+"""One line per paired probe the workers ran (:mod:`cona.engine.probe_branch`): both branches' numbers."""
 SWITCH_REQUEST = "switch_request.json"
 RUNNER_STATE = "runner_state.json"
 ONLINE_STAGES = "online_stages.json"
@@ -68,6 +70,7 @@ FRESH_FILES = (
     METRICS,
     SWITCH_REQUEST,
     DECISIONS,
+    PROBES,
     ONLINE_STAGES,
     REALIZED_CHAIN,
     WANDB_RUN_ID,
@@ -103,6 +106,10 @@ def metrics_path(run_dir: Path) -> Path:
 
 def decisions_path(run_dir: Path) -> Path:
     return Path(run_dir) / DECISIONS
+
+
+def probes_path(run_dir: Path) -> Path:
+    return Path(run_dir) / PROBES
 
 
 def switch_request_path(run_dir: Path) -> Path:

@@ -13,7 +13,7 @@ from cona.runner.schedules.chain import load_chain
 
 CONFIG = {
     "model": {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab_size": 256},
-    "training": {"base_gbs": 4, "dtype": "fp32"},
+    "training": {"base_gbs": 4, "dtype": "fp32", "probe_tokens": 1024},  # probes short next to the trace
 }
 STAGES = ({"dp": 4, "tp": 1, "pp": 1, "mbs": 1, "gbs": 4}, {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 8})
 SWITCH_GAP_S = 5.0

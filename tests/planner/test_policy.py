@@ -1,5 +1,6 @@
 """The switching policy on synthetic metrics: noise-scale measurements built to give a chosen noise scale
-(:mod:`tests.planner.policy_cases`). In-place switches and trials: test_policy_in_place.py."""
+(:mod:`tests.planner.policy_cases`). In-place switches: test_policy_in_place.py; probes:
+test_policy_probe.py."""
 
 import dataclasses
 import json
@@ -208,12 +209,11 @@ def test_the_noise_scale_factor_decides_as_the_scaled_noise_scale_would():
 
 def test_settings_from_training_and_refused_values():
     training = TrainingConfig(
-        base_gbs=8, fallback=True, fallback_patience=5, trial_prediction_error=0.05,
-        measure_before_commit=True,
+        base_gbs=8, fallback=True, fallback_patience=5, probe=True, probe_tokens=4096, probe_tolerance=0.02
     )  # fmt: skip
     settings = PolicySettings.from_training(training, max_gbs=128, hysteresis=0.1)
     assert (settings.base_gbs, settings.fallback_patience, settings.hysteresis) == (8, 5, 0.1)
-    assert settings.trial_prediction_error == 0.05 and settings.measure_before_commit
+    assert (settings.probe, settings.probe_tokens, settings.probe_tolerance) == (True, 4096, 0.02)
     assert settings.noise_scale_factor == 1.0
     assert (
         PolicySettings.from_training(TrainingConfig(noise_scale_factor=4.0), max_gbs=64).noise_scale_factor

@@ -167,6 +167,7 @@ def test_candidate_text_says_how_far_the_best_candidate_is_from_winning():
         "(a switch no longer pays back in the time left)"
     )
     assert candidate_text(decision(decision="switch")) == "dp2 tp2 pp1 mbs8 gbs32: switching"
+    assert candidate_text(decision(decision="probe")) == "dp2 tp2 pp1 mbs8 gbs32: probing"
     unknown = decision(candidate=None, reason="noise scale unknown: 3 of 10 measurements needed")
     assert candidate_text(unknown) == "none (noise scale unknown: 3 of 10 measurements needed)"
     fallback = decision(

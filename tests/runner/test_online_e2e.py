@@ -178,13 +178,10 @@ def in_place_run(tmp_path, *, total_iters: int) -> tuple[OnlineRun, dict]:
         base_port=free_port_base(),
         quiet=True,
         noise_scale_floor=1000.0,
-        # A committed switch, not a trial: a trial is judged on the CPU's measured rate, and on a busy
-        # machine a rerun left it for gbs 2 (378 samples against 384), which is online mode's right but
-        # not what these tests compare.
         policy_overrides={
             "predicted_switch_cost_s": 0.0,
             "predicted_in_place_cost_s": 0.0,
-            "measure_before_commit": False,
+            "probe": False,  # decided on the noise-scale model: test_online_probe_e2e.py probes
         },
     )
     return run, raw

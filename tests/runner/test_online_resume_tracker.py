@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import types
 
-import pytest
 import torch
 from chain_fakes import write_tiny_config
 
@@ -49,34 +48,6 @@ def test_the_search_of_a_resumed_stage_counts_the_stage_s_lines_up_to_its_checkp
     previous = checkpoint_of(tmp_path, config, stage=1, iteration=4)  # the stage's planned load
     assert tracker_at_resume(run, memory, 2, previous) is at_stage_start
     assert tracker_at_resume(run, memory, 2, None) is at_stage_start
-
-
-def test_a_resumed_search_keeps_the_largest_miss_of_the_earlier_stages_fitted_predictions(tmp_path):
-    """The trial rule's margin survives a kill: rebuilt from online_stages.json and metrics.jsonl."""
-    config = load_config(write_tiny_config(tmp_path))
-    small, large = Strategy(dp=1, tp=1, pp=1, mbs=8, gbs=8), Strategy(dp=1, tp=1, pp=1, mbs=16, gbs=16)
-    records = StageRecords(tmp_path)
-    records.add(Candidate(strategy=small, predicted_tokens_per_s=9000.0), action="initial", reason="")
-    fitted = Candidate(strategy=large, predicted_tokens_per_s=1000.0, fitted_on=2)
-    records.add(fitted, action="switch", reason="", in_place=True)
-    records.add(Candidate(strategy=small, predicted_tokens_per_s=1.0), action="fallback", reason="")
-    lines = [  # stage 1 ran at 1000 tokens/s (raw model: 9000, no fit's miss), stage 2 at 1400 (fitted: 1000)
-        {"iteration": i, "stage": 1 if i <= 4 else 2, "tokens_per_s": 1000.0 if i <= 4 else 1400.0}
-        for i in range(1, 9)
-    ]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    stages = (
-        StageState(step_num=1, status="done", start_iteration=0, last_iteration=4, consumed_tokens=4),
-        StageState(step_num=2, status="done", start_iteration=4, last_iteration=8, consumed_tokens=8),
-        StageState(step_num=3, status="running", start_iteration=8),
-    )
-    state = RunState(chain_path="", chain_digest="", config_digest="", world_size=1, stages=stages)
-    run = types.SimpleNamespace(
-        run_dir=tmp_path, config=config, max_gbs=16, policy_overrides={}, nodes=None, backend="native"
-    )
-    memory = resumed_memory(run, state, records, in_place=True)
-    assert memory.policy_state.largest_prediction_miss == pytest.approx(0.4)
-    assert memory.policy_state.earlier == ()  # the fall-back returned to stage 1: it is current again
 
 
 def test_a_resumed_search_remembers_the_stages_the_uninterrupted_one_does(tmp_path):

@@ -26,6 +26,7 @@ from cona.planner.throughput import host_micro_batches, model_step_seconds
 from cona.runner.schedules.frontier import FrontierSearch
 from cona.runner.schedules.online_search import Budget, StageSearch
 from cona.strategy import Strategy
+from cona.switch_request import SwitchRequest
 
 SEQ = 8  # the tiny config's
 
@@ -184,9 +185,17 @@ def test_the_frontier_predicts_with_the_profile_of_the_backend_that_trains(tmp_p
     )
 
 
-def first_stage_search(run_dir: Path, frontier, current: Strategy, *, earlier_stage=None) -> StageSearch:
+def first_stage_search(
+    run_dir: Path, frontier, current: Strategy, *, earlier_stage=None, probe: bool = True
+) -> StageSearch:
     settings = PolicySettings(
-        base_gbs=2, max_gbs=16, in_place=True, predicted_in_place_cost_s=0.0, hysteresis=0.0
+        base_gbs=2,
+        max_gbs=16,
+        in_place=True,
+        predicted_in_place_cost_s=0.0,
+        hysteresis=0.0,
+        probe=probe,
+        probe_tokens=SEQ,
     )
     state = initial_state(
         Candidate(strategy=current, predicted_tokens_per_s=frontier.predicted_tokens_per_s(current))
@@ -208,28 +217,38 @@ def first_stage_search(run_dir: Path, frontier, current: Strategy, *, earlier_st
     )  # fmt: skip
 
 
-def test_before_anything_is_measured_the_first_line_decides_on_the_predicted_rate_by_trial_only(setup):
+def test_before_anything_is_measured_the_first_line_probes_and_never_switches_on_a_predicted_rate(setup):
     """The run's first line holds the start-up, so it gives no rate; with the noise scale known there (its
-    steps are measured), the first decision uses the estimator's rate of the running strategy, and a switch
-    it makes is an in-place trial, measured before the run stays on it."""
+    steps are measured), the first decision uses the estimator's rate of the running strategy: a probe,
+    which measures both rates itself, may be asked for; a switch on the prediction alone is not made."""
     run_dir, frontier, device = setup
     current = one_gpu(2, 2)
-    search = first_stage_search(run_dir, frontier, current)
-    first = metrics(1, current, device.tokens_per_s(current), range(1, 2))[0]
-    first["gns_steps"] = [[first["gns_small_sqr"], first["gns_big_sqr"]]] * 7  # the first line's 7
-    append_lines(run_dir, [first])
-    decision = search.poll()
-    record = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])
-    assert record["current"]["rate_measured"] is False and record["predicted_over_measured"] is None
-    expected_rate = frontier.predicted_tokens_per_s(current)
-    assert record["current"]["measured_tokens_per_s"] == pytest.approx(expected_rate)
-    assert decision.action == "switch" and decision.target.trial and record["in_place"]
-    outcome = search.stop()
-    assert outcome.rate_measured is False and not frontier.estimator.points  # a prediction is no point
+    for probe in (True, False):
+        (run_dir / "decisions.jsonl").unlink(missing_ok=True)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        search = first_stage_search(run_dir, frontier, current, probe=probe)
+        first = metrics(1, current, device.tokens_per_s(current), range(1, 2))[0]
+        first["gns_steps"] = [[first["gns_small_sqr"], first["gns_big_sqr"]]] * 7  # the first line's 7
+        append_lines(run_dir, [first])
+        decision = search.poll()
+        record = json.loads((run_dir / "decisions.jsonl").read_text().splitlines()[-1])
+        assert record["current"]["rate_measured"] is False and record["predicted_over_measured"] is None
+        expected_rate = frontier.predicted_tokens_per_s(current)
+        assert record["current"]["measured_tokens_per_s"] == pytest.approx(expected_rate)
+        if probe:
+            assert decision.action == "probe" and record["in_place"]
+            request = SwitchRequest.read(run_dir / "switch_request.json")
+            assert request.action == "probe" and request.strategy == decision.target.strategy
+            assert request.probe.samples == 1 and request.probe.lr_factor == 1.0
+        else:
+            assert decision.action == "stay" and "only predicted" in decision.reason
+        outcome = search.stop()
+        assert outcome.rate_measured is False and not frontier.estimator.points  # a prediction is no point
+        (run_dir / "switch_request.json").unlink(missing_ok=True)
 
 
-def test_the_short_line_a_switch_forces_after_the_decision_is_no_rate_of_the_stage(setup):
-    """A switch decided at the first line cuts the stage's next line short; that line ran no measured
+def test_the_short_line_a_probe_forces_after_the_decision_is_no_rate_of_the_stage(setup):
+    """A probe decided at the first line cuts the stage's next line short; that line ran no measured
     step (eager, such a line can run at 1.6x the stage's later rate) and leaves the stage unmeasured."""
     run_dir, frontier, device = setup
     current = one_gpu(2, 2)
@@ -237,7 +256,7 @@ def test_the_short_line_a_switch_forces_after_the_decision_is_no_rate_of_the_sta
     first, short = metrics(1, current, device.tokens_per_s(current), range(8, 17, 8))
     first.update(steps_in_interval=8, gns_steps=[[first["gns_small_sqr"], first["gns_big_sqr"]]] * 7)
     append_lines(run_dir, [first])
-    assert search.poll().action == "switch"
+    assert search.poll().action == "probe"
     short.update(steps_in_interval=2, tokens_per_s=1.6 * short["tokens_per_s"])
     append_lines(run_dir, [short])
     outcome = search.stop()
@@ -246,7 +265,8 @@ def test_the_short_line_a_switch_forces_after_the_decision_is_no_rate_of_the_sta
 
 def test_a_stage_left_unmeasured_takes_the_refitted_prediction_once_the_next_one_is_measured(setup):
     """The fall-back target's rate is the estimator's until that strategy is measured itself: once the
-    trial's rate joins the fit, the earlier stage's rate is the refitted prediction, not the raw model's."""
+    current stage's rate joins the fit, the earlier stage's rate is the refitted prediction, not the raw
+    model's."""
     run_dir, frontier, device = setup
     small, large = one_gpu(2, 2), one_gpu(4, 4)
     raw = Candidate(strategy=small, predicted_tokens_per_s=frontier.predicted_tokens_per_s(small))

@@ -119,7 +119,10 @@ def _run(args: argparse.Namespace) -> int:
         estimator=estimator,
         botorch=botorch_choice(args),
     )
-    policy = PolicySettings.from_training(config.training, max_gbs=args.max_gbs, hysteresis=args.hysteresis)
+    # As online mode runs it in a worker session: a switch that keeps the layout is made in place, probed.
+    policy = PolicySettings.from_training(
+        config.training, max_gbs=args.max_gbs, hysteresis=args.hysteresis, in_place=True
+    )
     progress, target_note = _target(args, config, trace, initial_gbs)
     result = plan(
         config,

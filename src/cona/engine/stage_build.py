@@ -40,6 +40,7 @@ from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
 from cona.engine.parallel_dims import build_mesh
 from cona.engine.periodic_save import PERIODIC_KEY, PeriodicSaves
 from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
+from cona.engine.probe_branch import ProbeLog
 from cona.engine.spec import StageSpec
 from cona.engine.step_modes import resolved_dtype
 from cona.engine.step_trace import step_trace_from_env
@@ -56,6 +57,10 @@ class InPlaceState:
 
     context: StageContext
     progress: Progress
+    """Where the state stands (ahead of ``stage_end`` by a probe's candidate branch, whose samples are the
+    next stage's first)."""
+    stage_end: Progress | None = None
+    """Where the stage ended, the next one's start (None: at ``progress``)."""
 
 
 def continue_in_place(
@@ -67,9 +72,10 @@ def continue_in_place(
         raise LaunchError(f"stage {spec.stage}: continue_in_place, but no earlier stage's state is in memory")
     old = carried.context
     progress = dataclasses.replace(carried.progress)
-    if progress.iteration != spec.start_iteration:
+    ended = (carried.stage_end or progress).iteration
+    if ended != spec.start_iteration:
         raise LaunchError(
-            f"stage {spec.stage}: the state in memory is at iteration {progress.iteration}, the stage starts "
+            f"stage {spec.stage}: the stage in memory ended at iteration {ended}, this stage starts "
             f"at {spec.start_iteration}"
         )
     if spec.config.to_dict() != old.spec.config.to_dict():
@@ -95,6 +101,7 @@ def continue_in_place(
         logger=_rank0_logger(spec, console),
         save=partial(_save, *saving),
         periodic=periodic_saves(spec, partial(_start_save, *saving), root),
+        probes=ProbeLog(),
         timings=timings,
         step_trace=step_trace_from_env(
             spec.stage_dir, rank=dist.get_rank(), dp_rank=old.dp_rank, stage=spec.stage
@@ -176,6 +183,7 @@ def build_stage(
         logger=_rank0_logger(spec, console),
         save=partial(_save, *saving),
         periodic=periodic_saves(spec, partial(_start_save, *saving), root),
+        probes=ProbeLog(),
         probe_batch=probe,
         timings=timings,
         control_group=control_group,

@@ -12,7 +12,6 @@ the line lists each measured step (``gns_steps``) where it has more than one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -27,12 +26,14 @@ from torch import Tensor
 
 from cona.atomic_files import write_json_atomic
 from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
+from cona.engine import probe_branch
 from cona.engine.divergence import DivergenceWatch
 from cona.engine.interval_sums import IntervalSums
 from cona.engine.metrics import MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
 from cona.engine.periodic_save import PeriodicSaves
 from cona.engine.probe import ProbeBatch
+from cona.engine.probe_branch import HeldSteps, ProbeLog
 from cona.engine.session import RunnerWatch, leave_orphaned
 from cona.engine.spec import RUNNER_PID_ENV, StageSpec
 from cona.engine.step_trace import StepTrace
@@ -40,6 +41,8 @@ from cona.engine.train_model import PendingStepOutput, TrainingModel
 from cona.errors import TrainingDiverged
 from cona.metrics_record import MetricsRecord
 from cona.planner.efficiency import MIN_SAMPLES
+from cona.strategy import Strategy
+from cona.switch_request import SwitchRequest
 
 Batch = list[tuple[Tensor, Tensor]]
 RUNNER_GONE = "runner_gone"
@@ -111,6 +114,8 @@ class StageContext:
     """Rank 0's check that the runner still runs (None: no runner started this worker)."""
     periodic: PeriodicSaves | None = None
     """The stage's checkpoints between its start and its end (None: only at the end and on a switch)."""
+    probes: ProbeLog = field(default_factory=ProbeLog)
+    """Where the stage ended when a paired probe's candidate won (:mod:`cona.engine.probe_branch`)."""
 
 
 def train_stage(ctx: StageContext, progress: Progress) -> str:
@@ -175,9 +180,13 @@ def _train_steps(ctx: StageContext, progress: Progress) -> str:
             runner_pid = int(os.environ.get(RUNNER_PID_ENV, "0") or 0)
             leave_orphaned(runner_pid, f"stopping training at iteration {progress.iteration}")
         ending = switch is not None or stop_rule_met(spec, progress)
-        interval = _maybe_log(ctx, progress, interval, lr, force=ending)
+        probing = boundary.probe is not None and not ending
+        interval = _maybe_log(ctx, progress, interval, lr, force=ending or probing)
         if _periodic_save(ctx.periodic, progress, boundary, ending=ending):
             interval.started = time.perf_counter()  # the save is not step time
+        if probing:
+            switch = _probe(ctx, progress, boundary.probe)
+            interval = IntervalSums()  # the probe is not the stage's step time
         if switch is not None:
             ctx.timings["train_done"] = time.time()
             return switch
@@ -218,6 +227,8 @@ class Boundary:
     """``save_interval_minutes`` passed since the last periodic save started."""
     pending_written: bool = False
     """The periodic save in flight is written: it can be published without waiting."""
+    probe: SwitchRequest | None = None
+    """The paired probe the runner asks for (a request with action ``probe``), the same on every rank."""
 
 
 def step_boundary(
@@ -231,26 +242,69 @@ def step_boundary(
     gone, or None; and rank 0's view of the periodic saves. Rank 0 reads the request file and its clock;
     one broadcast makes every rank agree on what it saw. The flags travel through a gloo group as a CPU
     tensor, so the check never waits for the GPU."""
-    code, by_time, written = 0, False, False
+    code, by_time, written, request = 0, False, False, None
     if dist.get_rank() == 0:
         if runner_watch is not None and runner_watch.runner_gone():
             code = 3
         elif request_path.exists():
-            code = 2 if _reads_in_place(request_path) else 1
+            request = SwitchRequest.read(request_path)  # unreadable: the safe way, through a checkpoint
+            code = 1 if request is None else 4 if request.action == "probe" else 2 if request.in_place else 1
         if periodic is not None:
             by_time, written = periodic.due_by_time(), periodic.pending_written()
     flags = torch.tensor([code, int(by_time), int(written)], dtype=torch.int32)
     dist.broadcast(flags, src=0, group=group)
     code, by_time, written = (int(value) for value in flags.tolist())
-    switch = {0: None, 1: "switch_requested", 2: "switch_in_place", 3: RUNNER_GONE}[code]
-    return Boundary(switch=switch, save_due_by_time=bool(by_time), pending_written=bool(written))
+    probe = None
+    if code == 4:  # the request's numbers, as rank 0 read them
+        shared = [request if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0, group=group)
+        probe = shared[0]
+    switch = {0: None, 1: "switch_requested", 2: "switch_in_place", 3: RUNNER_GONE, 4: None}[code]
+    return Boundary(switch=switch, save_due_by_time=bool(by_time), pending_written=bool(written), probe=probe)
 
 
-def _reads_in_place(request_path: Path) -> bool:
-    try:
-        return json.loads(request_path.read_text()).get("in_place") is True
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False  # unreadable: the safe way, through a checkpoint
+def _probe(ctx: StageContext, progress: Progress, asked: SwitchRequest) -> str | None:
+    """Run the paired probe the runner asked for at this boundary (:mod:`cona.engine.probe_branch`); returns
+    ``switch_in_place`` when the candidate won (the stage ends where the probe began; the next stage, the
+    candidate's, starts with the branch's samples trained), else None (the stage goes on from the current
+    branch). The winner's steps join the step trace, the loser's do not: they are the same samples."""
+    spec, rank0 = ctx.spec, dist.get_rank() == 0
+    request = probe_branch.request_from(asked, spec)
+    refused = probe_branch.refusal(spec, progress, request)
+    if refused is not None:
+        if rank0:
+            record = {"stage": spec.stage, "iteration": progress.iteration, "skipped": refused}
+            probe_branch.write_outcome(spec, record, request_done=True)
+        return None
+    held: dict[int, HeldSteps] = {}  # per branch (its own progress object): the current's first
+
+    def step(strategy: Strategy, schedule: LRSchedule, branch: Progress) -> Tensor:
+        trace = held.setdefault(id(branch), HeldSteps())
+        lr = schedule.lr_at(branch.consumed_tokens)
+        out, _, _ = _step(ctx, branch, lr, measure_gns=False, strategy=strategy, trace=trace)
+        _advance(branch, spec, strategy)
+        return out.loss
+
+    def evaluate() -> float:  # the probe set: the stage's fixed evaluation samples
+        return ctx.model.eval_loss(regrouped_eval_batches(ctx.eval_batches, ctx.model.strategy.mbs))
+
+    stage_start = dataclasses.replace(progress)
+    outcome, after = probe_branch.run_probe(
+        ctx.model, ctx.optimizer, progress, stage=spec.stage, current=spec.strategy,
+        current_schedule=ctx.schedule, request=request, step=step, evaluate=evaluate,
+    )  # fmt: skip
+    vars(progress).update(vars(after))
+    traces = list(held.values())
+    if ctx.step_trace is not None:
+        for record in traces[0 if outcome.winner == "current" else -1].records:
+            ctx.step_trace.record(**record)
+    won = outcome.winner == "candidate"
+    if rank0:
+        probe_branch.write_outcome(spec, outcome.to_dict(), request_done=not won)
+    if not won:
+        return None
+    ctx.probes.stage_end = stage_start
+    return "switch_in_place"
 
 
 def gns_due(spec: StageSpec, progress: Progress, *, single_step: bool = False) -> bool:
@@ -283,10 +337,19 @@ def gns_steps_per_line(log_interval: int, *, single_step: bool = False) -> int:
 
 
 def _step(
-    ctx: StageContext, progress: Progress, lr: float, *, measure_gns: bool
+    ctx: StageContext,
+    progress: Progress,
+    lr: float,
+    *,
+    measure_gns: bool,
+    strategy: Strategy | None = None,
+    trace: HeldSteps | None = None,
 ) -> tuple[PendingStepOutput, Tensor, Tensor]:
+    """One step from ``progress`` at ``strategy`` (default the stage's: a probe's branch gives its own),
+    recorded in ``trace`` (default the stage's step trace)."""
     spec = ctx.spec
-    strategy = spec.strategy
+    strategy = strategy or spec.strategy
+    trace = trace if trace is not None else ctx.step_trace
     sample_ids = micro_batch_sample_ids(
         progress.consumed_samples, strategy.gbs, strategy.mbs, strategy.dp, ctx.dp_rank
     )
@@ -299,16 +362,17 @@ def _step(
     )
     grad_norm = ctx.model.clip_grad_norm_pending(spec.config.training.clip_grad)
     stepped = ctx.model.optimizer_step_pending(ctx.optimizer)  # which also drops the gradients
-    if ctx.step_trace is not None:
+    if trace is not None:
         lrs = [group["lr"] for group in ctx.optimizer.param_groups]
-        ctx.step_trace.record(iteration=progress.iteration + 1, micro_batches=sample_ids, lrs=lrs)
+        trace.record(iteration=progress.iteration + 1, micro_batches=sample_ids, lrs=lrs)
     return out, grad_norm, stepped
 
 
-def _advance(progress: Progress, spec: StageSpec) -> None:
+def _advance(progress: Progress, spec: StageSpec, strategy: Strategy | None = None) -> None:
+    gbs = (strategy or spec.strategy).gbs
     progress.iteration += 1
-    progress.consumed_samples += spec.strategy.gbs
-    progress.consumed_tokens += spec.strategy.gbs * spec.config.model.seq
+    progress.consumed_samples += gbs
+    progress.consumed_tokens += gbs * spec.config.model.seq
 
 
 def _maybe_log(

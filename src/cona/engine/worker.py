@@ -140,12 +140,15 @@ def run_stage(
     saves = not hand_over and (reason == "switch_requested" or spec.save_at_end)
     checkpoint = context.save(progress, milestones=timings) if saves else None
     timings["save_done"] = time.time()
+    # Where a probe's candidate won, the stage ended where the probe began: the branch's samples belong to
+    # the next stage (the candidate's), which continues the state that trained them.
+    ended = context.probes.stage_end or progress
     result = StageResult(
         stage=spec.stage,
         reason=reason,
-        last_iteration=progress.iteration,
-        consumed_samples=progress.consumed_samples,
-        consumed_tokens=progress.consumed_tokens,
+        last_iteration=ended.iteration,
+        consumed_samples=ended.consumed_samples,
+        consumed_tokens=ended.consumed_tokens,
         checkpoint=str(checkpoint) if checkpoint is not None else None,
         timings=timings,
         switch_check=verdict.to_dict() if verdict is not None else None,
@@ -154,7 +157,7 @@ def run_stage(
     if dist.get_rank() == 0:
         result.write(spec.result_path)
     if hand_over:
-        return result, InPlaceState(context=context, progress=progress)
+        return result, InPlaceState(context=context, progress=progress, stage_end=ended)
     destroy_mesh_groups(context.model.mesh)
     return result, None
 

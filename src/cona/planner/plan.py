@@ -30,6 +30,7 @@ from cona.planner.calibration_factors import Calibration
 from cona.planner.chains import NoiseProfile, chain_time, optimal_assignment, raw_tokens, segment_times
 from cona.planner.policy import (
     Candidate,
+    Decision,
     Measurement,
     PolicySettings,
     after_switch,
@@ -38,6 +39,8 @@ from cona.planner.policy import (
     next_frontier,
     next_gbs,
 )
+from cona.planner.probe_replay import lost_s, probes_lost_s, replayed_outcome
+from cona.planner.probe_rule import ProbeOutcome
 from cona.planner.profiles import BackendProfile
 from cona.planner.search_choice import search_strategies
 from cona.planner.space import SpaceOptions
@@ -195,6 +198,7 @@ def online_assignment(
     seq: int,
     believed: tuple[Candidate, ...] | None = None,
     measure: Callable[[int, int], float] | None = None,
+    probes: tuple[ProbeOutcome, ...] = (),
 ) -> tuple[np.ndarray, tuple[dict, ...]]:
     """CONA's chain: :func:`decide` at a segment boundary on what is known there, starting at the first
     candidate, once ``settings.decision_interval`` iterations have run since the last decision (as a run
@@ -203,8 +207,8 @@ def online_assignment(
     throughputs (what the running strategy is measured at); ``believed`` the same strategies with the
     throughputs the policy is told for the frontier (default: the true ones), to test a model's error;
     ``measure(segment, index)`` what the running candidate is measured at (default: its throughput in
-    ``candidates``, exactly). Returns the assignment and the records of the switch and fallback
-    decisions."""
+    ``candidates``, exactly); ``probes`` the run's recorded probes (:func:`_answer_probe`). Returns the
+    assignment and the records of the probe, switch and fallback decisions."""
     believed = believed or candidates
     times = segment_times(profile, candidates, settings.base_gbs)
     tokens = raw_tokens(profile, candidates, settings.base_gbs)
@@ -219,16 +223,16 @@ def online_assignment(
             decided_at = iteration
             running = candidates[current]
             measured = running.predicted_tokens_per_s if measure is None else measure(k, current)
-            measurement = Measurement(
-                time=clock,
-                iteration=int(iteration),
-                consumed_tokens=int(consumed),
-                noise=profile.estimates[k],
-                measured_tokens_per_s=measured,
-                remaining_tokens=_remaining_tokens(profile, k, running.strategy.gbs, settings.base_gbs),
-            )
+            counts = (clock, int(iteration), int(consumed), measured)
+            measurement = _measurement(profile, k, running.strategy.gbs, settings.base_gbs, counts)
             frontier = next_frontier(running.strategy.gbs, measured, settings, by_gbs.get)
             decision = decide(state, measurement, frontier, settings)
+            if decision.action == "probe" and frontier is not None:
+                pair = (current, index_of[frontier.strategy])
+                answer = _answer_probe(decision, measurement, settings, probes, candidates, times[k], pair)
+                decision, spent_s, records = answer
+                clock += spent_s
+                decisions += records
             state = decision.state
             if decision.target is not None:
                 decisions.append(decision.record)
@@ -245,6 +249,48 @@ def online_assignment(
         consumed += tokens[k, current]
         iteration += tokens[k, current] / (candidates[current].strategy.gbs * seq)
     return assignment, tuple(decisions)
+
+
+def _measurement(
+    profile: NoiseProfile, segment: int, gbs: int, base_gbs: int, counts: tuple[float, int, int, float]
+) -> Measurement:
+    """What a run at ``gbs`` knows at ``segment``'s start; ``counts``: its clock, iteration, consumed tokens
+    and measured tokens/s."""
+    clock, iteration, consumed, measured = counts
+    return Measurement(
+        time=clock,
+        iteration=iteration,
+        consumed_tokens=consumed,
+        noise=profile.estimates[segment],
+        measured_tokens_per_s=measured,
+        remaining_tokens=_remaining_tokens(profile, segment, gbs, base_gbs),
+    )
+
+
+def _answer_probe(
+    decision: Decision,
+    measurement: Measurement,
+    settings: PolicySettings,
+    probes: tuple[ProbeOutcome, ...],
+    candidates: tuple[Candidate, ...],
+    segment_times_s: np.ndarray,
+    pair: tuple[int, int],
+) -> tuple[Decision, float, list[dict]]:
+    """The decision on the replay's answer to a probe the policy asked for: the run's recorded outcome
+    where one fits, else the world's (:mod:`cona.planner.probe_replay`; ``pair``: the indices of the current
+    and the candidate in ``candidates``, at their true rates; ``segment_times_s``: every candidate's seconds
+    for the segment); the seconds the losing branch took (the caller's clock adds them); the records to keep
+    (the probe's, and a lost probe's stay, which holds what it cost)."""
+    current, other = pair
+    outcome = replayed_outcome(
+        probes, consumed_tokens=measurement.consumed_tokens, probe_tokens=settings.probe_tokens,
+        current=candidates[current], candidate=candidates[other],
+        segment_s=(float(segment_times_s[current]), float(segment_times_s[other])),
+    )  # fmt: skip
+    assert decision.target is not None
+    answered = decide(decision.state, replace(measurement, probe=outcome), decision.target, settings)
+    records = [decision.record] + ([] if answered.target is not None else [answered.record])
+    return answered, lost_s(outcome), records
 
 
 def _remaining_tokens(profile: NoiseProfile, segment: int, gbs: int, base_gbs: int) -> float:
@@ -334,6 +380,7 @@ def plan(
         policy=policy,
         switch_cost_s=switch_cost_s,
         seq=config.model.seq,
+        probes=trace.probes,
     )
 
 
@@ -345,17 +392,18 @@ def simulate(
     switch_cost_s: float,
     seq: int,
     believed: tuple[Candidate, ...] | None = None,
+    probes: tuple[ProbeOutcome, ...] = (),
 ) -> PlanResult:
-    """The comparison on given candidates (increasing gbs) and noise profile; ``believed`` as in
-    :func:`online_assignment`."""
+    """The comparison on given candidates (increasing gbs) and noise profile; ``believed`` and ``probes`` as
+    in :func:`online_assignment` (the online chain's time includes its probes' losing branches)."""
     base = policy.base_gbs
     times = segment_times(profile, candidates, base)
 
-    def chain(name: str, assignment: np.ndarray) -> ChainPlan:
+    def chain(name: str, assignment: np.ndarray, extra_s: float = 0.0) -> ChainPlan:
         return ChainPlan(
             name=name,
             assignment=assignment,
-            time_s=chain_time(times, assignment, switch_cost_s),
+            time_s=chain_time(times, assignment, switch_cost_s) + extra_s,
             stages=stages_of(assignment, profile, candidates, base_gbs=base, seq=seq),
         )
 
@@ -365,13 +413,13 @@ def simulate(
     )
     settings = replace(policy, predicted_switch_cost_s=switch_cost_s)
     online, decisions = online_assignment(
-        profile, candidates, settings, switch_cost_s=switch_cost_s, seq=seq, believed=believed
+        profile, candidates, settings, switch_cost_s=switch_cost_s, seq=seq, believed=believed, probes=probes
     )
     return PlanResult(
         candidates=candidates,
         static=static,
         optimum=chain("hindsight optimum", optimal_assignment(times, switch_cost_s)),
-        online=chain("CONA online", online),
+        online=chain("CONA online", online, probes_lost_s(decisions)),
         decisions=decisions,
         target_progress=float(profile.edges[-1]),
         switch_cost_s=switch_cost_s,

@@ -17,13 +17,16 @@ A switch is never made on an unknown noise scale (the tracker's ``|G|^2`` averag
 ``min_measurements`` measurements): with no noise information the efficiency of a larger batch is unknowable,
 and AdaptDL's habit of reading that as an infinite noise scale jumps to the largest batch exactly when the
 estimate is worst. Before the run has measured any throughput (its first line holds the start-up), the
-current strategy's rate is the estimator's prediction (``Measurement.rate_measured`` False), and a switch is
-then made only as an in-place trial, which is measured and judged before the run stays on it.
+current strategy's rate is the estimator's prediction (``Measurement.rate_measured`` False), and no switch is
+made on it; a probe, which measures both rates itself, may be.
+
+A candidate that keeps the layout, where the run switches in place and ``probe`` is on, is decided by a
+paired probe instead (:mod:`cona.planner.policy_probe`): the rule above is then its prior, logged beside it.
 
 With ``fallback`` on, an exponential moving average of the noise scale is compared with the noise scale at
 which the previous (smaller) gbs and the current one make equal progress per second (both measured). When the
-average stays below that break-even point for ``fallback_patience`` consecutive evaluations (one for a trial:
-see :func:`_patience`), the policy falls back to the previous strategy.
+average stays below that break-even point for ``fallback_patience`` consecutive evaluations, the policy falls
+back to the previous strategy.
 
 Everything here is a pure function over frozen dataclasses: the runner's search thread and the offline
 simulator (:mod:`cona.planner.plan`) call the same code.
@@ -37,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cona.planner.efficiency import NoiseScaleEstimate, statistical_efficiency
-from cona.planner.policy_trial import prediction_miss, trial_candidate, warming_up
+from cona.planner.policy_probe import after_lost_probe, outcome_record, probe_plan, probe_target
 from cona.planner.policy_types import (  # the policy's data, re-exported: callers import it from here
     DEFAULT_HYSTERESIS,
     Action,
@@ -53,7 +56,7 @@ from cona.strategy import Strategy
 __all__ = [
     "DEFAULT_HYSTERESIS", "Action", "Candidate", "Decision", "FinishedStage", "Measurement", "PolicySettings",
     "PolicyState", "after_switch", "break_even_noise_scale", "decide", "initial_state", "next_frontier",
-    "next_gbs", "prediction_miss", "progress_per_second", "refresh_predicted_rates", "strategy_dict",
+    "next_gbs", "progress_per_second", "refresh_predicted_rates", "strategy_dict",
     "switch_cost_s", "switches_in_place",
 ]  # fmt: skip
 
@@ -115,15 +118,12 @@ def after_switch(
     the measured costs (of in-place switches apart) replaces the predicted one in later decisions.
     ``old_rate_measured``: False when the stage left had no steady line (its rate is the estimator's).
     """
-    miss = prediction_miss(state.current, old_measured_tokens_per_s) if old_rate_measured else 0.0
-    state = dataclasses.replace(state, largest_prediction_miss=max(state.largest_prediction_miss, miss))
     if new.strategy.gbs < state.current.strategy.gbs:
         earlier = state.earlier[:-1] if state.earlier else ()
     else:
         finished = FinishedStage(
             strategy=state.current.strategy,
             measured_tokens_per_s=old_measured_tokens_per_s,
-            trial=state.current.trial,
             rate_measured=old_rate_measured,
         )
         earlier = (*state.earlier, finished)
@@ -185,6 +185,8 @@ def decide(
     noise = _usable_noise_scale(measurement.noise, settings)
     record = _record_base(state, measurement, settings)
     measured = measurement.measured_tokens_per_s
+    if measurement.probe is not None and state.probing is not None:
+        return _after_probe(state, measurement, noise, record)
     if noise is None or measured is None or measured <= 0:
         return _decision("stay", None, _unknown_reason(measurement, settings), record, state)
     current = state.current.strategy
@@ -196,27 +198,90 @@ def decide(
     record["remaining_s"] = remaining_s
     state = _with_ema(state, noise, settings)
     record["noise_scale_ema"] = state.noise_ema
-    if warming_up(state.current, measurement, settings):
-        why = (
-            f"trial measured at {measured / state.current.predicted_tokens_per_s:.2f} of its prediction on "
-            "its first measured line: measured once more before it is judged (a new shape's warm-up)"
-        )
-        return _decision("stay", None, why, record, state)
     if measurement.remaining_tokens <= ENDING_INTERVALS * measurement.interval_tokens:
         # The workers would reach the end before (or just after) the handover: a switch decided now would
         # not happen, or not run long enough to be measured.
         left = measurement.remaining_tokens
         why = f"training ends within {ENDING_INTERVALS} evaluations ({left:,.0f} tokens left): no switch"
         return _decision("stay", None, why, record, state)
-    state, fallback = _fallback_check(state, measured, noise, settings, record)
+    state, fallback = _fallback_check(state, measured, settings, record)
     if fallback is not None:
         return fallback
     if candidate is None:
         return _decision("stay", None, f"no frontier beyond gbs {current.gbs} can win", record, state)
-    if settings.noise_scale_agreement and state.noise_ema < noise:
-        noise = record["noise_scale_for_switch"] = state.noise_ema
-        current_progress = progress_per_second(measured, current.gbs, noise, settings.base_gbs)
+    if settings.probe and switches_in_place(current, candidate.strategy, settings):
+        return _probe_or_stay(
+            state, measurement, candidate, current_progress, remaining_s, noise, settings, record
+        )
     return _compare(state, candidate, current_progress, remaining_s, noise, settings, record)
+
+
+def _probe_or_stay(
+    state: PolicyState,
+    measurement: Measurement,
+    candidate: Candidate,
+    current_progress: float,
+    remaining_s: float,
+    noise: float,
+    settings: PolicySettings,
+    record: dict[str, Any],
+) -> Decision:
+    """A layout-keeping candidate: probed where the prior says a probe is worth its cost, else stay. The
+    noise-scale model's view of the candidate is logged (``candidate.progress_per_s``), not acted on."""
+    _candidate_record(candidate, noise, settings, record)
+    prior = record["candidate"]["progress_per_s"] / current_progress
+    cost_s, source = switch_cost_s(state, settings, in_place=True)
+    record.update(switch_cost_s=cost_s, switch_cost_source=source, in_place=True, prior_progress_ratio=prior)
+    probing, why = probe_plan(
+        state, candidate, measurement, remaining_s=remaining_s, noise=noise, switch_cost_s=cost_s,
+        settings=settings, record=record,
+    )  # fmt: skip
+    why = f"{why} (the noise-scale model puts its progress per second at {prior:.3f}x the current's)"
+    if not probing:
+        return _decision("stay", None, why, record, state)
+    record["probe_request"] = {"tokens": settings.probe_tokens, "tolerance": settings.probe_tolerance}
+    return _decision("probe", candidate, why, record, dataclasses.replace(state, probing=candidate))
+
+
+def _after_probe(
+    state: PolicyState, measurement: Measurement, noise: float | None, record: dict[str, Any]
+) -> Decision:
+    """The probe's outcome decides: a won probe is a switch the workers already made (the run goes on from
+    the candidate's branch), a lost one a stay, remembered for the next probe of that gbs."""
+    outcome, candidate = measurement.probe, state.probing
+    assert outcome is not None and candidate is not None
+    record["probe"] = outcome_record(outcome)
+    record["in_place"] = True
+    state = dataclasses.replace(state, probing=None)
+    why = f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}"
+    if outcome.winner == "candidate":
+        target = probe_target(candidate, outcome)
+        record["candidate"] = {
+            "strategy": strategy_dict(target.strategy),
+            "predicted_tokens_per_s": target.predicted_tokens_per_s,
+            "throughput_source": target.throughput_source,
+        }
+        return _decision("switch", target, why, record, state)
+    state = after_lost_probe(state, outcome, measurement.consumed_tokens, noise)
+    return _decision("stay", None, why, record, state)
+
+
+def _candidate_record(
+    candidate: Candidate, noise: float, settings: PolicySettings, record: dict[str, Any]
+) -> float:
+    """The candidate's part of the decision line; returns its progress per second under the noise model."""
+    gbs = candidate.strategy.gbs
+    candidate_progress = progress_per_second(candidate.predicted_tokens_per_s, gbs, noise, settings.base_gbs)
+    record["candidate"] = {
+        "strategy": strategy_dict(candidate.strategy),
+        "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
+        "throughput_source": candidate.throughput_source,
+        "fitted_on": candidate.fitted_on,
+        "on_first_line": candidate.on_first_line,
+        "efficiency": _efficiency(gbs, noise, settings),
+        "progress_per_s": candidate_progress,
+    }
+    return candidate_progress
 
 
 def _compare(
@@ -229,17 +294,7 @@ def _compare(
     record: dict[str, Any],
 ) -> Decision:
     """The switch rule: the time the candidate saves over the remaining training against the switch cost."""
-    gbs = candidate.strategy.gbs
-    candidate_progress = progress_per_second(candidate.predicted_tokens_per_s, gbs, noise, settings.base_gbs)
-    record["candidate"] = {
-        "strategy": strategy_dict(candidate.strategy),
-        "predicted_tokens_per_s": candidate.predicted_tokens_per_s,
-        "throughput_source": candidate.throughput_source,
-        "fitted_on": candidate.fitted_on,
-        "on_first_line": candidate.on_first_line,
-        "efficiency": _efficiency(gbs, noise, settings),
-        "progress_per_s": candidate_progress,
-    }
+    candidate_progress = _candidate_record(candidate, noise, settings, record)
     saved_s = max(1.0 - current_progress / candidate_progress, 0.0) * remaining_s
     in_place = switches_in_place(state.current.strategy, candidate.strategy, settings)
     cost_s, source = switch_cost_s(state, settings, in_place=in_place)
@@ -250,19 +305,13 @@ def _compare(
     pays = saved_s > cost_s * (1.0 + settings.hysteresis) and candidate_progress > current_progress
     if pays and record["current"]["rate_measured"]:
         why = f"{ratio}; saves {saved_s:.1f} s over the remaining {remaining_s:.1f} s, more than {margin}"
-        if settings.measure_before_commit and in_place and candidate.throughput_source == "predicted":
-            record["trial"] = (
-                "trial in place: its rate is only predicted; left again if its measured rate does not pay"
-            )
-            candidate = dataclasses.replace(candidate, trial=True)
-            why = f"{why}; {record['trial']}"
         return _decision("switch", candidate, why, record, state)
+    if pays:
+        why = f"{ratio}, but the current rate is only predicted: a switch waits for its first measured line"
+        return _decision("stay", None, why, record, state)
     why = (
         f"{ratio}; would save {saved_s:.1f} s over the remaining {remaining_s:.1f} s, not more than {margin}"
     )
-    trial = trial_candidate(state, candidate, current_progress, remaining_s, noise, settings, record)
-    if trial is not None:
-        return _decision("switch", trial, f"{why}; {record['trial']}", record, state)
     return _decision("stay", None, why, record, state)
 
 
@@ -318,49 +367,38 @@ def _with_ema(state: PolicyState, noise: float, settings: PolicySettings) -> Pol
 def _fallback_check(
     state: PolicyState,
     measured_tokens_per_s: float,
-    noise: float,
     settings: PolicySettings,
     record: dict[str, Any],
 ) -> tuple[PolicyState, Decision | None]:
-    """Count evaluations with the EMA (with ``noise_scale_agreement``, the higher of it and the windowed
-    ``noise``) below the break-even point; a fallback decision after ``patience``."""
-    if not (settings.fallback or state.current.trial) or not state.earlier or state.noise_ema is None:
+    """Count evaluations with the EMA below the break-even point; a fallback decision after
+    ``fallback_patience``."""
+    if not settings.fallback or not state.earlier or state.noise_ema is None:
         return state, None
     previous = state.earlier[-1]
     break_even = break_even_noise_scale(previous, state.current.strategy.gbs, measured_tokens_per_s)
-    judged = max(noise, state.noise_ema) if settings.noise_scale_agreement else state.noise_ema
+    judged = state.noise_ema
     below = state.below_break_even + 1 if judged * (1.0 + settings.hysteresis) < break_even else 0
     # None stands for "never breaks even" (JSON has no infinity); the smaller batch's rate may be predicted.
     record.update(fallback_break_even_noise_scale=break_even if math.isfinite(break_even) else None)
     record.update(below_break_even=below, fallback_previous_rate_measured=previous.rate_measured)
-    if below < _patience(state, settings):
+    if below < settings.fallback_patience:
         return dataclasses.replace(state, below_break_even=below), None
-    label = "noise scale (the higher estimate)" if settings.noise_scale_agreement else "smoothed noise scale"
     why = (
-        f"{label} {judged:.4g} below the break-even {break_even:.4g} of gbs "
+        f"smoothed noise scale {judged:.4g} below the break-even {break_even:.4g} of gbs "
         f"{previous.strategy.gbs} vs {state.current.strategy.gbs} for {below} evaluations"
     )
     record["fallback_candidate"] = {
         "strategy": strategy_dict(previous.strategy),
         "measured_tokens_per_s": previous.measured_tokens_per_s,
     }
-    # A trial left for a larger trial before it was judged is judged again once the run is back on it.
     target = Candidate(
         strategy=previous.strategy,
         predicted_tokens_per_s=previous.measured_tokens_per_s,
         throughput_source="measured" if previous.rate_measured else "predicted",
-        trial=previous.trial,
     )
     record["in_place"] = switches_in_place(state.current.strategy, previous.strategy, settings)
     decision = _decision("fallback", target, why, record, dataclasses.replace(state, below_break_even=0))
     return state, decision
-
-
-def _patience(state: PolicyState, settings: PolicySettings) -> int:
-    """Evaluations below the break-even point before a fallback. A trial is judged at its first measured
-    rate: the model had already said it loses, and what it was tried for, its throughput, is then measured;
-    waiting longer trains on at the batch that does not pay (each line more costs a log interval of it)."""
-    return 1 if state.current.trial else settings.fallback_patience
 
 
 def _record_base(state: PolicyState, measurement: Measurement, settings: PolicySettings) -> dict[str, Any]:

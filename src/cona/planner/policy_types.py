@@ -11,17 +11,24 @@ from typing import Any, Literal
 from cona.config import TrainingConfig
 from cona.errors import PlanError
 from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate
+from cona.planner.probe_rule import ProbeOutcome
 from cona.strategy import Strategy
 
 DEFAULT_HYSTERESIS = 0.05
 """Relative margin a switch must clear (AdaptDL uses 5 % on goodput)."""
 
-Action = Literal["stay", "switch", "fallback"]
+Action = Literal["stay", "probe", "switch", "fallback"]
+"""``probe``: run a paired probe of the target (:mod:`cona.planner.policy_probe`); ``switch``: move to the
+target; ``fallback``: back to the previous stage's strategy (``training.fallback`` on); ``stay``: neither."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PolicySettings:
-    """What the policy is allowed to do; :meth:`from_training` reads the config's fallback keys."""
+    """What the policy is allowed to do. Its eight settings, each with its unit: ``hysteresis`` (a fraction),
+    ``fallback``, ``fallback_ema_alpha`` (a weight), ``fallback_patience`` (evaluations),
+    ``noise_scale_factor`` (a multiple), ``probe``, ``probe_tokens`` (tokens) and ``probe_tolerance`` (nats);
+    :meth:`from_training` reads them from the config. The other fields describe the run: its batch bounds
+    and frontier, the switch costs to assume, whether switches happen in place, how often it decides."""
 
     base_gbs: int
     """``M0``: the batch the efficiency is relative to (``training.base_gbs``)."""
@@ -32,6 +39,7 @@ class PolicySettings:
     gbs_list: tuple[int, ...] | None = None
     """Explicit frontier: the next gbs is the smallest listed one above the current."""
     hysteresis: float = DEFAULT_HYSTERESIS
+    """Fraction by which what a switch or probe saves must exceed what it costs."""
     min_measurements: int = MIN_SAMPLES
     """Noise-scale measurements needed before any switch."""
     predicted_switch_cost_s: float = 0.0
@@ -45,33 +53,26 @@ class PolicySettings:
     predicted_in_place_cost_s: float = 1.0
     """In-place switch cost assumed until one has been measured (a rebuild of the batch-dependent parts and,
     compiled, a first step at a new shape)."""
-    trial_in_place: bool = True
-    """With ``in_place``: try a candidate that keeps the layout when its predicted throughput does not pay but
-    a throughput the prediction may have missed would, and measure it (training steps at a batch the
-    model says is slower; two cheap switches when it does not pay). A candidate of the raw model (nothing
-    measured) is tried where perfect scaling would pay; one fitted on a measured strategy or more
-    (:data:`cona.planner.policy_trial.MIN_FITTED_ON`) where its prediction, :attr:`trial_prediction_error`
-    higher (or the run's largest miss, if larger), would pay."""
-    trial_prediction_error: float = 0.15
-    """How far above a fitted prediction a candidate's throughput may turn out, for the trial rule: the
-    fitted model's accuracy target. The fitted model meets the strategies a run switches to within 15%
-    (docs/benchmarks.md, planner accuracy) and rarely under-predicts: a fitted trial can only pay where the
-    prediction is low, and the run's own largest miss widens the margin. A wider margin (25%) makes trials
-    that measure at their predictions and fall back, each costing two switches."""
     fallback: bool = False
+    """Move back to the previous (smaller) gbs when the smoothed noise scale stays below the break-even of
+    the two (``training.fallback``)."""
     fallback_ema_alpha: float = 0.1
+    """Weight, in (0, 1], of a new noise-scale reading in the fallback's EMA
+    (``training.fallback_ema_alpha``): 0.1 averages about ten evaluations, so one noisy reading does not move
+    the run back."""
     fallback_patience: int = 3
-    measure_before_commit: bool = True
-    """With ``in_place``: a switch to a layout-keeping candidate of predicted throughput that pays is made
-    as a trial too, judged at its measured rate (``training.measure_before_commit``)."""
+    """Consecutive evaluations below the break-even before a fallback (``training.fallback_patience``)."""
     noise_scale_factor: float = 1.0
     """The efficiency's ``phi``: the measured noise scale times this (``training.noise_scale_factor``)."""
-    noise_scale_agreement: bool = False
-    """Up-switches judged at the lower of the windowed noise scale and its EMA, fall-backs at the higher
-    (``training.noise_scale_agreement``)."""
     decision_interval: int = 1
     """Iterations between two decisions: a run decides at its metrics lines (``training.log_interval``),
     so an offline simulation (:func:`cona.planner.plan.online_assignment`) may not decide more often."""
+    probe: bool = False
+    """Decide a switch that keeps the layout (with ``in_place``) by a paired probe (``training.probe``)."""
+    probe_tokens: int = 131072
+    """Tokens each branch of a probe trains (``training.probe_tokens``)."""
+    probe_tolerance: float = 0.01
+    """Probe-loss difference (nats) within which branches count as equal (``training.probe_tolerance``)."""
 
     def __post_init__(self) -> None:
         if self.base_gbs < 1 or self.max_gbs < 1:
@@ -82,12 +83,12 @@ class PolicySettings:
             raise PlanError(f"the frontier's gbs list must hold positive sizes, got {self.gbs_list}")
         if self.hysteresis < 0 or min(self.predicted_switch_cost_s, self.predicted_in_place_cost_s) < 0:
             raise PlanError("hysteresis and switch cost must be non-negative")
-        if self.trial_prediction_error < 0:
-            raise PlanError(f"trial_prediction_error must be non-negative, got {self.trial_prediction_error}")
         if not self.noise_scale_factor > 0:
             raise PlanError(f"noise_scale_factor must be positive, got {self.noise_scale_factor}")
         if self.decision_interval < 1:
             raise PlanError(f"decision_interval must be at least 1, got {self.decision_interval}")
+        if self.probe_tokens < 1 or self.probe_tolerance < 0:
+            raise PlanError("probe_tokens must be positive and probe_tolerance non-negative")
         if not 0.0 < self.fallback_ema_alpha <= 1.0 or self.fallback_patience < 1:
             raise PlanError("fallback_ema_alpha must be in (0, 1] and fallback_patience at least 1")
 
@@ -99,11 +100,11 @@ class PolicySettings:
             "fallback": training.fallback,
             "fallback_ema_alpha": training.fallback_ema_alpha,
             "fallback_patience": training.fallback_patience,
-            "noise_scale_agreement": training.noise_scale_agreement,
             "noise_scale_factor": training.noise_scale_factor,
-            "measure_before_commit": training.measure_before_commit,
-            "trial_prediction_error": training.trial_prediction_error,
             "decision_interval": training.log_interval,
+            "probe": training.probe,
+            "probe_tokens": training.probe_tokens,
+            "probe_tolerance": training.probe_tolerance,
         }
         values.update(overrides)
         return cls(**values)
@@ -121,9 +122,6 @@ class Candidate:
     """Predicted: the measured strategies the throughput model's shape was fitted on (0: the raw model)."""
     on_first_line: bool = False
     """Predicted by the model fitted on the run's first line only (a proxy of the strategy's steps)."""
-    trial: bool = False
-    """Switched to in place to measure it (its predicted throughput did not pay, a perfect scaling would):
-    the policy falls back from it when the measurement says it does not pay, fallback setting or not."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,11 +130,18 @@ class FinishedStage:
 
     strategy: Strategy
     measured_tokens_per_s: float
-    trial: bool = False
-    """It was a trial when the run left it for a larger gbs: a fallback to it keeps judging it as one."""
     rate_measured: bool = True
     """False: the run left it before any steady line, and ``measured_tokens_per_s`` is the throughput
     estimator's (the search refits it as the run measures other strategies)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProbedAt:
+    """Where a candidate gbs last lost a probe: the run's tokens and the noise scale then (samples)."""
+
+    gbs: int
+    consumed_tokens: int
+    noise_scale: float | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,9 +162,10 @@ class PolicyState:
     """The fallback EMA of the noise scale (samples)."""
     below_break_even: int = 0
     """Consecutive evaluations with the EMA below the fallback break-even noise scale."""
-    largest_prediction_miss: float = 0.0
-    """The largest ``|measured / predicted - 1|`` of the strategies left so far that were switched to on a
-    prediction fitted on measured strategies (the trial rule's margin when over its setting)."""
+    probing: Candidate | None = None
+    """The candidate of the probe asked for and not yet answered."""
+    probed: tuple[ProbedAt, ...] = ()
+    """The latest lost probe of each candidate gbs (:data:`cona.planner.policy_probe.PROBE_SPACING`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,12 +184,11 @@ class Measurement:
     """The current strategy's measured throughput (None before a step was timed)."""
     rate_measured: bool = True
     """False: the run has measured no throughput yet and ``measured_tokens_per_s`` is the estimator's
-    prediction of the current strategy; a switch is then made only as an in-place trial, measured before it
-    is kept."""
-    measured_intervals: int = 0
-    """Log intervals behind ``measured_tokens_per_s`` (0: not counted, as in a simulation)."""
+    prediction of the current strategy; no switch is made on it (a probe measures both rates itself)."""
     remaining_tokens: float
     """Tokens still to train under the current strategy (the run's budget minus what is done)."""
+    probe: ProbeOutcome | None = None
+    """The outcome of the probe the last decision asked for, when it arrived since (None: none)."""
     interval_tokens: float = 0.0
     """Tokens between two evaluations (a metrics interval): a switch needs some left after it to happen at
     all, and to be measured (0: no such limit, as in a simulation that switches between evaluations)."""

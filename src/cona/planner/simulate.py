@@ -24,6 +24,7 @@ import numpy as np
 from cona.planner.chains import NoiseProfile, chain_time, optimal_assignment, segment_times
 from cona.planner.plan import ChainPlan, PlanResult, online_assignment, stages_of
 from cona.planner.policy import Candidate, PolicySettings
+from cona.planner.probe_replay import probes_lost_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,12 +104,12 @@ def simulate_against_truth(
     )
     times = segment_times(profile, truth, policy.base_gbs)
 
-    def chain(name: str, assignment: np.ndarray) -> ChainPlan:
+    def chain(name: str, assignment: np.ndarray, extra_s: float = 0.0) -> ChainPlan:
         stages = stages_of(assignment, profile, truth, base_gbs=policy.base_gbs, seq=seq)
         return ChainPlan(
             name=name,
             assignment=assignment,
-            time_s=chain_time(times, assignment, switch_cost_s),
+            time_s=chain_time(times, assignment, switch_cost_s) + extra_s,
             stages=stages,
         )
 
@@ -119,7 +120,7 @@ def simulate_against_truth(
             chain(f"static gbs {c.strategy.gbs}", np.full(segments, i)) for i, c in enumerate(truth)
         ),
         optimum=chain("hindsight optimum", optimal_assignment(times, switch_cost_s)),
-        online=chain("CONA online", online),
+        online=chain("CONA online", online, probes_lost_s(decisions)),  # its probes' losing branches
         decisions=decisions,
         target_progress=float(profile.edges[-1]),
         switch_cost_s=switch_cost_s,

@@ -58,7 +58,7 @@ class Point:
     """A stand-in for a measurement: steps of ``strategy`` before its steady rate (the run's first line after
     its first step, :meth:`cona.runner.schedules.frontier.FrontierSearch.add_first_line`). It enters the fit
     until the run has a measured point, then it is dropped, and it never answers for ``strategy`` as
-    measured (a decision on it is a trial's)."""
+    measured (a switch waits for a measured rate; a probe measures both)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,6 +24,7 @@ from cona.jsonl import read_lines
 from cona.metrics_record import MetricsRecord
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleEstimate, NoiseScaleTracker
+from cona.planner.probe_rule import ProbeOutcome
 from cona.strategy import Strategy
 
 METRICS_NAME = run_files.METRICS
@@ -57,6 +58,8 @@ class Trace:
     world_size: int | None = None
     backend: str = "native"
     """The backend that trained the run (its rows' ``backend`` field; the native engine writes none)."""
+    probes: tuple[ProbeOutcome, ...] = ()
+    """The paired probes the run made (``probes.jsonl`` beside its metrics), oldest first."""
     source: str = "<trace>"
 
     def estimate(self, index: int) -> NoiseScaleEstimate | None:
@@ -118,8 +121,24 @@ def read_trace(path: str | Path, *, training: TrainingConfig, min_samples: int =
         switch_costs_s=_switch_costs(plain),
         world_size=None if first is None else int(first.dp) * int(first.tp) * int(first.pp),
         backend=next((row.backend for row in plain if row.backend), "native"),
+        probes=_read_probes(metrics.parent / run_files.PROBES),
         source=str(metrics),
     )
+
+
+def _read_probes(path: Path) -> tuple[ProbeOutcome, ...]:
+    """The probes a run recorded (none where the file is missing); a probe the workers skipped is left out."""
+    outcomes = []
+    for line in read_lines(path):
+        if line.error is not None or not isinstance(line.value, dict):
+            raise PlanError(f"{path}: line {line.number} is not a JSON object")
+        if "skipped" in line.value:
+            continue
+        try:
+            outcomes.append(ProbeOutcome.from_dict(line.value))
+        except (KeyError, TypeError) as err:
+            raise PlanError(f"{path}: line {line.number} is not a probe record ({err})") from None
+    return tuple(outcomes)
 
 
 def _read_rows(path: Path) -> list[tuple[int, MetricsRecord]]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +29,9 @@ from cona import run_files
 from cona.atomic_files import write_json_atomic
 from cona.engine.spec import STOP_REASONS, StageResult, StageSpec
 from cona.errors import ChainError, LaunchError
+from cona.jsonl import read_lines
 from cona.planner.policy import Candidate
+from cona.planner.probe_rule import ProbeOutcome
 from cona.planner.systems import load_system
 from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
 from cona.runner.nodes.multinode import cona_command
@@ -49,7 +50,7 @@ from cona.runner.schedules.online_search import (
     log_not_carried_out,
 )
 from cona.runner.schedules.online_stages import StageRecords
-from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, torchrun_launcher
+from cona.runner.stage_run import Launcher, StageLR, checkpoint_dtype, stage_lr, torchrun_launcher
 from cona.runner.state import (
     ONLINE_CHAIN,
     RunState,
@@ -63,6 +64,7 @@ from cona.runner.state import (
 from cona.runner.views.online_report import print_summary, realized_chain
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
+from cona.switch_request import SwitchRequest
 
 __all__ = ["OnlineRun", "OnlineSchedule", "run_online"]
 
@@ -271,12 +273,18 @@ class OnlineSchedule:
             out=self.out,
             print_stays=not self.run.quiet,  # quiet mode: stage lines, switches and stops only
             run_tracker=self.run_tracker,
+            lr_factors=self._lr_factors,
         )
         search.start()
         try:
             yield
         finally:
             self.outcome = search.stop()
+
+    def _lr_factors(self, gbs: int, iteration: int) -> tuple[float, float]:
+        """The LR factors of a stage at ``gbs`` from ``iteration`` (a probe's candidate branch trains so)."""
+        lr = stage_lr(self.run.run_dir, self.run.config.training, gbs, iteration)
+        return lr.lr_factor, lr.min_lr_factor
 
     def after_training(self, state: RunState, stage: StageState) -> RunState:
         """Record the next stage when the stage ended on a switch request (read back from the request
@@ -286,47 +294,51 @@ class OnlineSchedule:
             request_path.unlink(missing_ok=True)
             return state
         result = StageResult.read(run_files.stage_result_path(self.run.run_dir, stage.step_num))
-        if result.reason not in ("switch_requested", "switch_in_place") or not request_path.is_file():
-            if request_path.is_file():  # decided after the workers' last boundary check: they completed
-                request = json.loads(request_path.read_text())
+        request = SwitchRequest.read(request_path) if request_path.is_file() else None
+        if result.reason == "switch_in_place":  # a won probe ended the stage, whatever the file says now
+            won = won_probe_switch(
+                self.run.run_dir, stage.step_num, result.last_iteration, self.strategy(stage.step_num)
+            )
+            request = won or request
+        if result.reason not in ("switch_requested", "switch_in_place") or request is None:
+            if request is not None:  # decided after the workers' last boundary check: they completed
                 request_path.unlink()  # first: a kill between the two then loses the note, not repeats it
                 self._note_unrealized(stage, request)
             return state
-        request = json.loads(request_path.read_text())
-        if request["action"] in ("switch", "fallback"):
+        if request.action in ("switch", "fallback"):
             state = self._record_next(state, stage, request, result)
         request_path.unlink()
         return state
 
-    def _note_unrealized(self, stage: StageState, request: dict) -> None:
-        if request.get("action") not in ("switch", "fallback"):
+    def _note_unrealized(self, stage: StageState, request: SwitchRequest) -> None:
+        if request.action not in ("switch", "fallback"):
             return
         record = log_not_carried_out(self.run.run_dir, stage.step_num, request, stage.last_iteration)
         self.out(f"stage {stage.step_num}: {record['reason']}")
 
     def _record_next(
-        self, state: RunState, stage: StageState, request: dict, result: StageResult
+        self, state: RunState, stage: StageState, request: SwitchRequest, result: StageResult
     ) -> RunState:
+        assert request.strategy is not None and request.predicted_tokens_per_s is not None
         target = Candidate(
-            strategy=Strategy(**request["strategy"]),
-            predicted_tokens_per_s=request["predicted_tokens_per_s"],
-            throughput_source=request.get("throughput_source", "predicted"),
-            fitted_on=request.get("fitted_on", 0),
-            on_first_line=request.get("on_first_line", False),
-            trial=request.get("trial", False),
+            strategy=request.strategy,
+            predicted_tokens_per_s=request.predicted_tokens_per_s,
+            throughput_source=request.throughput_source,
+            fitted_on=request.fitted_on,
+            on_first_line=request.on_first_line,
         )
-        in_place = request.get("in_place") is True and result.handed_over
-        self.records.add(target, action=request["action"], reason=request["reason"], in_place=in_place)
+        in_place = request.in_place and result.handed_over
+        self.records.add(target, action=request.action, reason=request.reason, in_place=in_place)
         state = dataclasses.replace(state, stages=(*state.stages, StageState(step_num=stage.step_num + 1)))
         save_state(self.run.run_dir, state)
         how = " in place" if in_place else ""
         self.out(
-            f"stage {stage.step_num} -> {stage.step_num + 1}: {request['action']}{how} to "
+            f"stage {stage.step_num} -> {stage.step_num + 1}: {request.action}{how} to "
             f"{target.strategy.short()} at iteration {stage.last_iteration}"
         )
         self.run_tracker.switch(
-            stage=stage.step_num + 1, iteration=stage.last_iteration or 0, action=request["action"],
-            strategy=target.strategy.short(), reason=request["reason"], in_place=in_place,
+            stage=stage.step_num + 1, iteration=stage.last_iteration or 0, action=request.action,
+            strategy=target.strategy.short(), reason=request.reason, in_place=in_place,
         )  # fmt: skip
         return state
 
@@ -362,6 +374,26 @@ class OnlineSchedule:
         realized = write_json_atomic(run_dir / run_files.REALIZED_CHAIN, chain)
         print_summary(run_dir, state, self.records.entries, target_ppl=self.run.target_ppl, out=self.out)
         self.out(f"realized chain: {realized} (cona train --chain replays it)")
+
+
+def won_probe_switch(run_dir: Path, stage: int, ended_at: int, current: Strategy) -> SwitchRequest | None:
+    """The switch a probe's candidate won where the stage ended on one (its last line of ``probes.jsonl``
+    is a candidate's win that began where the stage ended), else None: the candidate's strategy at the
+    rate its branch measured, with the probe's reason. A stop asked for during the probe does not undo it:
+    the workers went on from the candidate's branch."""
+    records = (line.value for line in read_lines(run_files.probes_path(run_dir)))
+    lines = [r for r in records if isinstance(r, dict) and r.get("stage") == stage and "skipped" not in r]
+    outcome = ProbeOutcome.from_dict(lines[-1]) if lines else None
+    if outcome is None or outcome.winner != "candidate" or outcome.iteration != ended_at:
+        return None
+    return SwitchRequest(
+        action="switch",
+        reason=f"probe of gbs {outcome.candidate.gbs}: {outcome.reason}",
+        in_place=True,
+        strategy=dataclasses.replace(current, gbs=outcome.candidate.gbs, mbs=outcome.candidate.mbs),
+        predicted_tokens_per_s=outcome.tokens / outcome.candidate.steady_seconds,
+        throughput_source="probed",
+    )
 
 
 def _size(path: Path) -> int:

@@ -3,8 +3,8 @@
 Between stages of one runner process the search hands its outcome to the next stage's search; after a kill,
 the same memory is rebuilt from the run directory: the noise-scale tracker from ``metrics.jsonl``, the
 measured switch costs from the run state (in-place switches apart from those through a checkpoint, as the
-policy keeps them), the earlier stages' measured throughputs (the fallback targets) and the largest miss of
-their fitted predictions (the trial rule's margin).
+policy keeps them), the earlier stages' measured throughputs (the fallback targets) and the probes the
+candidates lost (``probes.jsonl``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from cona import run_files
 from cona.engine.checkpoint_info import read_checkpoint_info
 from cona.errors import CheckpointError
+from cona.jsonl import read_lines
 from cona.planner.efficiency import NoiseScaleTracker
-from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state, prediction_miss
+from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, initial_state
+from cona.planner.policy_probe import after_lost_probe
+from cona.planner.probe_rule import ProbeOutcome
 from cona.runner.noise_history import noise_tracker
 from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.schedules.online_search import PendingSwitch
@@ -47,13 +51,25 @@ def resumed_memory(
     earlier = len(state.stages) - 1
     if earlier:
         rates = stage_rows(run.run_dir, state, records.entries)[:earlier]
-        miss = max(prediction_miss(records.candidate(row["stage"]), row["tokens_per_s"]) for row in rates)
-        policy_state = dataclasses.replace(
-            policy_state, earlier=_earlier_stages(rates, records), largest_prediction_miss=miss
-        )
-    overrides = {"in_place": in_place, "in_place_mbs": in_place_mbs, **run.policy_overrides}
+        policy_state = dataclasses.replace(policy_state, earlier=_earlier_stages(rates, records))
+    policy_state = lost_probes(run.run_dir, policy_state, seq=run.config.model.seq)
+    # Probes need the native engine's workers: another backend switches on the noise-scale model alone.
+    probe = training.probe and run.backend == "native"
+    overrides = {"in_place": in_place, "in_place_mbs": in_place_mbs, "probe": probe, **run.policy_overrides}
     settings = PolicySettings.from_training(training, max_gbs=run.max_gbs, **overrides)
     return Memory(settings=settings, policy_state=policy_state, tracker=tracker)
+
+
+def lost_probes(run_dir: Path, state: PolicyState, *, seq: int) -> PolicyState:
+    """The policy's memory of the probes its candidates lost (``probes.jsonl``), as the killed run had it
+    (the noise scale then is not recorded: only the tokens space the next probe)."""
+    for line in read_lines(run_files.probes_path(run_dir)):
+        record = line.value
+        if not isinstance(record, dict) or "skipped" in record or record.get("winner") != "current":
+            continue
+        outcome = ProbeOutcome.from_dict(record)
+        state = after_lost_probe(state, outcome, outcome.consumed_samples * seq, None)
+    return state
 
 
 def _earlier_stages(rates: list[dict], records: StageRecords) -> tuple[FinishedStage, ...]:
@@ -70,7 +86,6 @@ def _earlier_stages(rates: list[dict], records: StageRecords) -> tuple[FinishedS
         finished = FinishedStage(  # a stage without a steady line: the rate it was chosen on, as in-process
             strategy=left,
             measured_tokens_per_s=row["tokens_per_s"] or candidate.predicted_tokens_per_s,
-            trial=candidate.trial,
             rate_measured=row["tokens_per_s"] is not None,
         )
         earlier = (*earlier, finished)

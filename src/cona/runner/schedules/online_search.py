@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from cona import run_files
-from cona.atomic_files import write_json_atomic
 from cona.jsonl import JsonlTail
 from cona.metrics_record import MetricsRecord, metrics_records, stage_rates, steady_rates
 from cona.planner.efficiency import NoiseScaleEstimate, NoiseScaleTracker
@@ -43,9 +42,11 @@ from cona.planner.policy import (
     refresh_predicted_rates,
     strategy_dict,
 )
+from cona.planner.probe_rule import ProbeOutcome
 from cona.runner.schedules.frontier import FrontierSearch
 from cona.runner.views.run_tracker import RunTracker
 from cona.strategy import Strategy
+from cona.switch_request import ProbeAsk, SwitchRequest
 
 DECISIONS_NAME = run_files.DECISIONS
 POLL_INTERVAL_S = 0.05
@@ -132,9 +133,12 @@ class StageSearch:
         out: Callable[[str], None] = print,
         print_stays: bool = True,
         run_tracker: RunTracker | None = None,
+        lr_factors: Callable[[int, int], tuple[float, float]] | None = None,
     ) -> None:
         """``print_stays``: also say some "stay" decisions on ``out`` (switches and stops always are; every
-        decision is in decisions.jsonl). Off in quiet mode. ``run_tracker`` gets every decision too."""
+        decision is in decisions.jsonl). Off in quiet mode. ``run_tracker`` gets every decision too.
+        ``lr_factors(gbs, iteration)``: the LR and min-LR factors a stage at ``gbs`` from ``iteration``
+        trains with, for a probe's candidate branch (None: the base LR)."""
         self.run_dir, self.stage, self.launched_at = run_dir, stage, launched_at
         self.run_tracker = run_tracker if run_tracker is not None else RunTracker.off()
         self.print_stays = print_stays
@@ -146,6 +150,12 @@ class StageSearch:
         self.noise_scale_floor = noise_scale_floor
         self.startup_prices_switch = startup_prices_switch
         self.tail = JsonlTail(run_files.metrics_path(run_dir), metrics_offset)
+        self.probes = JsonlTail.at_end(run_files.probes_path(run_dir))
+        self.lr_factors = lr_factors or (lambda gbs, iteration: (1.0, 1.0))
+        self.probing = False
+        """A probe was asked for and its outcome not read yet."""
+        self._last: MetricsRecord | None = None
+        """The stage's last metrics line (what a decision on a probe's outcome is measured at)."""
         self.rate_lines: list[MetricsRecord] = []  # the stage's lines with a tokens/s
         self.decision: Decision | None = None
         self.stop_reason: str | None = None
@@ -170,18 +180,46 @@ class StageSearch:
         return steady_rates(stage_rates(self.rate_lines))
 
     def poll(self) -> Decision | None:
-        """Read what is new, evaluate once if anything is, and request a switch or stop if due."""
+        """Read what is new, evaluate once if anything is, and request a switch, probe or stop if due."""
         records = metrics_records(self.tail.new_records())
+        if self.probing:  # the workers train on after a lost probe: their lines count
+            for record in records:
+                self._absorb(record)
+            self._note_last(records)
+            return self._read_probe()
         if not records or self.requested:
             return None
         for record in records:
             self._absorb(record)
         if self.requested:
             return None
+        if not self._note_last(records):
+            return None
+        assert self._last is not None
+        return self._evaluate(self._last)
+
+    def _note_last(self, records: list[MetricsRecord]) -> bool:
         last = next((r for r in reversed(records) if r.stage == self.stage), None)
         if last is None or last.iteration is None:
+            return False
+        self._last = last
+        return True
+
+    def _read_probe(self) -> Decision | None:
+        """The outcome of the probe asked for, once the workers wrote it: decided on (a won probe is the
+        switch the workers made; a lost or skipped one lets the search go on)."""
+        line = next((r for r in self.probes.new_records() if r.get("stage") == self.stage), None)
+        if line is None or self._last is None:
             return None
-        return self._evaluate(last)
+        self.probing = False
+        if "skipped" in line:
+            self.policy_state = dataclasses.replace(self.policy_state, probing=None)
+            self.decision = None
+            self.out(f"stage {self.stage}: probe not run: {line['skipped']}")
+            return None
+        decision = self._evaluate(self._last, probe=ProbeOutcome.from_dict(line))
+        self.decision = decision if decision.action == "switch" else None
+        return decision
 
     @property
     def requested(self) -> bool:
@@ -200,7 +238,7 @@ class StageSearch:
             self.target_reached = record.to_dict()
             self.stop_reason = f"eval perplexity {ppl:.2f} <= --target-ppl {target:g}"
             self.out(f"stage {self.stage}: {self.stop_reason} at iteration {record.iteration}; stopping")
-            write_json_atomic(self.switch_request_path, {"action": "stop", "reason": self.stop_reason})
+            SwitchRequest(action="stop", reason=self.stop_reason).write(self.switch_request_path)
 
     def _account_start(self, record: MetricsRecord) -> None:
         """The first interval of the stage dates its start-up: launch until the first step was done."""
@@ -222,8 +260,8 @@ class StageSearch:
             cost_s = max(self.settings.predicted_switch_cost_s, startup_s)
             self.settings = dataclasses.replace(self.settings, predicted_switch_cost_s=cost_s)
 
-    def _evaluate(self, last: MetricsRecord) -> Decision | None:
-        if self.pending is not None:
+    def _evaluate(self, last: MetricsRecord, probe: ProbeOutcome | None = None) -> Decision | None:
+        if self.pending is not None and probe is None:
             return None  # the switch into this stage is not accounted yet
         started = time.perf_counter()
         measured, rate_measured = self._current_rate()
@@ -237,9 +275,9 @@ class StageSearch:
             noise_measurements=len(self.tracker.measurements),
             measured_tokens_per_s=measured,
             rate_measured=rate_measured,
-            measured_intervals=len(self.steady_rates()),
             remaining_tokens=self.budget.remaining_tokens(iteration, tokens, current.gbs),
             interval_tokens=float(last.steps_in_interval or 1) * current.gbs * self.budget.seq,
+            probe=probe,
         )
         if rate_measured:
             self._measure(current, measured)
@@ -249,21 +287,29 @@ class StageSearch:
         decision = decide(self.policy_state, measurement, candidate, self.settings)
         self.policy_state = decision.state
         self._log(decision, evaluation_s=time.perf_counter() - started)
-        if decision.action != "stay":
+        if decision.action != "stay" and probe is None:  # after a probe the workers already acted
             self.decision = decision
-            request = {
-                "action": decision.action,
-                "in_place": bool(decision.record.get("in_place")),
-                **_target(decision),
-            }
-            write_json_atomic(self.switch_request_path, request)  # a worker never reads half of it
+            ask = self._probe_ask(decision, iteration) if decision.action == "probe" else None
+            self.probing = ask is not None
+            switch_request(decision, ask).write(self.switch_request_path)
         return decision
+
+    def _probe_ask(self, decision: Decision, iteration: int) -> ProbeAsk:
+        """What the workers need for a probe besides its target: the candidate's LR factors (its stage's,
+        from the next boundary), the samples per branch and the tolerance."""
+        assert decision.target is not None
+        lr_factor, min_lr_factor = self.lr_factors(decision.target.strategy.gbs, iteration)
+        return ProbeAsk(
+            lr_factor=lr_factor,
+            min_lr_factor=min_lr_factor,
+            samples=-(-self.settings.probe_tokens // self.budget.seq),
+            tolerance=self.settings.probe_tolerance,
+        )
 
     def _current_rate(self) -> tuple[float | None, bool]:
         """The running strategy's rate and whether it was measured. Until the run has a steady line it is
-        the estimator's (:meth:`FrontierSearch.add_first_line`): the first decision, a trial only, comes at
-        the first line, not a log interval later at the second (seconds that matter where a fixed run
-        reaches the easiest loss targets a few seconds after its first step)."""
+        the estimator's (:meth:`FrontierSearch.add_first_line`): the first decision, a probe only, comes at
+        the first line, not one line later, when the easiest targets of a short run may already be near."""
         measured = self.measured_tokens_per_s()
         if measured is not None:
             return measured, True
@@ -346,8 +392,12 @@ class StageSearch:
             self._thread.join()
         if self.error is not None:
             raise self.error
-        for record in metrics_records(self.tail.new_records()):  # the last lines: counted, not acted on
+        records = metrics_records(self.tail.new_records())
+        for record in records:  # the last lines: counted, not acted on
             self._absorb(record)
+        if self.probing:  # a probe the candidate won ends the stage: its outcome is the stage's switch
+            self._note_last(records)
+            self._read_probe()
         rate, rate_measured = self._current_rate()
         return StageOutcome(
             decision=self.decision,
@@ -362,18 +412,18 @@ class StageSearch:
 
 
 def log_not_carried_out(
-    run_dir: Path, stage: int, request: dict[str, Any], last_iteration: int | None
+    run_dir: Path, stage: int, request: SwitchRequest, last_iteration: int | None
 ) -> dict[str, Any]:
     """Append to ``decisions.jsonl`` that the stage's switch request came after its workers' last step
     boundary (they completed first), so it was not carried out; returns the record."""
-    target = Strategy(**request["strategy"]).short() if isinstance(request.get("strategy"), dict) else "?"
+    target = request.strategy.short() if request.strategy is not None else "?"
     record = {
         "stage": stage,
         "iteration": last_iteration,
         "decision": "not_carried_out",
-        "requested": request.get("action"),
-        "strategy": request.get("strategy"),
-        "reason": f"the {request.get('action')} to {target} was requested after the stage's last step "
+        "requested": request.action,
+        "strategy": strategy_dict(request.strategy) if request.strategy is not None else None,
+        "reason": f"the {request.action} to {target} was requested after the stage's last step "
         f"(iteration {last_iteration}): not carried out",
     }
     record["time"] = record["decided_at"] = time.time()  # no metrics line: when the runner found it
@@ -387,14 +437,18 @@ def _time_of(record: MetricsRecord) -> float:
     return time.time() if record.time is None else record.time
 
 
-def _target(decision: Decision) -> dict[str, Any]:
-    assert decision.target is not None, "a switch or fall-back always names its target"
-    return {
-        "strategy": strategy_dict(decision.target.strategy),
-        "predicted_tokens_per_s": decision.target.predicted_tokens_per_s,
-        "throughput_source": decision.target.throughput_source,
-        "fitted_on": decision.target.fitted_on,
-        "on_first_line": decision.target.on_first_line,
-        "trial": decision.target.trial,
-        "reason": decision.reason,
-    }
+def switch_request(decision: Decision, probe: ProbeAsk | None = None) -> SwitchRequest:
+    """The request a switch, fall-back or probe decision writes for the workers."""
+    target = decision.target
+    assert target is not None, "a switch, fall-back or probe always names its target"
+    return SwitchRequest(
+        action=decision.action,
+        reason=decision.reason,
+        in_place=bool(decision.record.get("in_place")),
+        strategy=target.strategy,
+        predicted_tokens_per_s=target.predicted_tokens_per_s,
+        throughput_source=target.throughput_source,
+        fitted_on=target.fitted_on,
+        on_first_line=target.on_first_line,
+        probe=probe,
+    )

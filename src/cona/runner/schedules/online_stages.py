@@ -57,7 +57,6 @@ class StageRecords:
                 "throughput_source": candidate.throughput_source,
                 "fitted_on": candidate.fitted_on,
                 "on_first_line": candidate.on_first_line,
-                "trial": candidate.trial,
                 "action": action,
                 "reason": reason,
                 "in_place": in_place,
@@ -76,7 +75,6 @@ class StageRecords:
             throughput_source=entry.get("throughput_source", "predicted"),
             fitted_on=entry.get("fitted_on", 0),
             on_first_line=entry.get("on_first_line", False),
-            trial=entry.get("trial", False),
         )
 
     def continues_in_place(self, step_num: int) -> bool:

@@ -246,6 +246,8 @@ def candidate_text(decision: Record | None) -> str | None:
     label = strategy_label(candidate["strategy"])
     if action == "switch":
         return f"{label}: switching"
+    if action == "probe":  # the noise-scale model's view is the prior only: the probe decides
+        return f"{label}: probing"
     current_goodput = (decision.get("current") or {}).get("progress_per_s")
     goodput = candidate.get("progress_per_s")
     if not isinstance(current_goodput, int | float) or not isinstance(goodput, int | float):
