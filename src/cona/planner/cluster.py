@@ -13,6 +13,7 @@ from cona.planner.policy import Candidate, PolicySettings
 from cona.planner.profiles import BackendProfile
 from cona.planner.search_choice import search_strategies
 from cona.planner.simulate import World, build_world
+from cona.planner.space import SpaceOptions
 from cona.planner.switch_cost import IN_PLACE_S, predicted_switch_cost_s
 from cona.planner.systems import System
 
@@ -26,6 +27,9 @@ class Cluster:
     dtype: str = "bf16"
     backend: str | BackendProfile = "native"
     botorch: bool | None = None
+    options: SpaceOptions | None = None
+    """The options searched besides the layout (:func:`cona.planner.plan.space_options` gives online mode's:
+    the config's ZeRO stage, recompute and sequence parallelism); None: every option."""
 
 
 def cluster_candidates(model: ModelConfig, cluster: Cluster, sizes: tuple[int, ...]) -> tuple[Candidate, ...]:
@@ -36,7 +40,7 @@ def cluster_candidates(model: ModelConfig, cluster: Cluster, sizes: tuple[int, .
         try:
             result = search_strategies(
                 model, cluster.system, cluster.gpus, gbs, dtype=dtype, top_k=1, backend=cluster.backend,
-                botorch=cluster.botorch,
+                botorch=cluster.botorch, options=cluster.options,
             )  # fmt: skip
         except PlanError:
             continue
@@ -49,13 +53,12 @@ def cluster_candidates(model: ModelConfig, cluster: Cluster, sizes: tuple[int, .
 def policy_settings(
     curves: StatCurves, max_gbs: int, training: TrainingConfig | None = None
 ) -> PolicySettings:
-    """Online mode's settings (the config's policy keys; defaults when none is given) over the curves' gbs,
-    switching in place where the layout is kept, as the native engine does."""
+    """Online mode's settings (the config's policy keys and log interval; defaults when none is given) over
+    the curves' gbs, switching in place where the layout is kept, as the native engine does."""
     training = training or TrainingConfig(base_gbs=curves.base_gbs)
     return PolicySettings.from_training(
-        training, max_gbs=max_gbs, gbs_list=curves.gbs, in_place=True, predicted_in_place_cost_s=IN_PLACE_S,
-        decision_interval=1,
-    )  # fmt: skip
+        training, max_gbs=max_gbs, gbs_list=curves.gbs, in_place=True, predicted_in_place_cost_s=IN_PLACE_S
+    )
 
 
 def curves_world(

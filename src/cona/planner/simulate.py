@@ -13,9 +13,10 @@ Compared on that world (:func:`compare`):
 * **token ramp**: the gbs doubled through the candidates at equal token milestones over the first
   ``ramp_share`` of the tokens the user's gbs needs (GPT-3's kind of batch ramp), each at its best layout;
 * **CONA online**: the policy's own code (:func:`cona.planner.policy.decide` with
-  :func:`~cona.planner.policy.next_frontier` over the model's candidates) at every loss level, on what the
-  run would have measured there: the running strategy's true throughput with measurement noise, and the
-  noise scale its curve's tracker reported;
+  :func:`~cona.planner.policy.next_frontier` over the model's candidates, a trained one at its measured
+  rate) at the loss levels where a run would have logged, on what it would have measured there: the
+  running strategy's true throughput with measurement noise, and the noise scale its curve's tracker
+  reported;
 * **hindsight optimum**: dynamic programming over (loss level, candidate), every switch's cost charged.
 
 The model's error is carried into the answer (:func:`compare_with_error`): each comparison is repeated with
@@ -171,17 +172,25 @@ def ramp_assignment(world: World, share: float = RAMP_SHARE) -> np.ndarray:
 def online_assignment(
     world: World, settings: PolicySettings, true_tokens_per_s: np.ndarray, rng: np.random.Generator
 ) -> tuple[np.ndarray, tuple[dict, ...]]:
-    """CONA's chain: the policy decides at every loss level on what the run measured, from the user's gbs."""
-    by_gbs = {c.strategy.gbs: c for c in world.candidates}
+    """CONA's chain from the user's gbs: the policy decides at a loss level once ``decision_interval``
+    iterations have run since its last decision (as a run decides at its metrics lines), on what the run
+    measured there."""
+    by_gbs = {c.strategy.gbs: c for c in world.candidates}  # the model's, until a strategy is measured
     index_of = {c.strategy: i for i, c in enumerate(world.candidates)}
     current, state = world.initial, initial_state(world.candidates[world.initial])
-    clock = consumed = iteration = 0.0
+    clock = consumed = iteration = decided_at = 0.0
     assignment = np.empty(len(world.segment_tokens), dtype=np.int64)
     decisions = []
     for k in range(len(assignment)):
-        if k > 0:
+        if k > 0 and iteration - decided_at >= settings.decision_interval:
+            decided_at = iteration
             measured = float(true_tokens_per_s[current] * math.exp(rng.normal(0.0, MEASUREMENT_SIGMA)))
             gbs = world.candidates[current].strategy.gbs
+            # online mode's search offers a strategy the run has trained at its measured rate
+            by_gbs[gbs] = Candidate(
+                strategy=world.candidates[current].strategy, predicted_tokens_per_s=measured,
+                throughput_source="measured",
+            )  # fmt: skip
             frontier = next_frontier(gbs, measured, settings, by_gbs.get)
             cost = world.switch_costs_s[current, index_of[frontier.strategy]] if frontier else 0.0
             measurement = Measurement(
