@@ -13,8 +13,8 @@ the budget keeps the evaluations it made and every earlier run is kept.
 The plan (tokens, iterations, micro-batch, estimated seconds per run) is printed before anything runs: the
 estimate is ``START_S`` of start-up and compile per run plus the tokens at ``TOKENS_PER_S`` (GPT-125M,
 seq 512, bf16, compiled, on one H100 or H200). With the defaults (six runs, 14M tokens each) it is about
-8 minutes; ``--budget-s`` stops the run in progress (its evaluations so far are kept) when the budget is
-spent.
+8 minutes; ``--budget-s`` (520 s) is shared among the runs by their estimates, and a run is stopped at its
+share (its evaluations so far are kept), so a slower device shortens every curve alike.
 
 GPU, one H100 (from the repository root, ``data/bench`` carried; ~8.5 minutes)::
 
@@ -96,7 +96,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setup
     )
     parser.add_argument("--gbs", default=None, help="comma list of global batch sizes (default 16,...,512)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per run (default 14M)")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="stop the run in progress after this")
+    parser.add_argument(
+        "--budget-s", type=float, default=520.0, help="seconds for all runs, shared by their estimates"
+    )
     parser.add_argument("--work-dir", default=None, help="where the runs go (default: a temporary directory)")
     parser.add_argument("--data-dir", default=None, help="default: the corpus's folder")
     args = parser.parse_args(argv)
@@ -221,6 +223,13 @@ def curve_of(metrics: Path, gbs: int, base_gbs: int) -> dict[str, Any] | None:
     }
 
 
+def run_deadline(remaining: list[dict[str, Any]], now: float, deadline: float) -> float:
+    """When the first of ``remaining`` runs is stopped: its estimated share of the budget left, so a device
+    slower than the estimate shortens every curve alike rather than dropping the last gbs."""
+    share = remaining[0]["estimated_s"] / sum(row["estimated_s"] for row in remaining)
+    return now + max(deadline - now, 0.0) * share
+
+
 def write_curves(out: Path, setup: Setup, curves: list[dict[str, Any]], recorded: dict[str, Any]) -> None:
     from cona.planner.curves import curves_json
 
@@ -257,12 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="stat-curves-"))
     curves = []
-    for row in rows:
-        if time.monotonic() >= deadline:
-            print(f"gbs {row['gbs']}: not run, the budget is spent", flush=True)
-            continue
+    for index, row in enumerate(rows):
         started = time.monotonic()
-        metrics = run_one(setup, row, args.data_dir, work, deadline)
+        metrics = run_one(setup, row, args.data_dir, work, run_deadline(rows[index:], started, deadline))
         curve = curve_of(metrics, row["gbs"], setup.base_gbs) if metrics.is_file() else None
         if curve is not None:
             curves.append(curve)

@@ -62,3 +62,10 @@ def test_the_smoke_run_writes_a_curves_file_the_planner_reads(stat_curves, tmp_p
     curves = load_curves(out)
     assert curves.gbs == (2,) and not curves.synthetic and curves.recorded["card"] == "cpu"
     assert len(curves.curves[0].tokens) >= 1 and curves.curves[0].tokens[-1] == 256
+
+
+def test_the_budget_is_shared_by_the_estimates_and_time_left_passes_on(stat_curves):
+    rows = [{"estimated_s": 10.0}, {"estimated_s": 30.0}]
+    assert stat_curves.run_deadline(rows, now=0.0, deadline=80.0) == 20.0  # a quarter of the budget
+    assert stat_curves.run_deadline(rows[1:], now=5.0, deadline=80.0) == 80.0  # the first ended early
+    assert stat_curves.run_deadline(rows[1:], now=90.0, deadline=80.0) == 90.0  # spent: stopped at once
