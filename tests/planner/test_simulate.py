@@ -107,3 +107,15 @@ def test_a_switch_in_place_costs_a_step_and_a_layout_change_a_checkpoint_that_sh
     two_nodes = predicted_switch_cost_s(model, Strategy(dp=16, tp=1, pp=1, mbs=1, gbs=16),
                                         Strategy(dp=8, tp=2, pp=1, mbs=2, gbs=16), 8)  # fmt: skip
     assert one_node > IN_PLACE_S and two_nodes < one_node
+
+
+def test_a_gbs_whose_run_stopped_above_the_target_is_left_out_and_said_so():
+    short = synthetic_curves()
+    last = short["curves"][-1]  # gbs 512: keep its first third only
+    for key in ("tokens", "eval_loss", "noise_scale"):
+        last[key] = last[key][: len(last[key]) // 3]
+    curves = parse_curves(short, source="synthetic")
+    world = curves_world(curves, Cluster(system=load_system("h100_80g"), gpus=8), initial_gbs=16, max_gbs=512,
+                         target_loss=3.0, segments=20)  # fmt: skip
+    assert [c.strategy.gbs for c in world.candidates] == [16, 32, 64, 128, 256]
+    assert len(world.left_out) == 1 and world.left_out[0].startswith("gbs 512: its run stopped at eval loss")

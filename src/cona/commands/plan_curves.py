@@ -129,6 +129,8 @@ def _print_table(world: World, spread: ErrorSpread) -> None:
     print("\nbest strategy per gbs (performance model; what a static planner picks for that gbs):")
     for candidate in world.candidates:
         print(f"  {candidate.strategy.short():36s} {candidate.predicted_tokens_per_s:14,.0f} tokens/s")
+    for reason in world.left_out:
+        print(f"  left out: {reason}")
     nominal = spread.nominal
     print("\n| plan | time to target | CONA's speed-up over it | over the perturbed worlds | chain |")
     print("|---|---:|---:|---:|---|")

@@ -4,6 +4,7 @@ the curves, and the policy settings online mode would run with (:mod:`cona.plann
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cona.config import ModelConfig, TrainingConfig
@@ -82,8 +83,10 @@ def curves_world(
         raise PlanError(
             f"no strategy of {curves.model.name} fits {cluster.gpus} GPUs of {cluster.system.name}"
         )
+    fitted = {c.strategy.gbs for c in candidates}
+    no_fit = tuple(f"gbs {gbs}: no strategy fits" for gbs in sizes if gbs not in fitted)
     per_node = cluster.system.gpus_per_node
-    return build_world(
+    world = build_world(
         curves,
         candidates,
         target_loss=target_loss,
@@ -91,3 +94,4 @@ def curves_world(
         initial_gbs=initial_gbs,
         switch_cost=lambda a, b: predicted_switch_cost_s(curves.model, a.strategy, b.strategy, per_node),
     )
+    return dataclasses.replace(world, left_out=no_fit + world.left_out)

@@ -69,6 +69,8 @@ class World:
     initial: int
     """Index of the user's gbs."""
     seq: int
+    left_out: tuple[str, ...] = ()
+    """Why a gbs of the curves has no candidate here (no strategy fits; its run stopped above the target)."""
 
     @property
     def believed_tokens_per_s(self) -> np.ndarray:
@@ -86,11 +88,13 @@ def build_world(
 ) -> World:
     """The world of ``candidates``: those whose gbs's curve reaches the target (the others are left out)."""
     levels = curves.ladder(target_loss, segments)
-    kept, columns, noise_columns = [], [], []
+    kept, columns, noise_columns, left_out = [], [], [], []
     for candidate in candidates:
         curve = curves.curve(candidate.strategy.gbs)
         reached = curve.tokens_to_losses(levels)
         if not np.isfinite(reached[-1]):
+            lowest = float(np.min(curve.eval_loss))
+            left_out.append(f"gbs {curve.gbs}: its run stopped at eval loss {lowest:.4g}, above the target")
             continue
         kept.append(candidate)
         columns.append(np.diff(reached, prepend=0.0))
@@ -110,6 +114,7 @@ def build_world(
         switch_costs_s=costs,
         initial=gbs.index(initial_gbs),
         seq=curves.model.seq,
+        left_out=tuple(left_out),
     )
 
 
