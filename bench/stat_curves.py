@@ -77,6 +77,11 @@ SETUPS = {
         base_lr=4e-4, base_min_lr=4e-5, warmup_tokens=1_310_720, decay_tokens=32_000_000,
         eval_every_tokens=262_144, eval_samples=64, gbs=(16, 32, 64, 128, 256, 512), tokens=14_000_000,
     ),
+    "demo": Setup(
+        model=_GPT_125M, data=("data/demo", "wiki_text_document", "gpt2"), device="cuda", base_gbs=8,
+        base_lr=4e-4, base_min_lr=4e-5, warmup_tokens=1_310_720, decay_tokens=32_000_000,
+        eval_every_tokens=262_144, eval_samples=64, gbs=(16, 32, 64, 128, 256, 512), tokens=14_000_000,
+    ),
     "smoke": Setup(
         model={"name": "gpt-tiny", "layers": 2, "hidden": 32, "heads": 2, "seq": 32, "attention_dropout": 0.0,
                "hidden_dropout": 0.0},
@@ -89,7 +94,10 @@ SETUPS = {
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setup]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", choices=("bench",), default="bench", help="GPT-125M on data/bench")
+    parser.add_argument(
+        "--corpus", choices=("bench", "demo"), default="bench",
+        help="GPT-125M on data/bench (demo: on the 1M-token demo text, for a timing check)",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT on the demo text, on the CPU")
     parser.add_argument(
         "--out", type=Path, required=True, help="the curves file (JSON), written after each run"
@@ -215,6 +223,8 @@ def curve_of(metrics: Path, gbs: int, base_gbs: int) -> dict[str, Any] | None:
         seen = np.flatnonzero(trace.tokens <= tokens)
         estimate = trace.estimate(int(seen[-1])) if seen.size else None
         noise.append(None if estimate is None else estimate.noise_scale)
+    for strategy, step_s in trace.timed:
+        print(f"gbs {gbs}: median step {step_s:.3f} s ({strategy.short()})", flush=True)
     return {
         "gbs": gbs,
         "tokens": trace.loss_tokens.tolist(),
