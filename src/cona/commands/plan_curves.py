@@ -4,6 +4,7 @@ against the baselines, simulated from measured statistical curves (:mod:`cona.pl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -62,8 +63,7 @@ def run_curves(args: argparse.Namespace) -> int:
     world = curves_world(
         curves, cluster, initial_gbs=initial_gbs, max_gbs=max_gbs, target_loss=target, segments=args.segments
     )
-    settings = policy_settings(curves, max_gbs, training)
-    settings = type(settings)(**{**_fields(settings), "hysteresis": args.hysteresis})
+    settings = dataclasses.replace(policy_settings(curves, max_gbs, training), hysteresis=args.hysteresis)
     points = published_points()
     mean, largest = error_summary(points)
     spread = compare_with_error(
@@ -74,10 +74,6 @@ def run_curves(args: argparse.Namespace) -> int:
     if args.out:
         _write_chain(args.out, spread.nominal.online, curves, training, cluster)
     return 0
-
-
-def _fields(settings) -> dict:
-    return {name: getattr(settings, name) for name in settings.__slots__}
 
 
 def _training(args: argparse.Namespace, curves: StatCurves) -> TrainingConfig:
