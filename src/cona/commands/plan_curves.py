@@ -19,6 +19,7 @@ from cona.planner.plan import ChainPlan, chain_config, space_options
 from cona.planner.profiles import run_profile
 from cona.planner.published import error_summary, published_points
 from cona.planner.simulate import Comparison, ErrorSpread, ModelError, World, compare_with_error
+from cona.planner.switch_cost import IN_PLACE_S
 from cona.planner.systems import load_system
 
 DEFAULT_DRAWS = 32
@@ -147,7 +148,11 @@ def _print_table(world: World, spread: ErrorSpread) -> None:
         f"| {nominal.optimum.name} | {_duration(nominal.optimum.time_s)} | CONA {value:+.1%} from it | "
         f"{low:+.1%} to {high:+.1%} | {_chain(nominal.optimum)} |"
     )
-    print("\nswitch costs charged (predicted): in place where the layout is kept, else through a checkpoint")
+    costs = sorted({round(float(c), 1) for c in world.switch_costs_s.flat if c > 0})
+    print(
+        f"\nswitch costs charged (predicted): {IN_PLACE_S:g} s in place where the layout is kept, else a "
+        f"checkpoint save and load: {', '.join(f'{c:g} s' for c in costs if c != IN_PLACE_S) or 'none'}"
+    )
     _print_decisions(nominal)
 
 
