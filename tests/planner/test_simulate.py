@@ -74,7 +74,7 @@ def test_every_plan_is_timed_on_the_truth_and_none_beats_the_optimum():
     assert result.online.stages[-1].strategy.gbs > 16 and result.decisions
 
 
-def test_cona_leaves_no_gain_to_the_token_ramp_or_the_user_gbs_on_the_synthetic_curves():
+def test_cona_beats_the_user_gbs_and_the_token_ramp_on_64_gpus_of_the_synthetic_curves():
     world = curves_world(CURVES, Cluster(system=load_system("h100_80g"), gpus=64), initial_gbs=16,
                          max_gbs=512, target_loss=3.0, segments=60)  # fmt: skip
     result = compare(world, policy_settings(CURVES, 512), world.believed_tokens_per_s)
