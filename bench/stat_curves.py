@@ -20,7 +20,13 @@ GPU, one H100 (from the repository root, ``data/bench`` carried; ~8.5 minutes)::
 
     PYTHONPATH=src timeout 590 python3 bench/stat_curves.py --corpus bench --out $OUT/curves-125m.json
 
-CPU smoke (a tiny GPT on the demo text, two runs, well under a minute)::
+The largest batches need the most tokens to reach a low loss; they can train longer in a call of their own
+and the files be merged (``--merge A.json B.json --out C.json``)::
+
+    PYTHONPATH=src timeout 590 python3 bench/stat_curves.py --corpus bench --gbs 256,512 --tokens 30000000 \
+        --out $OUT/curves-125m-large.json
+
+CPU smoke (a tiny GPT on the demo text, two runs, about a minute on a loaded 2-core machine)::
 
     PYTHONPATH=src .venv/bin/python bench/stat_curves.py --smoke --out /tmp/curves.json
 """
@@ -257,7 +263,42 @@ def device_name(setup: Setup) -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda (not available)"
 
 
+def merge(paths: list[Path], out: Path) -> int:
+    """One curves file from several calls' (e.g. the large gbs trained longer in a call of their own): the
+    model and base gbs must agree; a gbs in several files is an error."""
+    from cona.errors import PlanError
+    from cona.planner.curves import curves_json, load_curves
+
+    try:
+        loaded = [load_curves(path) for path in paths]
+    except PlanError as error:
+        raise SystemExit(f"--merge: {error}") from None
+    first = loaded[0]
+    for other in loaded[1:]:
+        if (other.model, other.base_gbs) != (first.model, first.base_gbs):
+            raise SystemExit(f"--merge: {other.source} has another model or base gbs than {first.source}")
+    gbs = [g for curves in loaded for g in curves.gbs]
+    if len(set(gbs)) != len(gbs):
+        raise SystemExit(f"--merge: a gbs is in more than one file ({sorted(gbs)})")
+    raws = [json.loads(Path(path).read_text()) for path in paths]
+    content = curves_json(
+        raws[0]["model"], first.base_gbs, [c for raw in raws for c in raw["curves"]],
+        synthetic=any(curves.synthetic for curves in loaded),
+        recorded={"merged": [raw["recorded"] for raw in raws]},
+    )  # fmt: skip
+    out.write_text(json.dumps(content, indent=1) + "\n")
+    print(f"merged {len(gbs)} curves from {len(paths)} files into {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--merge":
+        *sources, flag, out = argv[1:]
+        if flag != "--out" or not sources:
+            raise SystemExit("usage: stat_curves.py --merge A.json B.json ... --out C.json")
+        return merge([Path(s) for s in sources], Path(out))
     args, setup = parse_args(argv)
     rows = plan_rows(setup)
     runs = f"{len(rows)} runs of {setup.tokens:,} tokens"
@@ -269,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     recorded = {
         "card": device_name(setup),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "bench/stat_curves.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "bench/stat_curves.py " + " ".join(argv),
         "tokens_per_run": setup.tokens, "lr": {"base_lr": setup.base_lr, "rule": "sqrt", "warmup_tokens":
         setup.warmup_tokens, "decay_tokens": setup.decay_tokens}, "seed": 1234,
     }  # fmt: skip

@@ -69,3 +69,17 @@ def test_the_budget_is_shared_by_the_estimates_and_time_left_passes_on(stat_curv
     assert stat_curves.run_deadline(rows, now=0.0, deadline=80.0) == 20.0  # a quarter of the budget
     assert stat_curves.run_deadline(rows[1:], now=5.0, deadline=80.0) == 80.0  # the first ended early
     assert stat_curves.run_deadline(rows[1:], now=90.0, deadline=80.0) == 90.0  # spent: stopped at once
+
+
+def test_curves_of_several_calls_merge_into_one_file_and_a_gbs_twice_is_refused(stat_curves, tmp_path):
+    from tests.planner.synthetic_curves import synthetic_curves
+
+    small, large = tmp_path / "small.json", tmp_path / "large.json"
+    for path, sizes in ((small, (16, 32)), (large, (256, 512))):
+        path.write_text(json.dumps(synthetic_curves(gbs_list=sizes)))
+    out = tmp_path / "all.json"
+    assert stat_curves.main(["--merge", str(small), str(large), "--out", str(out)]) == 0
+    merged = load_curves(out)
+    assert merged.gbs == (16, 32, 256, 512) and merged.synthetic
+    with pytest.raises(SystemExit, match="a gbs is in more than one file"):
+        stat_curves.main(["--merge", str(small), str(small), "--out", str(out)])
