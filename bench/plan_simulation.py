@@ -2,7 +2,6 @@
 
     .venv/bin/python bench/plan_simulation.py              # every scenario, exhaustive search
     .venv/bin/python bench/plan_simulation.py --botorch    # the frontier searches by Bayesian optimisation
-    .venv/bin/python bench/plan_simulation.py --truth-seeds 5   # also against a ground truth, 5 seeds
 
 Each scenario: a model on N GPUs of a system, a synthetic trace of the shape the references describe (loss
 falling as a power of the tokens, noise scale ``B* / L^(1/0.21)`` tokens, Kaplan et al. 2020, optionally
@@ -30,7 +29,6 @@ from cona.planner.plan import (
     target_progress,
 )
 from cona.planner.policy import PolicySettings
-from cona.planner.simulate import HostBound, MeasurementNoise, simulate_against_truth
 from cona.planner.systems import load_system
 from cona.planner.trace import LossCurve, synthetic_trace
 
@@ -185,58 +183,14 @@ def model_error_sensitivity(botorch: bool) -> None:
         print(f"{label(scenario):58s} " + " ".join(cells))
 
 
-def against_truth(botorch: bool, seeds: int) -> None:
-    """CONA under a truth apart from its belief (:mod:`cona.planner.simulate`): regret per scenario over
-    ``seeds`` seeds of the measurement noise."""
-    host, noise = HostBound(), MeasurementNoise()
-    print(
-        f"\nAgainst a ground truth: host floor {host.floor_fraction:g} T0 + "
-        f"{host.micro_batch_fraction:g} T0/m0 per micro-batch; noise-scale sigma "
-        f"{noise.noise_scale_sigma:g}, throughput sigma {noise.throughput_sigma:g}; seeds 0-{seeds - 1}"
-    )
-    print(f"{'scenario':58s} {'CONA mean':>10s} {'CONA worst':>10s} {'best static':>11s}  optimum chain")
-    regrets = []
-    for scenario in SCENARIOS:
-        _, candidates, profile, policy = prepared(scenario, botorch)
-        rows = []
-        for seed in range(seeds):
-            result = simulate_against_truth(
-                candidates,
-                profile,
-                policy=policy,
-                switch_cost_s=scenario.switch_cost_s,
-                seq=SEQ,
-                host=host,
-                noise=replace(noise, seed=seed),
-            )
-            rows.append(result.online.time_s / result.optimum.time_s - 1.0)
-        regrets.extend(rows)
-        print(
-            f"{label(scenario):58s} {sum(rows) / len(rows):+10.3%} {max(rows):+10.3%} "
-            f"{result.best_static.time_s / result.optimum.time_s:10.4f}x  {gbs_chain(result.optimum)}"
-        )
-    print(
-        f"\nCONA vs the true hindsight optimum over {len(SCENARIOS)} scenarios x {seeds} seeds: "
-        f"mean {sum(regrets) / len(regrets):+.3%}, worst {max(regrets):+.3%}"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--botorch", action="store_true", help="Bayesian frontier search instead of exhaustive"
     )
-    parser.add_argument(
-        "--truth-seeds",
-        type=int,
-        default=0,
-        help="also simulate against a ground truth, over this many seeds",
-    )
     args = parser.parse_args()
     comparison(args.botorch)
     model_error_sensitivity(args.botorch)
-    if args.truth_seeds:
-        against_truth(args.botorch, args.truth_seeds)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 (a) Megatron-LM on Selene (A100 80GB), Korthikanti et al. 2022, "Reducing Activation Recomputation in
     Large Transformer Models", Table 5: iteration times with full recomputation, and with selective
-    recomputation plus sequence parallelism. Shapes and layouts as in that paper (seq 2048, vocab 51200, fp16,
-    micro-batch 1, 22B: 4). Predicted with the ``megatron-deepspeed`` profile, the ``a100_80g`` system file
-    and no calibration (target: mean |error| <= 5%, max <= 10%); leave-one-out calibration for comparison.
+    recomputation plus sequence parallelism; and Narayanan et al. 2021, Table 1, its rows with data
+    parallelism across 4 to 32 nodes (the points and their sources: ``cona.planner.published``). Predicted
+    with the ``megatron-deepspeed`` profile, the ``a100_80g`` system file and no calibration (target: mean
+    |error| <= 5%, max <= 10%); leave-one-out calibration for comparison.
 (b) CONA's engine on one H200 (docs/benchmarks.md, the engine's step times with and without CUDA graphs):
     the ``native`` profile on ``h200_141g`` before calibration (target mean <= 10%) and with leave-one-out
     calibration (target mean <= 3%).
@@ -27,20 +28,12 @@ from cona.config_file import load_config
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.perf_model import predict
 from cona.planner.profiles import BackendProfile, native_profile
+from cona.planner.published import error_summary, korthikanti_points, narayanan_points, published_points
 from cona.planner.step_parts import StepParts, model_step_parts
 from cona.planner.step_shape import fit_shape
 from cona.planner.systems import load_system
 from cona.strategy import Strategy, StrategyArray
 
-# (name, layers, hidden, heads, tp, pp, mbs, gbs, interleave, measured s: full recompute, selective + SP)
-# Measured values: Korthikanti et al. 2022, Table 5, as quoted in the Calculon digest (perf-model-calculon.md,
-# section 4); layouts as in Calculon's validation/seqsel/tab5 files (dp = 1 throughout).
-MEGATRON_TABLE = (
-    ("22B", 48, 6144, 64, 8, 1, 4, 4, 1, 1.42, 1.10),
-    ("175B", 96, 12288, 96, 8, 8, 1, 64, 3, 18.13, 13.75),
-    ("530B", 105, 20480, 128, 8, 35, 1, 280, 3, 49.05, 37.83),
-    ("1T", 128, 25600, 160, 8, 64, 1, 512, 1, 94.42, 71.49),
-)
 # Calculon's own errors on the same rows (digest section 4; its sign is flipped here to predicted above
 # measured = positive, as in our column). Their mean |error| is the 3.65% the digest quotes.
 CALCULON_ERRORS = {
@@ -78,25 +71,7 @@ NATIVE_TARGET = (0.10, 0.03)
 
 
 def megatron_cases() -> list[tuple[str, ModelConfig, Strategy, float]]:
-    cases = []
-    for name, layers, hidden, heads, tp, pp, mbs, gbs, v, full_s, selective_s in MEGATRON_TABLE:
-        model = ModelConfig(layers=layers, hidden=hidden, heads=heads, seq=2048, vocab_size=51200)
-        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
-        for recompute, sp, measured in (("full", False, full_s), ("selective", True, selective_s)):
-            strategy = Strategy(
-                dp=1,
-                tp=tp,
-                pp=pp,
-                mbs=mbs,
-                gbs=gbs,
-                zero_stage=0,
-                recompute=recompute,
-                sequence_parallel=sp,
-                pipeline_schedule=schedule,
-                virtual_stages=v,
-            )
-            cases.append((f"{name} {recompute}", model, strategy, measured))
-    return cases
+    return [(p.label, p.model, p.strategy, p.measured_s) for p in korthikanti_points()]
 
 
 MEGATRON = "megatron-deepspeed"
@@ -131,6 +106,7 @@ def validate_megatron() -> bool:
         "(Calculon with its hand-tuned tables: "
         f"mean {calculon.mean():.2%}, max {calculon.max():.2%})\n"
     )
+    validate_data_parallel()
     cases = megatron_cases()
     parts = _parts([(model, strategy) for _, model, strategy, _ in cases], system, "fp16", lambda _: MEGATRON)
     loo = _leave_one_out(cases, parts, [case[3] for case in cases], key=lambda case: case[0])
@@ -139,6 +115,22 @@ def validate_megatron() -> bool:
         f"{np.mean(np.abs(loo)):.2%}, max {np.max(np.abs(loo)):.2%}\n"
     )
     return met
+
+
+def validate_data_parallel() -> None:
+    """Narayanan et al. 2021, Table 1: data parallelism of 32 across 4 to 32 nodes."""
+    print("### Data parallelism across nodes (Narayanan et al. 2021, Table 1; pp = 1, full recompute)\n")
+    print("| case | micro-batch (fastest) | measured s | predicted s | error | DP comm exposed |")
+    print("|---|---|---|---|---|---|")
+    system = load_system("a100_80g")
+    for point in narayanan_points():
+        row = predict(point.model, point.strategy, system, dtype="fp16", backend=MEGATRON).row(0)
+        print(
+            f"| {point.label} | {point.strategy.mbs} | {point.measured_s:.2f} | {point.predicted_s:.2f} | "
+            f"{point.error:+.1%} | {row['dp_comm_exposed_s']:.2f} |"
+        )
+    mean, largest = error_summary(published_points())
+    print(f"\nall {len(published_points())} published points: mean |error| {mean:.2%}, max {largest:.2%}\n")
 
 
 def _parts(rows, system, dtype: str, backend) -> StepParts:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cona.commands.config_flags import add_config_flags
 from cona.commands.flag_types import finite_float, positive_int
+from cona.commands.plan_curves import add_curves_flags, run_curves
 from cona.commands.search_flags import add_search_flags, botorch_choice
 from cona.config import ConaConfig
 from cona.config_file import load_config
@@ -33,19 +34,26 @@ from cona.planner.systems import System, load_system
 from cona.planner.throughput import ThroughputEstimator, estimator_from_step_times, fitted_forms
 from cona.planner.trace import Trace, read_trace
 
+DESCRIPTION = (
+    "Run CONA's strategy search and switching policy offline on a recorded trace (a run "
+    "directory or its metrics.jsonl): the noise scale over training and the measured step times (which "
+    "calibrate the performance model). Prints the predicted time to the target of every static "
+    "strategy, of the hindsight-optimal chain and of CONA's online chain, and writes CONA's chain as a "
+    "chain config for 'cona train --chain'. With --curves FILE --system S --gpus N instead: the same "
+    "comparison on a cluster, simulated from measured eval-loss curves of fixed-gbs runs and the "
+    "performance model (with its published error carried into the answer)."
+)
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="Plan a strategy chain offline on a recorded trace",
-        description="Run CONA's strategy search and switching policy offline on a recorded trace (a run "
-        "directory or its metrics.jsonl): the noise scale over training and the measured step times (which "
-        "calibrate the performance model). Prints the predicted time to the target of every static "
-        "strategy, of the hindsight-optimal chain and of CONA's online chain, and writes CONA's chain as a "
-        "chain config for 'cona train --chain'.",
+        help="Plan a strategy chain offline on a recorded trace, or on a cluster from measured curves",
+        description=DESCRIPTION,
     )
-    parser.add_argument("--trace", required=True, help="run directory or metrics.jsonl")
-    parser.add_argument("--out", required=True, help="chain config to write (JSON)")
+    parser.add_argument("--trace", default=None, help="run directory or metrics.jsonl")
+    add_curves_flags(parser)
+    parser.add_argument("--out", default=None, help="chain config to write (JSON; required with --trace)")
     parser.add_argument(
         "--system", required=True, help="system name (cona systems lists them) or system JSON file"
     )
@@ -53,9 +61,10 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--initial-gbs", type=positive_int, default=None, help="first gbs (default: the trace's)"
     )
-    parser.add_argument(
-        "--max-gbs", type=positive_int, required=True, help="largest gbs the frontier may reach"
+    max_help = (
+        "largest gbs the frontier may reach (required with --trace; default with --curves: the largest)"
     )
+    parser.add_argument("--max-gbs", type=positive_int, default=None, help=max_help)
     goal = parser.add_mutually_exclusive_group()
     goal.add_argument(
         "--total-tokens", type=finite_float, default=None, help="train as far as the trace did in T tokens"
@@ -71,7 +80,8 @@ def register(subparsers) -> None:
         "--switch-cost-s",
         type=finite_float,
         default=None,
-        help="seconds a switch costs (default: the mean measured at the trace's stage changes)",
+        help="seconds a switch costs (default: the mean measured at the trace's stage changes; with --curves "
+        "each switch is charged its predicted cost)",
     )
     add_search_flags(parser)
     parser.add_argument(
@@ -97,6 +107,11 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.curves is not None:
+        return run_curves(args)
+    for flag, value in (("--trace", args.trace), ("--out", args.out), ("--max-gbs", args.max_gbs)):
+        if value is None:
+            raise UsageError(f"{flag}: required (unless --curves simulates a cluster from measured curves)")
     config = load_config(args.config, overrides=args.overrides)
     system = load_system(args.system)
     trace = read_trace(args.trace, training=config.training)

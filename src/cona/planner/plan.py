@@ -207,7 +207,7 @@ def online_assignment(
     throughputs (what the running strategy is measured at); ``believed`` the same strategies with the
     throughputs the policy is told for the frontier (default: the true ones), to test a model's error;
     ``measure(segment, index)`` what the running candidate is measured at (default: its throughput in
-    ``candidates``, exactly); ``probes`` the run's recorded probes (:func:`_answer_probe`). Returns the
+    ``candidates``, exactly); ``probes`` the run's recorded probes (:func:`answer_probe`). Returns the
     assignment and the records of the probe, switch and fallback decisions."""
     believed = believed or candidates
     times = segment_times(profile, candidates, settings.base_gbs)
@@ -229,7 +229,7 @@ def online_assignment(
             decision = decide(state, measurement, frontier, settings)
             if decision.action == "probe" and frontier is not None:
                 pair = (current, index_of[frontier.strategy])
-                answer = _answer_probe(decision, measurement, settings, probes, candidates, times[k], pair)
+                answer = answer_probe(decision, measurement, settings, probes, candidates, times[k], pair)
                 decision, spent_s, records = answer
                 clock += spent_s
                 decisions += records
@@ -267,7 +267,7 @@ def _measurement(
     )
 
 
-def _answer_probe(
+def answer_probe(
     decision: Decision,
     measurement: Measurement,
     settings: PolicySettings,
