@@ -66,3 +66,13 @@ def test_a_loss_back_above_a_uniform_guess_is_unfit_to_resume():
     assert watch.unfit_to_resume().startswith("its loss 6.3 is above ln(vocab) = 6.238")
     watch.check(iteration=10, loss=4.1, steps=2, skipped=0)
     assert watch.unfit_to_resume() is None
+
+
+def test_a_fresh_model_s_loss_wandering_around_a_uniform_guess_is_fit_to_resume():
+    """A freshly initialised model's lines sit near ln(vocab), a few hundredths either side: no climb."""
+    watch = DivergenceWatch.from_config(config(vocab_size=4096))  # ln(4096) = 8.318
+    watch.check(iteration=2, loss=8.315, steps=2, skipped=0)
+    watch.check(iteration=4, loss=8.334, steps=2, skipped=0)
+    assert watch.unfit_to_resume() is None
+    watch.check(iteration=6, loss=8.6, steps=2, skipped=0)  # 0.285 nats over the lowest: a climb
+    assert watch.unfit_to_resume().startswith("its loss 8.6 is above ln(vocab)")

@@ -79,10 +79,10 @@ def test_a_chain_killed_before_recording_a_handed_over_stage_reruns_to_the_end(t
     argv += ["--workdir", str(tmp_path / "work"), "--run-name", "in-place", "--switch-in-place"]
     original = driver_module.trained
 
-    def killed(stage, result, launched):  # the result is on disk, the runner dies before recording it
+    def killed(stage, *rest):  # the result is on disk, the runner dies before recording it
         if stage.step_num == 1:
             raise Killed
-        return original(stage, result, launched)
+        return original(stage, *rest)
 
     monkeypatch.setattr(driver_module, "trained", killed)
     with pytest.raises(Killed):

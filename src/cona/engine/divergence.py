@@ -12,7 +12,8 @@ all-reduced loss and global gradient norm, so all ranks stop at the same line.
 A loss can climb far without reaching that factor (8 to 77 is under 10x), so a state is judged once more
 before it becomes ``latest`` (:meth:`DivergenceWatch.unfit_to_resume`): not when the newest line's loss is
 over :data:`RESUME_LOSS_FACTOR` times the lowest, nor when it is above the loss of a uniform guess over the
-vocabulary (``ln(vocab)``, nats) after the run was below it. The lowest loss travels in every checkpoint's
+vocabulary (``ln(vocab)``, nats) after the run was below it, by more than :data:`LOSS_NOISE_NATS` over the
+lowest. The lowest loss travels in every checkpoint's
 trainer state (:meth:`DivergenceWatch.trainer_state`), so a resumed run compares with the lowest of the whole
 run, not of its own lines.
 """
@@ -30,6 +31,10 @@ RESUME_LOSS_FACTOR = 2.0
 """A state whose newest metrics line's mean loss is over this times the lowest is not resumed from: a healthy
 run's line means stay within a few percent of their trend, and a doubled loss is a spike it has not come
 back from (well inside ``training.divergence_loss_factor``, which stops the run)."""
+LOSS_NOISE_NATS = 0.25
+"""A line's loss this far (nats) over the lowest is a climb, not line-to-line noise. A freshly initialised
+model starts near ``ln(vocab)`` and its early lines wander a few hundredths of a nat either side of it; a
+diverged one climbs by nats."""
 LOWEST_LOSS_KEY = "lowest_loss"
 LOSS_KEY = "loss"
 
@@ -93,7 +98,7 @@ class DivergenceWatch:
     def unfit_to_resume(self) -> str | None:
         """Why the current state must not become the checkpoint a rerun resumes from (None: it may): the
         newest line's loss is not finite, over :data:`RESUME_LOSS_FACTOR` x the lowest, or above
-        ``ln(vocab)`` after the run was below it."""
+        ``ln(vocab)`` after the run was below it and more than :data:`LOSS_NOISE_NATS` over the lowest."""
         loss, lowest = self.last_loss, self.lowest_loss
         if math.isnan(loss) and not math.isfinite(lowest):
             return None  # no line yet, in this stage or before it
@@ -101,7 +106,7 @@ class DivergenceWatch:
             return f"its loss is {loss}"
         if loss > RESUME_LOSS_FACTOR * lowest:
             return f"its loss {loss:.4g} is over {RESUME_LOSS_FACTOR:g}x the lowest so far ({lowest:.4g})"
-        if lowest < self.uniform_loss < loss:
+        if lowest < self.uniform_loss < loss and loss - lowest > LOSS_NOISE_NATS:
             return (
                 f"its loss {loss:.4g} is above ln(vocab) = {self.uniform_loss:.4g} (a uniform guess), "
                 f"which the run was below ({lowest:.4g})"
