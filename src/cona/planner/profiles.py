@@ -84,7 +84,7 @@ NATIVE_GRAPH_HOST = HostDispatch(block_s=0.59e-3, micro_batch_s=6.2e-3, step_blo
 """Compiled with CUDA graphs, the same profile: 13.2 ms of forward and backward per micro-batch,
 3.3 ms per step (clip 0.62, optimizer 2.19, zeroing 0.06, interval sums 0.43), split in the same ratio."""
 EAGER_HOST = HostDispatch(block_s=1.70e-3, micro_batch_s=18.1e-3, step_block_s=NATIVE_HOST.step_block_s)
-"""Eager (nothing compiled), measured on an H100's host with ``bench/eager_step_shape.py`` (GPT-125M, mbs 8,
+"""Eager (nothing compiled), measured on an H100's host (GPT-125M, mbs 8,
 host-bound): the whole step took 41.6-42.3 ms, of which clipping and the optimizer 3.4-3.8 ms, so 38.5 ms of
 forward and backward dispatch per micro-batch, against 22.9 ms compiled without graphs on the same host
 (1.66x: eager launches every unfused kernel). Split into a fixed part and a part per block in

@@ -64,15 +64,15 @@ already meets within 5%: ``bench/planner_validation.py``'s leave-one-out fits mi
 most 6.1%) instead of 0.71% (1.5%)."""
 DEVICE_PRIOR_ERROR = 0.10
 """How far a card's own system file may miss a step's device time: GPT-125M's eager kernels take 7-8% less
-than the H100 file's device time (``bench/eager_step_shape.py``). Host floors miss by far more: host-bound
+than the H100 file's device time. Host floors miss by far more: host-bound
 eager GPT-125M steps at gbs 8-16 take 29-61 ms across hosts, against one prior for all
 (:data:`cona.planner.profiles.EAGER_HOST`)."""
 DEVICE_PARAMS = 3
 """The first parameters of a fit are the device's (see :data:`PRIOR_WEIGHTS`), the rest the host's."""
 LEAST_SQUARES = {"method": "dogbox"}
 """The solver's settings (``scipy.optimize.least_squares``), with the exact Jacobian: the same minima as
-"trf" with a numerical one on these bounded six-variable fits, or lower, in 2-12x fewer seconds
-(``bench/refit_speed.py``)."""
+"trf" with a numerical one on these bounded six-variable fits, or lower, in 2-12x fewer
+seconds."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
