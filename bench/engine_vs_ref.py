@@ -256,7 +256,7 @@ def measure(name: str, build: Callable[[], Callable[[], object]], args: argparse
     row = {
         "impl": name,
         "step_ms": round(seconds * 1e3, 2),
-        "first_step_s": round(first_step_s, 1),
+        "first_step_s": round(first_step_s, 3),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
     }
     print(f"  {name}: {json.dumps(row)}", flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,25 @@ def _chunks(data: bytes):
             yield pending + chunk
 
 
+def _settled_bytes(log: Path, timeout_s: float = 30.0) -> bytes:
+    """The log's bytes once W&B's service process has written it out: ``wandb.finish`` returns before that
+    process flushes an offline run, so the file is read when its size has held still for half a second."""
+    deadline, data = time.monotonic() + timeout_s, log.read_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = log.read_bytes()
+        if len(again) == len(data) and len(data) > HEADER:
+            return data
+        data = again
+    return data
+
+
 def read_offline_run(folder: Path) -> tuple[str, list[dict[str, Any]]]:
     """The run id and the logged rows (user keys only) of one ``offline-run-*`` folder."""
     from wandb.proto import wandb_internal_pb2
 
     (log,) = Path(folder).glob("run-*.wandb")
-    data = log.read_bytes()
+    data = _settled_bytes(log)
     assert data[:4] == b":W&B", f"{log}: not a W&B transaction log"
     run_id, rows = "", []
     for raw in _chunks(data):
@@ -50,7 +64,7 @@ def read_offline_run(folder: Path) -> tuple[str, list[dict[str, Any]]]:
         record.ParseFromString(raw)
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run_id = record.run.run_id
+            run_id = run_id or record.run.run_id  # a later run record (an update) may leave it empty
         elif kind == "history":
             row = {
                 item.key or "/".join(item.nested_key): json.loads(item.value_json)
