@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cona.config import PATH_KEYS
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.step_parts import model_step_parts
 from cona.planner.step_shape import StepShape, fit_shape

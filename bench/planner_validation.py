@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from cona.config import ModelConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.perf_model import predict
 from cona.planner.profiles import BackendProfile, native_profile

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.data.gpt_dataset import build_datasets, collate, micro_batch_sample_ids
 from cona.engine.optim import build_optimizer, lr_schedule, set_lr
 from cona.engine.parallel_dims import build_mesh

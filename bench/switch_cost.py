@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import cona
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.data.indexed import IndexedDatasetWriter
 from cona.runner.run_dir import resolve_log_root
 from cona.runner.schedules.sequence import ChainRun, checkpoint_dtype, run_chain

@@ -267,7 +267,7 @@ def test_absurd_run_sizes_are_refused_before_anything_is_written(tmp_path, capsy
 
 def test_a_gbs_that_scales_the_lr_past_1_is_warned_about(tmp_path, capsys):
     from cona.commands.train_runs import check_run_size
-    from cona.config_file import load_config
+    from cona.config.file import load_config
 
     argv = fixed_train(tmp_path, tmp_path / "work", "logs")
     config = load_config(argv[argv.index("--config") + 1])

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cona.cli import main
-from cona.config_checks import split_fractions
-from cona.config_file import find_config, load_config
+from cona.config.checks import split_fractions
+from cona.config.file import find_config, load_config
 from cona.errors import ConfigError
 
 MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32}

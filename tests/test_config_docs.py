@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from cona.config import ModelConfig, TrainingConfig
-from cona.config_docs import END, START, config_keys_markdown, field_docs
+from cona.config.docs import END, START, config_keys_markdown, field_docs
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -24,7 +24,7 @@ def test_the_configuration_page_lists_every_key_as_generated():
     block = text[text.index(START) : text.index(END) + len(END)]
     assert block == config_keys_markdown(), (
         "docs/configuration.md's config-key tables are stale: "
-        "PYTHONPATH=src python -m cona.config_docs --write docs/configuration.md"
+        "PYTHONPATH=src python -m cona.config.docs --write docs/configuration.md"
     )
     for section, cls in (("model", ModelConfig), ("training", TrainingConfig)):
         for field in dataclasses.fields(cls):

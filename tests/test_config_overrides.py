@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cona.cli import main
-from cona.config_file import load_config
-from cona.config_overrides import parse_override
+from cona.config.file import load_config
+from cona.config.overrides import parse_override
 from cona.errors import ConfigError, UsageError
 
 MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab_size": 1000}

@@ -13,7 +13,7 @@ import pytest
 from tests.torchrun_util import free_port
 
 from cona.config import parse_config
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
 from cona.runner import launch

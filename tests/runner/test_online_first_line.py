@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from chain_fakes import write_tiny_config
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.metrics_record import MetricsRecord
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.data.bert_vocab import train_bert_vocab
 from cona.data.demo import obtain_demo_data
 from cona.data.indexed import IndexedDataset

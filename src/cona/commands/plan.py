@@ -16,7 +16,7 @@ from cona.commands.flag_types import finite_float, positive_int
 from cona.commands.plan_curves import add_curves_flags, run_curves
 from cona.commands.search_flags import add_search_flags, botorch_choice
 from cona.config import ConaConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import PlanError, UsageError
 from cona.planner.plan import (
     DEFAULT_SEGMENTS,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cona.commands.search_flags import botorch_choice
 from cona.config import ConaConfig, TrainingConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import PlanError, UsageError
 from cona.planner.cluster import Cluster, curves_world, policy_settings
 from cona.planner.curves import StatCurves, load_curves

@@ -7,7 +7,7 @@ import json
 
 from cona.commands.config_flags import add_config_flags
 from cona.config import RECOMPUTE, TrainingConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import UsageError
 from cona.planner.perf_model import Prediction, predict
 from cona.planner.profiles import BACKENDS

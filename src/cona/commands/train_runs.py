@@ -20,7 +20,7 @@ from typing import Any
 
 from cona.commands.search_flags import botorch_choice
 from cona.config import ConaConfig, TrainingConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import LaunchError, UsageError
 from cona.planner.systems import devices_mismatch, load_system
 from cona.runner.fixed import FixedRun

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cona.config_fields import reject_unknown
+from cona.config.fields import reject_unknown
 from cona.errors import UsageError
 
 FLAG = "--set"

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cona.config_checks import check_values
-from cona.config_fields import expect_section, reject_unknown, typed_values
+from cona.config.checks import check_values
+from cona.config.fields import expect_section, reject_unknown, typed_values
 from cona.errors import ConfigError
 
 CONFIG_NAME = ".conaconfig"

@@ -10,10 +10,17 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from cona.config import CONFIG_NAME, PATH_KEYS, ConaConfig, ModelConfig, TrainingConfig, parse_config
-from cona.config_fields import read_json_file
-from cona.config_overrides import FLAG as OVERRIDE_FLAG
-from cona.config_overrides import apply_overrides
+from cona.config.conaconfig import (
+    CONFIG_NAME,
+    PATH_KEYS,
+    ConaConfig,
+    ModelConfig,
+    TrainingConfig,
+    parse_config,
+)
+from cona.config.fields import read_json_file
+from cona.config.overrides import FLAG as OVERRIDE_FLAG
+from cona.config.overrides import apply_overrides
 from cona.data.checks import check_dataset
 from cona.errors import ConfigError
 
@@ -32,7 +39,7 @@ def load_config(
     path: Path | str | None = None, *, check_data_files: bool = False, overrides: Sequence[str] = ()
 ) -> ConaConfig:
     """Read, resolve and validate a config file (found from the cwd when ``path`` is None), with the
-    ``--set`` ``overrides`` over its keys (:mod:`cona.config_overrides`)."""
+    ``--set`` ``overrides`` over its keys (:mod:`cona.config.overrides`)."""
     config_path = Path(path) if path is not None else find_config()
     if config_path.is_dir():
         inside = config_path / CONFIG_NAME
