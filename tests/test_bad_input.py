@@ -273,9 +273,7 @@ def test_a_gbs_that_scales_the_lr_past_1_is_warned_about(tmp_path, capsys):
     config = load_config(argv[argv.index("--config") + 1])
     check_run_size(config, 16, 4)
     assert capsys.readouterr().err == ""
-    check_run_size(
-        dataclasses.replace(config, training=dataclasses.replace(config.training, base_lr=0.5)), 64, 4
-    )
+    check_run_size(dataclasses.replace(config, training=config.training.replace(base_lr=0.5)), 64, 4)
     warning = capsys.readouterr().err
     assert warning.startswith(
         "cona: warning: --gbs 64 scales training.base_lr 0.5 by 2.828 (sqrt) to a peak LR"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cona.cli import main
-from cona.config.checks import split_fractions
 from cona.config.file import find_config, load_config
+from cona.config.training import split_fractions
 from cona.errors import ConfigError
 
 MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32}
@@ -33,8 +33,8 @@ def error_of(path: Path, **kwargs) -> str:
 def test_defaults_follow_the_seed(tmp_path):
     config = load_config(write(tmp_path))
     assert config.model.ffn_size == 4 * 64
-    assert config.training.lr_warmup_frac == 0.01 and config.training.lr_warmup_tokens is None
-    assert config.training.split == "949,50,1"
+    assert config.training.lr.lr_warmup_frac == 0.01 and config.training.lr.lr_warmup_tokens is None
+    assert config.training.data.split == "949,50,1"
     assert config.path == tmp_path / ".conaconfig"
 
 
@@ -56,8 +56,8 @@ def test_no_config_anywhere(tmp_path, monkeypatch):
 def test_relative_paths_are_relative_to_the_file(tmp_path):
     (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "c": 2}))
     config = load_config(write(tmp_path, training={"vocab_file": "vocab.json", "data_prefix": "d/x"}))
-    assert config.training.vocab_file == str(tmp_path / "vocab.json")
-    assert config.training.data_prefix == str(tmp_path / "d" / "x")
+    assert config.training.data.vocab_file == str(tmp_path / "vocab.json")
+    assert config.training.data.data_prefix == str(tmp_path / "d" / "x")
     assert config.model.vocab_size == 3
     assert config.model.padded_vocab_size == 128
 
@@ -142,7 +142,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path, capsys):
 def test_default_log_root_is_relative_to_the_file(tmp_path, monkeypatch):
     path = write(tmp_path)
     monkeypatch.chdir("/")
-    assert load_config(path).training.log_root == str(tmp_path / "logs")
+    assert load_config(path).training.logging.log_root == str(tmp_path / "logs")
 
 
 @pytest.mark.parametrize(

@@ -170,7 +170,7 @@ def best_strategy(config_path: Path, system: str, gpus: int, gbs: int, layout: L
 
     config = load_config(config_path, check_data_files=True)
     loaded = load_system(system)
-    dtype = loaded.resolve_dtype(checkpoint_dtype(config.training, config.training.device))
+    dtype = loaded.resolve_dtype(checkpoint_dtype(config.training, config.training.runtime.device))
     search = FrontierSearch(config=config, system=loaded, n_gpus=gpus, dtype=dtype, botorch=False)
     if layout is None:
         found = search(gbs)

@@ -44,4 +44,4 @@ def latest_run_dir(config_path: str | None, overrides: Sequence[str] = ()) -> Pa
     from cona.runner.run_dir import resolve_latest, resolve_log_root
 
     config = resolve_log_root(load_config(config_path, overrides=overrides))
-    return resolve_latest(Path(config.training.log_root))
+    return resolve_latest(Path(config.training.logging.log_root))

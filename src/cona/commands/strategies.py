@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         args.gpus,
         args.gbs,
         options=options,
-        dtype=config.training.dtype,
+        dtype=config.training.runtime.dtype,
         top_k=max(args.top, EXPLAIN_POOL),
         backend=run_profile(args.backend, config.training),
         botorch=botorch_choice(args),
