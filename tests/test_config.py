@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from cona.cli import main
+from cona.config import ModelConfig, TrainingConfig, parse_config
 from cona.config.file import find_config, load_config
-from cona.config.training import split_fractions
+from cona.config.training import SECTION_OF, split_fractions
 from cona.errors import ConfigError
 
 MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32}
@@ -186,3 +187,46 @@ def test_a_run_is_identified_by_the_keys_that_differ_from_their_defaults(tmp_pat
     assert set(changed.identity_dict()["training"]) == {"base_gbs", "log_root", "fallback"}
     assert MODEL.items() <= plain.identity_dict()["model"].items()
     assert "probe_tokens" in plain.to_dict()["training"]
+
+
+def test_the_flat_training_section_is_read_into_its_sections(tmp_path):
+    """The file writes training keys flat, as the original CONA does; each lands in its section, and the
+    config writes them back flat (config show, a checkpoint's config.json) to the same config."""
+    flat = {
+        "weight_decay": 0.05,
+        "base_lr": 3e-4,
+        "split": "98,2,0",
+        "eval_iters": 3,
+        "keep_checkpoints": 4,
+        "probe_tokens": 4096,
+        "device": "cpu",
+    }
+    config = load_config(write(tmp_path, training=flat))
+    training = config.training
+    assert training.optimizer.weight_decay == 0.05 and training.lr.base_lr == 3e-4
+    assert training.data.split == "98,2,0" and training.logging.eval_iters == 3
+    assert training.checkpoint.keep_checkpoints == 4 and training.online.probe_tokens == 4096
+    assert training.runtime.device == "cpu"
+    written = config.to_dict()["training"]
+    assert list(written) == list(SECTION_OF) and flat.items() <= written.items()
+    assert parse_config(config.to_dict(), source=config.path) == config
+
+
+def test_sections_check_their_values_when_built_in_code():
+    with pytest.raises(ConfigError, match=r"^training.base_lr: must be positive$"):
+        TrainingConfig(base_lr=-1.0)
+    with pytest.raises(ConfigError, match=r"^training.probe_tokens: must be positive$"):
+        TrainingConfig().replace(probe_tokens=0)
+    with pytest.raises(ConfigError, match=r"^model.hidden: 66 is not divisible by model.heads=4$"):
+        ModelConfig(layers=2, hidden=66, heads=4, seq=8)
+    with pytest.raises(TypeError, match="base_lrr"):
+        TrainingConfig(base_lrr=1.0)
+    changed = TrainingConfig(seed=7).replace(base_lr=1e-3)
+    assert (changed.runtime.seed, changed.lr.base_lr) == (7, 1e-3)
+    assert changed.explicit_flat() == {"seed": 7, "base_lr": 1e-3}
+
+
+def test_bert_needs_the_wordpiece_tokenizer(tmp_path):
+    message = error_of(write(tmp_path, model={**MODEL, "family": "bert"}))
+    assert message.endswith("training.tokenizer_type: model.family 'bert' needs 'BertWordPieceLowerCase' "
+                            "(masked-LM samples use [CLS]/[SEP]/[MASK])")  # fmt: skip
