@@ -228,5 +228,5 @@ def test_sections_check_their_values_when_built_in_code():
 
 def test_bert_needs_the_wordpiece_tokenizer(tmp_path):
     message = error_of(write(tmp_path, model={**MODEL, "family": "bert"}))
-    assert message.endswith("training.tokenizer_type: model.family 'bert' needs 'BertWordPieceLowerCase' "
-                            "(masked-LM samples use [CLS]/[SEP]/[MASK])")  # fmt: skip
+    refusal = "training.tokenizer_type: model.family 'bert' needs 'BertWordPieceLowerCase'"
+    assert message.startswith(f"{tmp_path / '.conaconfig'}: {refusal} (masked-LM samples use")
