@@ -45,13 +45,6 @@ class ConaConfig:
     """The ``--set SECTION.KEY=VALUE`` given over the file's keys (already in ``model`` and ``training``;
     kept to pass on to the runners of the other nodes)."""
 
-    def __post_init__(self) -> None:
-        if self.model.family == "bert" and self.training.data.tokenizer_type != "BertWordPieceLowerCase":
-            raise ConfigError(
-                "training.tokenizer_type: model.family 'bert' needs 'BertWordPieceLowerCase' "
-                "(masked-LM samples use [CLS]/[SEP]/[MASK])"
-            )
-
     def to_dict(self) -> dict[str, Any]:
         """Both sections as the file writes them (``training`` flat)."""
         model = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(self.model)}
@@ -94,7 +87,14 @@ def parse_config(raw: Any, *, source: Path | None = None, where: str | None = No
     if model_values.get("vocab_size") is None and vocab_file is not None and Path(vocab_file).is_file():
         model_values["vocab_size"] = vocab_size_from_file(Path(vocab_file), where, tokenizer)
     model = _built(where, ModelConfig, **model_values)
-    return _built(where, ConaConfig, model=model, training=training, path=source)
+    if model.family == "bert" and training.data.tokenizer_type != "BertWordPieceLowerCase":
+        # The file names the tokenizer its data was made with; a config built in code may train on
+        # synthetic tokens.
+        raise ConfigError(
+            f"{where}: training.tokenizer_type: model.family 'bert' needs 'BertWordPieceLowerCase' "
+            "(masked-LM samples use [CLS]/[SEP]/[MASK])"
+        )
+    return ConaConfig(model=model, training=training, path=source)
 
 
 def _built(where: str, cls: type, **values: Any) -> Any:
