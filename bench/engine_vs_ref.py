@@ -176,7 +176,13 @@ def engine_model(size: str, mbs: int, args: argparse.Namespace) -> tuple[Trainin
     )
     training: TrainingConfig = config.training
     strategy = Strategy(
-        dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs, zero_stage=training.zero_stage, recompute=training.recompute
+        dp=1,
+        tp=1,
+        pp=1,
+        mbs=mbs,
+        gbs=mbs,
+        zero_stage=training.runtime.zero_stage,
+        recompute=training.runtime.recompute,
     )
     mesh = build_mesh(strategy, args.device)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -193,7 +199,7 @@ def engine_step(size: str, mbs: int, args: argparse.Namespace, gns: str = "train
     model, optimizer, config = engine_model(size, mbs, args)
     if gns == "off":
         model.disable_gns()
-    log_interval = config.training.log_interval
+    log_interval = config.training.logging.log_interval
     measured_steps = gns_steps_per_line(log_interval, single_step=model.measures_noise_in_one_step)
     batch = [random_batch(size, mbs, args.seq, args.device)]
     state = {"iteration": 0, "interval": IntervalSums()}
@@ -202,7 +208,7 @@ def engine_step(size: str, mbs: int, args: argparse.Namespace, gns: str = "train
         upcoming = state["iteration"] + 1
         measure = gns == "every" or (gns == "trainer" and (-upcoming) % log_interval < measured_steps)
         out = model.train_step_pending(batch, measure_gns=measure)
-        grad_norm = model.clip_grad_norm_pending(config.training.clip_grad)
+        grad_norm = model.clip_grad_norm_pending(config.training.optimizer.clip_grad)
         stepped = model.optimizer_step_pending(optimizer)
         optimizer.zero_grad(set_to_none=True)
         state["interval"].add(out, grad_norm, stepped)

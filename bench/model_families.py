@@ -77,14 +77,16 @@ def random_batch(config, mbs: int, device: str, family: str) -> tuple[torch.Tens
 
 def engine_step(family: str, mbs: int, args: argparse.Namespace):
     config = build_config(family, args)
-    strategy = Strategy(dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs, zero_stage=0, recompute=config.training.recompute)
+    strategy = Strategy(
+        dp=1, tp=1, pp=1, mbs=mbs, gbs=mbs, zero_stage=0, recompute=config.training.runtime.recompute
+    )
     mesh = build_mesh(strategy, args.device)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     model = build_training_model(config, strategy, mesh, device)
     optimizer = build_optimizer(model.model_parts, config.training)
     for group in optimizer.param_groups:
         group["lr"] = 1e-4
-    log_interval = config.training.log_interval
+    log_interval = config.training.logging.log_interval
     measured_steps = gns_steps_per_line(log_interval, single_step=model.measures_noise_in_one_step)
     batch = [random_batch(config, mbs, args.device, family)]
     state = {"iteration": 0, "interval": IntervalSums()}
@@ -92,7 +94,7 @@ def engine_step(family: str, mbs: int, args: argparse.Namespace):
     def step() -> object:
         upcoming = state["iteration"] + 1
         out = model.train_step_pending(batch, measure_gns=(-upcoming) % log_interval < measured_steps)
-        grad_norm = model.clip_grad_norm_pending(config.training.clip_grad)
+        grad_norm = model.clip_grad_norm_pending(config.training.optimizer.clip_grad)
         stepped = model.optimizer_step_pending(optimizer)
         optimizer.zero_grad(set_to_none=True)
         state["interval"].add(out, grad_norm, stepped)

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.spec import StageSpec
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state

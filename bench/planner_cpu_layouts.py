@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cona.config import PATH_KEYS
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.step_parts import model_step_parts
 from cona.planner.step_shape import StepShape, fit_shape
@@ -171,11 +171,11 @@ def strategy_of(layout: Layout, training) -> Strategy:
         pp=layout.pp,
         mbs=layout.mbs,
         gbs=layout.gbs,
-        zero_stage=training.zero_stage,
-        recompute=training.recompute,
-        sequence_parallel=training.sequence_parallel,
-        pipeline_schedule=training.pipeline_schedule,
-        virtual_stages=training.pipeline_virtual_stages,
+        zero_stage=training.runtime.zero_stage,
+        recompute=training.runtime.recompute,
+        sequence_parallel=training.runtime.sequence_parallel,
+        pipeline_schedule=training.runtime.pipeline_schedule,
+        virtual_stages=training.runtime.pipeline_virtual_stages,
     )
 
 
@@ -190,7 +190,9 @@ def tabulate(results: dict, statistic: str = "median") -> dict:
     layouts = [Layout(**row) for row in results["layouts"] if results["step_s"][row["name"]]]
     measured = {layout.name: pick(results["step_s"][layout.name]) for layout in layouts}
     strategies = {layout.name: strategy_of(layout, training) for layout in layouts}
-    parts = model_step_parts(model, [strategies[layout.name] for layout in layouts], system, training.dtype)
+    parts = model_step_parts(
+        model, [strategies[layout.name] for layout in layouts], system, training.runtime.dtype
+    )
     fitted_on = [row for row, layout in enumerate(layouts) if layout.fit]
     # The runtime's calibration (what cona plan and the online search fit on measured steps).
     calibration = fit_shape(parts.take(fitted_on), [measured[layouts[row].name] for row in fitted_on])

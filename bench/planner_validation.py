@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from cona.config import ModelConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.planner.calibration import measurements_from_metrics
 from cona.planner.perf_model import predict
 from cona.planner.profiles import BackendProfile, native_profile
@@ -219,7 +219,7 @@ def validate_metrics(metrics: str, config_path: str, system_name: str) -> None:
     if not measured:
         raise SystemExit(f"--metrics: {metrics} has no timed rows")
     times = np.array([seconds for _, seconds in measured])
-    parts = model_step_parts(config.model, [s for s, _ in measured], system, config.training.dtype)
+    parts = model_step_parts(config.model, [s for s, _ in measured], system, config.training.runtime.dtype)
     shape = fit_shape(parts, times)
     print(f"## (c) {metrics} on {system_name}: {len(measured)} strategies\n")
     print(

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.data.gpt_dataset import build_datasets, collate, micro_batch_sample_ids
 from cona.engine.optim import build_optimizer, lr_schedule, set_lr
 from cona.engine.parallel_dims import build_mesh
@@ -49,11 +49,11 @@ def main() -> None:
     args = parse_args()
     config = load_config(args.config)
     training, seq = config.training, config.model.seq
-    device_type = "cuda" if training.device != "cpu" and torch.cuda.is_available() else "cpu"
+    device_type = "cuda" if training.runtime.device != "cpu" and torch.cuda.is_available() else "cpu"
     init_single_process_group(device_type)
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     current = Strategy(
-        dp=1, tp=1, pp=1, mbs=args.mbs or args.gbs, gbs=args.gbs, zero_stage=training.zero_stage
+        dp=1, tp=1, pp=1, mbs=args.mbs or args.gbs, gbs=args.gbs, zero_stage=training.runtime.zero_stage
     )
     candidate = Strategy(
         dp=1,
@@ -61,25 +61,25 @@ def main() -> None:
         pp=1,
         mbs=args.mbs or args.candidate_gbs,
         gbs=args.candidate_gbs,
-        zero_stage=training.zero_stage,
+        zero_stage=training.runtime.zero_stage,
     )
     model = build_training_model(config, current, build_mesh(current, device_type), device)
     optimizer = build_optimizer(model.model_parts, training)
     splits = build_datasets(config)
-    planned = max(training.lr_decay_tokens or 0, args.warm_tokens * 4)
+    planned = max(training.lr.lr_decay_tokens or 0, args.warm_tokens * 4)
 
     def schedule(gbs: int):
         lr = scaled_lr(training, gbs)
-        min_factor = lr.min_lr / training.base_min_lr if training.base_min_lr > 0 else lr.min_lr_factor
+        min_factor = lr.min_lr / training.lr.base_min_lr if training.lr.base_min_lr > 0 else lr.min_lr_factor
         return lr_schedule(
-            training, planned_tokens=planned, lr_factor=lr.lr / training.base_lr, min_lr_factor=min_factor
+            training, planned_tokens=planned, lr_factor=lr.lr / training.lr.base_lr, min_lr_factor=min_factor
         )
 
     def step(strategy: Strategy, sched, progress: Progress) -> torch.Tensor:
         ids = micro_batch_sample_ids(progress.consumed_samples, strategy.gbs, strategy.mbs, 1, 0)
         set_lr(optimizer, sched.lr_at(progress.consumed_tokens))
         out = model.train_step_pending([collate(splits.train, batch) for batch in ids], measure_gns=False)
-        model.clip_grad_norm_pending(training.clip_grad)
+        model.clip_grad_norm_pending(training.optimizer.clip_grad)
         model.optimizer_step_pending(optimizer)
         progress.iteration += 1
         progress.consumed_samples += strategy.gbs
@@ -89,7 +89,7 @@ def main() -> None:
     valid = splits.valid if splits.valid is not None else splits.train
     probe_set = fixed_eval_batches(
         valid,
-        samples=training.eval_iters * training.base_gbs,
+        samples=training.logging.eval_iters * training.lr.base_gbs,
         mbs=current.mbs,
         dp=1,
         dp_rank=0,
@@ -98,7 +98,7 @@ def main() -> None:
     progress = Progress()
     while progress.consumed_tokens < args.warm_tokens:
         step(current, schedule(current.gbs), progress)
-    tokens = args.probe_tokens or training.probe_tokens
+    tokens = args.probe_tokens or training.online.probe_tokens
     samples = -(-tokens // seq)
     rows: dict[str, list] = {"equal": [], "candidate": []}
     for _ in range(args.repeats):
@@ -107,7 +107,7 @@ def main() -> None:
                 candidate=target,
                 lr_schedule=schedule(target.gbs),
                 samples=samples,
-                tolerance=training.probe_tolerance,
+                tolerance=training.online.probe_tolerance,
             )
             outcome, progress = run_probe(
                 model, optimizer, progress, stage=1, current=current, current_schedule=schedule(current.gbs),

@@ -173,7 +173,7 @@ def _phase_step(name: str, size: str, mbs: int, args: argparse.Namespace) -> tup
         began = time.perf_counter()
         out = model.train_step_pending(batch, measure_gns=True)
         phases["train_step"] = phases.get("train_step", 0.0) + time.perf_counter() - began
-        norm = timed("clip", model.clip_grad_norm_pending, config.training.clip_grad)
+        norm = timed("clip", model.clip_grad_norm_pending, config.training.optimizer.clip_grad)
         stepped = timed("optimizer", model.optimizer_step_pending, optimizer)
         timed("zero_grad", optimizer.zero_grad, set_to_none=True)
         timed("interval_sums", interval.add, out, norm, stepped)

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import cona
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.data.indexed import IndexedDatasetWriter
 from cona.runner.run_dir import resolve_log_root
 from cona.runner.schedules.sequence import ChainRun, checkpoint_dtype, run_chain
@@ -213,7 +213,7 @@ def measure_switch(setup: Setup, args: argparse.Namespace, repeat: int) -> Switc
         chain_path=setup.chain_path,
         config=config,
         workdir=setup.root / f"work{repeat}",
-        run_dir=Path(config.training.log_root) / f"switch{repeat}",
+        run_dir=Path(config.training.logging.log_root) / f"switch{repeat}",
         world_size=1,
         device_type=args.device,
         base_port=free_port_base(stages=2),

@@ -267,15 +267,13 @@ def test_absurd_run_sizes_are_refused_before_anything_is_written(tmp_path, capsy
 
 def test_a_gbs_that_scales_the_lr_past_1_is_warned_about(tmp_path, capsys):
     from cona.commands.train_runs import check_run_size
-    from cona.config_file import load_config
+    from cona.config.file import load_config
 
     argv = fixed_train(tmp_path, tmp_path / "work", "logs")
     config = load_config(argv[argv.index("--config") + 1])
     check_run_size(config, 16, 4)
     assert capsys.readouterr().err == ""
-    check_run_size(
-        dataclasses.replace(config, training=dataclasses.replace(config.training, base_lr=0.5)), 64, 4
-    )
+    check_run_size(dataclasses.replace(config, training=config.training.replace(base_lr=0.5)), 64, 4)
     warning = capsys.readouterr().err
     assert warning.startswith(
         "cona: warning: --gbs 64 scales training.base_lr 0.5 by 2.828 (sqrt) to a peak LR"

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from cona.cli import main
-from cona.config_checks import split_fractions
-from cona.config_file import find_config, load_config
+from cona.config import ModelConfig, TrainingConfig, parse_config
+from cona.config.file import find_config, load_config
+from cona.config.training import SECTION_OF, split_fractions
 from cona.errors import ConfigError
 
 MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32}
@@ -33,8 +34,8 @@ def error_of(path: Path, **kwargs) -> str:
 def test_defaults_follow_the_seed(tmp_path):
     config = load_config(write(tmp_path))
     assert config.model.ffn_size == 4 * 64
-    assert config.training.lr_warmup_frac == 0.01 and config.training.lr_warmup_tokens is None
-    assert config.training.split == "949,50,1"
+    assert config.training.lr.lr_warmup_frac == 0.01 and config.training.lr.lr_warmup_tokens is None
+    assert config.training.data.split == "949,50,1"
     assert config.path == tmp_path / ".conaconfig"
 
 
@@ -56,8 +57,8 @@ def test_no_config_anywhere(tmp_path, monkeypatch):
 def test_relative_paths_are_relative_to_the_file(tmp_path):
     (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "c": 2}))
     config = load_config(write(tmp_path, training={"vocab_file": "vocab.json", "data_prefix": "d/x"}))
-    assert config.training.vocab_file == str(tmp_path / "vocab.json")
-    assert config.training.data_prefix == str(tmp_path / "d" / "x")
+    assert config.training.data.vocab_file == str(tmp_path / "vocab.json")
+    assert config.training.data.data_prefix == str(tmp_path / "d" / "x")
     assert config.model.vocab_size == 3
     assert config.model.padded_vocab_size == 128
 
@@ -142,7 +143,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path, capsys):
 def test_default_log_root_is_relative_to_the_file(tmp_path, monkeypatch):
     path = write(tmp_path)
     monkeypatch.chdir("/")
-    assert load_config(path).training.log_root == str(tmp_path / "logs")
+    assert load_config(path).training.logging.log_root == str(tmp_path / "logs")
 
 
 @pytest.mark.parametrize(
@@ -186,3 +187,46 @@ def test_a_run_is_identified_by_the_keys_that_differ_from_their_defaults(tmp_pat
     assert set(changed.identity_dict()["training"]) == {"base_gbs", "log_root", "fallback"}
     assert MODEL.items() <= plain.identity_dict()["model"].items()
     assert "probe_tokens" in plain.to_dict()["training"]
+
+
+def test_the_flat_training_section_is_read_into_its_sections(tmp_path):
+    """The file writes training keys flat, as the original CONA does; each lands in its section, and the
+    config writes them back flat (config show, a checkpoint's config.json) to the same config."""
+    flat = {
+        "weight_decay": 0.05,
+        "base_lr": 3e-4,
+        "split": "98,2,0",
+        "eval_iters": 3,
+        "keep_checkpoints": 4,
+        "probe_tokens": 4096,
+        "device": "cpu",
+    }
+    config = load_config(write(tmp_path, training=flat))
+    training = config.training
+    assert training.optimizer.weight_decay == 0.05 and training.lr.base_lr == 3e-4
+    assert training.data.split == "98,2,0" and training.logging.eval_iters == 3
+    assert training.checkpoint.keep_checkpoints == 4 and training.online.probe_tokens == 4096
+    assert training.runtime.device == "cpu"
+    written = config.to_dict()["training"]
+    assert list(written) == list(SECTION_OF) and flat.items() <= written.items()
+    assert parse_config(config.to_dict(), source=config.path) == config
+
+
+def test_sections_check_their_values_when_built_in_code():
+    with pytest.raises(ConfigError, match=r"^training.base_lr: must be positive$"):
+        TrainingConfig(base_lr=-1.0)
+    with pytest.raises(ConfigError, match=r"^training.probe_tokens: must be positive$"):
+        TrainingConfig().replace(probe_tokens=0)
+    with pytest.raises(ConfigError, match=r"^model.hidden: 66 is not divisible by model.heads=4$"):
+        ModelConfig(layers=2, hidden=66, heads=4, seq=8)
+    with pytest.raises(TypeError, match="base_lrr"):
+        TrainingConfig(base_lrr=1.0)
+    changed = TrainingConfig(seed=7).replace(base_lr=1e-3)
+    assert (changed.runtime.seed, changed.lr.base_lr) == (7, 1e-3)
+    assert changed.explicit_flat() == {"seed": 7, "base_lr": 1e-3}
+
+
+def test_bert_needs_the_wordpiece_tokenizer(tmp_path):
+    message = error_of(write(tmp_path, model={**MODEL, "family": "bert"}))
+    refusal = "training.tokenizer_type: model.family 'bert' needs 'BertWordPieceLowerCase'"
+    assert message.startswith(f"{tmp_path / '.conaconfig'}: {refusal} (masked-LM samples use")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cona.cli import main
-from cona.config_file import load_config
-from cona.config_overrides import parse_override
+from cona.config.file import load_config
+from cona.config.overrides import parse_override
 from cona.errors import ConfigError, UsageError
 
 MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab_size": 1000}
@@ -44,10 +44,10 @@ def test_overrides_replace_the_files_keys_and_the_last_one_wins(config_path, tmp
     monkeypatch.chdir(tmp_path)
     overrides = ["training.base_lr=3e-4", "model.layers=3", "training.log_root=mine", "model.layers=4"]
     config = load_config(config_path, overrides=overrides)
-    assert config.training.base_lr == 3e-4 and config.model.layers == 4
-    assert config.training.log_root == str(tmp_path / "mine")  # relative to the cwd, not to the file
+    assert config.training.lr.base_lr == 3e-4 and config.model.layers == 4
+    assert config.training.logging.log_root == str(tmp_path / "mine")  # relative to the cwd, not to the file
     assert config.overrides == tuple(overrides)
-    assert load_config(config_path).training.base_lr == 1e-3  # the file is untouched
+    assert load_config(config_path).training.lr.base_lr == 1e-3  # the file is untouched
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_train_takes_set_and_the_other_nodes_get_it(tmp_path, monkeypatch, capsy
     online += ["--total-iters", "4", "--set", "training.base_lr=5e-4"]
     assert main(online) == 0, capsys.readouterr().err
     (run,) = captured
-    assert run.config.training.base_lr == 5e-4
+    assert run.config.training.lr.base_lr == 5e-4
     command = cona_command(
         run.mode_args(), config=run.config, nodes=run.nodes, run_dir=run.run_dir, workdir=tmp_path,
         base_port=29400, quiet=False,

@@ -17,7 +17,7 @@ import pytest
 from tests.data.data_testlib import ENGLISH_SAMPLE, write_jsonl
 
 from cona.config import ModelConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.data.bert_vocab import train_bert_vocab
 from cona.data.preprocess import PreprocessOptions, preprocess
 from cona.data.tokenizer import BERT_WORDPIECE_LOWER

@@ -162,7 +162,7 @@ Layout = tuple[int, int, int]
 def best_strategy(config_path: Path, system: str, gpus: int, gbs: int, layout: Layout | None = None) -> Any:
     """The planner's best strategy at ``gbs`` on ``gpus`` devices (what online mode would run there),
     ranked as online mode ranks it before it measured anything; ``layout``: the best of that layout only."""
-    from cona.config_file import load_config
+    from cona.config.file import load_config
     from cona.planner.search_choice import search_strategies
     from cona.planner.systems import load_system
     from cona.runner.schedules.online_search import FrontierSearch
@@ -170,7 +170,7 @@ def best_strategy(config_path: Path, system: str, gpus: int, gbs: int, layout: L
 
     config = load_config(config_path, check_data_files=True)
     loaded = load_system(system)
-    dtype = loaded.resolve_dtype(checkpoint_dtype(config.training, config.training.device))
+    dtype = loaded.resolve_dtype(checkpoint_dtype(config.training, config.training.runtime.device))
     search = FrontierSearch(config=config, system=loaded, n_gpus=gpus, dtype=dtype, botorch=False)
     if layout is None:
         found = search(gbs)
@@ -290,7 +290,7 @@ def fixed_variants(given: list[list[str]] | None) -> dict[str, tuple[int, list[s
 
 
 def _parsed_overrides(flag: str, overrides: list[str]) -> list[str]:
-    from cona.config_overrides import parse_override
+    from cona.config.overrides import parse_override
     from cona.errors import UsageError
 
     for text in overrides:
@@ -377,7 +377,7 @@ def _checked_overrides(config: Path, overrides: list[str] | None, *, flag: str) 
     refused here, before any run starts, not on the device minutes later)."""
     if not overrides:
         return []
-    from cona.config_file import load_config
+    from cona.config.file import load_config
     from cona.errors import ConaError
 
     try:

@@ -81,11 +81,11 @@ def configured_strategy(training: Any, *, dp: int, tp: int, pp: int, mbs: int, g
         pp=pp,
         mbs=mbs,
         gbs=gbs,
-        zero_stage=training.zero_stage,
-        recompute=training.recompute,
-        sequence_parallel=training.sequence_parallel,
-        pipeline_schedule=training.pipeline_schedule,
-        virtual_stages=training.pipeline_virtual_stages,
+        zero_stage=training.runtime.zero_stage,
+        recompute=training.runtime.recompute,
+        sequence_parallel=training.runtime.sequence_parallel,
+        pipeline_schedule=training.runtime.pipeline_schedule,
+        virtual_stages=training.runtime.pipeline_virtual_stages,
     )
 
 

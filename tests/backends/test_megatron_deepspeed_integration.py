@@ -39,7 +39,7 @@ from cona.backends.megatron_deepspeed.environment import (
 )
 from cona.backends.megatron_deepspeed.run import run_mds_chain, run_mds_online
 from cona.commands.train_runs import chain_run as chain_run_from_args
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.data.preprocess import PreprocessOptions, preprocess
 from cona.engine.optim import lr_schedule
 from cona.errors import ChainError, CheckpointError

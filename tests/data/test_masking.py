@@ -162,7 +162,7 @@ def test_bert_data_needs_the_wordpiece_vocab(bert_config, tmp_path: Path) -> Non
                 "vocab_size": VOCAB,
             },
             "training": {
-                "data_prefix": bert_config.training.data_prefix,
+                "data_prefix": bert_config.training.data.data_prefix,
                 "tokenizer_type": "BertWordPieceLowerCase",
             },
         },

@@ -181,7 +181,7 @@ def global_batch(config: ConaConfig, step: int) -> tuple[torch.Tensor, torch.Ten
 def real_run(config: ConaConfig, strategy: Strategy, seed: int) -> Run:
     from cona.engine.train_model import build_training_model
 
-    config = dataclasses.replace(config, training=dataclasses.replace(config.training, seed=seed))
+    config = dataclasses.replace(config, training=config.training.replace(seed=seed))
     mesh = mesh_for(strategy)
     if mesh is None:
         return plain_gpt_run(config, strategy)
@@ -195,7 +195,7 @@ def real_run(config: ConaConfig, strategy: Strategy, seed: int) -> Run:
         out = model.train_step_pending(
             [(inputs[r : r + MBS], targets[r : r + MBS]) for r in rows], iteration=iteration
         ).result()
-        model.clip_grad_norm_pending(config.training.clip_grad).item()
+        model.clip_grad_norm_pending(config.training.optimizer.clip_grad).item()
         set_lr(optimizer, 1e-3)
         bool(model.optimizer_step_pending(optimizer).item())
         return out.loss
@@ -209,7 +209,7 @@ def plain_gpt_run(config: ConaConfig, strategy: Strategy) -> Run:
     from cona.engine.train_model import token_cross_entropy
 
     model = GPT(config.model)
-    init_weights(model, config.model, config.training.seed)
+    init_weights(model, config.model, config.training.runtime.seed)
     optimizer = build_optimizer([model], config.training)
 
     def step(iteration: int) -> float:
@@ -217,7 +217,7 @@ def plain_gpt_run(config: ConaConfig, strategy: Strategy) -> Run:
             model(global_batch(config, iteration)[0]), global_batch(config, iteration)[1]
         )
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.training.clip_grad)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.training.optimizer.clip_grad)
         set_lr(optimizer, 1e-3)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -57,7 +57,7 @@ def reference(config: ConaConfig, inputs: torch.Tensor, targets: torch.Tensor, n
     """Global masked mean, its gradients, and the GNS small norm (mean over the n_small row groups of
     |grad of n_small * S_k / N|^2, without the tied matrix) of the plain model on the whole batch."""
     model = GPT(config.model)
-    init_weights(model, config.model, config.training.seed)
+    init_weights(model, config.model, config.training.runtime.seed)
     total = (targets != IGNORE_INDEX).sum()
     small_sqr = []
     for rows in torch.arange(inputs.shape[0]).chunk(n_small):

@@ -64,7 +64,7 @@ def global_batch(config: ConaConfig) -> tuple[torch.Tensor, torch.Tensor]:
 def reference(config: ConaConfig, inputs: torch.Tensor, targets: torch.Tensor, n_small: int) -> dict:
     """Loss, grad norm, per-parameter grads and GNS inputs of the plain model on the whole batch."""
     model = GPT(config.model)
-    init_weights(model, config.model, config.training.seed)
+    init_weights(model, config.model, config.training.runtime.seed)
     small_sqr = []
     small = inputs.shape[0] // n_small
     for rows in torch.arange(inputs.shape[0]).split(small):

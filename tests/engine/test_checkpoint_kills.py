@@ -12,7 +12,7 @@ import torch
 from tests.kill_points import KillAt, kill_points, module_proxy
 from tests.runner.chain_fakes import write_tiny_config
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine import checkpoint as checkpoint_module
 from cona.engine.checkpoint import LATEST, TMP_PREFIX, load_model_tensors, save_checkpoint
 from cona.strategy import Strategy

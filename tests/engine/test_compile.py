@@ -27,7 +27,7 @@ def test_warmed_graphs_load_from_the_cache_and_a_switch_back_compiles_nothing(
 ) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
     config = tiny_config(seq=8)
-    config = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=True))
+    config = dataclasses.replace(config, training=config.training.replace(compile=True))
     torch._dynamo.reset()
     counters.clear()
     compile_shapes(config, Strategy(dp=1, tp=1, pp=1, mbs=2, gbs=2), (4,), torch.device("cpu"))

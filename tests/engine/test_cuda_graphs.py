@@ -70,7 +70,7 @@ def train(model: TrainingModel, cfg: ConaConfig, steps: int) -> list[tuple[float
         # Two of every three steps measure (1, 2, 4, 5), each as two halves: under graphs each half replays
         # a graph of its own shape, and the first half's gradients are held apart from the second's replay.
         out = model.train_step_pending([batch(step)], iteration=step + 1, measure_gns=step % 3 != 0).result()
-        norm = model.clip_grad_norm_pending(cfg.training.clip_grad).item()
+        norm = model.clip_grad_norm_pending(cfg.training.optimizer.clip_grad).item()
         bool(model.optimizer_step_pending(optimizer).item())
         rows.append((out.loss, norm, out.gns_small_sqr, out.gns_big_sqr))
     rows.append((model.eval_loss([batch(100), batch(101)]),))
@@ -118,8 +118,8 @@ def test_graphs_only_where_a_step_is_one_whole_model_forward_and_backward() -> N
     one = dataclasses.replace(strategy, gbs=MBS)
     assert uses_cuda_graphs(training, model, one, gpu0)
     assert not uses_cuda_graphs(training, model, one, torch.device("cpu"))
-    assert not uses_cuda_graphs(dataclasses.replace(training, compile=False), model, one, gpu0)
-    assert not uses_cuda_graphs(dataclasses.replace(training, cuda_graphs=False), model, one, gpu0)
+    assert not uses_cuda_graphs(training.replace(compile=False), model, one, gpu0)
+    assert not uses_cuda_graphs(training.replace(cuda_graphs=False), model, one, gpu0)
     assert not uses_cuda_graphs(training, model, dataclasses.replace(one, tp=2), gpu0)
 
 

@@ -170,7 +170,7 @@ def test_compiled_measured_steps_run_their_halves_in_the_graph(one_process_group
     for compiled in (True, False):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        training = dataclasses.replace(config.training, compile=compiled)
+        training = config.training.replace(compile=compiled)
         engine = tiny_engine(gbs=4, mbs=4, config=dataclasses.replace(config, training=training))
         rows[compiled] = []
         for step, (batch,) in enumerate(token_batches(config, 4, 4, seed=s) for s in range(4)):
@@ -195,7 +195,7 @@ def token_batches(
 def plain_gns_sqr(config: ConaConfig, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, list]:
     """|grad|^2 (without the tied matrix) of the plain model's mean loss, and the gradients."""
     model = GPT(config.model)
-    init_weights(model, config.model, config.training.seed)
+    init_weights(model, config.model, config.training.runtime.seed)
     token_cross_entropy(model(inputs), targets).backward()
     grads = [(name, p.grad) for name, p in model.named_parameters() if not is_tied(name)]
     return sum(g.square().sum().item() for _, g in grads), grads

@@ -84,7 +84,7 @@ def test_lr_schedule_explicit_tokens_override() -> None:
     training = TrainingConfig(lr_warmup_tokens=500, lr_decay_tokens=9000, lr_warmup_frac=0.5)
     schedule = lr_schedule(training, planned_tokens=1_000_000)
     assert (schedule.warmup_tokens, schedule.decay_tokens) == (500, 9000)
-    assert (schedule.peak_lr, schedule.min_lr) == (training.base_lr, training.base_min_lr)
+    assert (schedule.peak_lr, schedule.min_lr) == (training.lr.base_lr, training.lr.base_min_lr)
 
 
 def test_lr_schedule_min_never_above_peak() -> None:

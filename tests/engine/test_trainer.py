@@ -111,9 +111,7 @@ def test_spec_eval_settings_default_to_the_config(tmp_path):
 
 def test_eval_every_tokens_keeps_the_spacing_in_tokens_at_every_gbs(tmp_path):
     spec = make_spec(tmp_path)
-    config = dataclasses.replace(
-        spec.config, training=dataclasses.replace(spec.config.training, eval_every_tokens=512)
-    )
+    config = dataclasses.replace(spec.config, training=spec.config.training.replace(eval_every_tokens=512))
     intervals = [
         make_spec(
             tmp_path, config=config, strategy=Strategy(dp=2, tp=1, pp=1, mbs=mbs, gbs=gbs)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from cona.cli import main
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.runner.schedules.chain import load_chain
 
 CONFIG = {

@@ -41,7 +41,7 @@ def test_graphs_only_where_the_run_compiles_on_the_gpu_with_them_on() -> None:
 def test_the_online_frontier_predicts_an_eager_run_with_the_plain_host_dispatch() -> None:
     h200 = load_system("h200_141g")
     compiled = ConaConfig(model=GPT_125M, training=TrainingConfig(device="cuda"))
-    eager = dataclasses.replace(compiled, training=dataclasses.replace(compiled.training, compile=False))
+    eager = dataclasses.replace(compiled, training=compiled.training.replace(compile=False))
     graphs = FrontierSearch(config=compiled, system=h200, n_gpus=1, dtype="bf16", botorch=False)
     plain = FrontierSearch(config=eager, system=h200, n_gpus=1, dtype="bf16", botorch=False)
     gbs8 = one_gpu(8)

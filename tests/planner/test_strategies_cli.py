@@ -44,7 +44,7 @@ def test_json_ranking_matches_the_exhaustive_search(capsys, config_path):
     assert times == sorted(times)
     assert all(row["dp"] * row["tp"] * row["pp"] == 16 and row["gbs"] == 128 for row in rows)
     assert all(not row["oom"] and row["memory_per_gpu_gib"] == row["memory_gib"] for row in rows)
-    from cona.config_file import load_config
+    from cona.config.file import load_config
 
     expected = search.exhaustive_search(
         load_config(config_path).model, load_system("a100_80g"), 16, 128, top_k=1

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tests.runner.forked import fork
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint, tmp_owner
 from cona.engine.spec import StageResult
 from cona.runner.schedules.sequence import ChainRun, StageLaunch, run_chain

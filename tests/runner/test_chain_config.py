@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from chain_fakes import seed_shaped_chain, tiny_layout, write_tiny_config
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import ChainError
 from cona.runner.schedules.chain import load_chain, planned_iterations, planned_tokens
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from chain_fakes import FakeEngine, chain_run, write_tiny_config
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.checkpoint import layout_dir
 from cona.engine.spec import StageResult, StageSpec
 from cona.runner.schedules.online import OnlineRun, run_online

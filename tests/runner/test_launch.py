@@ -13,7 +13,7 @@ import pytest
 from tests.torchrun_util import free_port
 
 from cona.config import parse_config
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
 from cona.runner import launch
@@ -131,7 +131,7 @@ def test_a_relative_log_root_is_taken_from_the_config_directory(tmp_path, monkey
     raw = {"model": {"layers": 1, "hidden": 8, "heads": 2, "seq": 4, "vocab_size": 10}}
     monkeypatch.chdir(tmp_path)
     config = resolve_log_root(parse_config(raw, source=tmp_path / "project" / ".conaconfig"))
-    assert config.training.log_root == str(tmp_path / "project" / "logs")
+    assert config.training.logging.log_root == str(tmp_path / "project" / "logs")
     absolute = resolve_log_root(config)
     assert absolute == config
 
@@ -207,7 +207,7 @@ def test_a_switch_request_stops_the_stage_after_the_step_with_a_checkpoint(tmp_p
     from test_train_cli import write_tiny_setup
 
     config = resolve_log_root(load_config(write_tiny_setup(tmp_path)))
-    run_dir = create_run_dir(Path(config.training.log_root), "switch")
+    run_dir = create_run_dir(Path(config.training.logging.log_root), "switch")
     spec = StageSpec(
         run_dir=run_dir,
         config=config,

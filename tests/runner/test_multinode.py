@@ -13,7 +13,7 @@ from test_train_cli import write_tiny_setup
 from tests.torchrun_util import free_port
 
 from cona.cli import main
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import LaunchError
 from cona.runner.nodes import multinode
 from cona.runner.nodes.multinode import (

@@ -18,7 +18,7 @@ from cona.cli import main
 from cona.commands.demo import demo_config, demo_system
 from cona.commands.train_runs import online_run as online_run_from_args
 from cona.config import parse_config
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info
 from cona.engine.spec import StageResult
 from cona.errors import ConaError, LaunchError
@@ -331,8 +331,8 @@ def test_the_demo_config_is_valid_and_does_not_depend_on_the_cwd(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     raw = demo_config(Path("/data/demo"), Path("/runs/demo/1"), device="cpu")
     config = parse_config(raw, source=None)
-    assert config.training.data_prefix == "/data/demo/wiki_tiny_text_document"
-    assert config.training.log_root == "/runs/demo/1/logs" and config.training.dtype == "fp32"
+    assert config.training.data.data_prefix == "/data/demo/wiki_tiny_text_document"
+    assert config.training.logging.log_root == "/runs/demo/1/logs" and config.training.runtime.dtype == "fp32"
     assert demo_system(None) == "cpu_gloo" and demo_system("NVIDIA H200") == "h200_141g"
     with pytest.raises(ConaError, match="no system description for the GPU 'Some GPU'"):
         demo_system("Some GPU")

@@ -11,7 +11,7 @@ from test_train_cli import free_port_base, write_tiny_setup
 from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
 
 from cona.cli import main
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.runner.run_dir import resolve_log_root
 from cona.runner.schedules.online import OnlineRun, run_online
 from cona.runner.state import load_state

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from chain_fakes import write_tiny_config
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.metrics_record import MetricsRecord
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
@@ -40,7 +40,7 @@ def one_gpu(gbs: int, mbs: int) -> Strategy:
 def frontier(tmp_path: Path) -> FrontierSearch:
     write_tiny_config(tmp_path)
     config = load_config(tmp_path / ".conaconfig")
-    config = replace(config, training=replace(config.training, device="cuda", compile=False))
+    config = replace(config, training=config.training.replace(device="cuda", compile=False))
     h200 = load_system("h200_141g")
     return FrontierSearch(config=config, system=h200, n_gpus=1, dtype="bf16", botorch=False)
 

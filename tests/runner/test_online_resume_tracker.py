@@ -9,7 +9,7 @@ import types
 import torch
 from chain_fakes import write_tiny_config
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.checkpoint import save_checkpoint
 from cona.planner.policy import Candidate, after_switch, initial_state
 from cona.runner.noise_history import noise_tracker
@@ -39,12 +39,12 @@ def test_the_search_of_a_resumed_stage_counts_the_stage_s_lines_up_to_its_checkp
     lines = [json.dumps({"iteration": i, **RECORD, "gns_big_sqr": 1.0 + i / 100}) for i in range(1, 15)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     run = types.SimpleNamespace(run_dir=tmp_path, config=config)
-    at_stage_start = noise_tracker(tmp_path, config.training.base_gbs, 4)  # stage 2 started at 4
+    at_stage_start = noise_tracker(tmp_path, config.training.lr.base_gbs, 4)  # stage 2 started at 4
     memory = types.SimpleNamespace(tracker=at_stage_start)
 
     own = checkpoint_of(tmp_path, config, stage=2, iteration=10)
     resumed = tracker_at_resume(run, memory, 2, own)
-    assert resumed == noise_tracker(tmp_path, config.training.base_gbs, 10) and resumed.samples == 10
+    assert resumed == noise_tracker(tmp_path, config.training.lr.base_gbs, 10) and resumed.samples == 10
     previous = checkpoint_of(tmp_path, config, stage=1, iteration=4)  # the stage's planned load
     assert tracker_at_resume(run, memory, 2, previous) is at_stage_start
     assert tracker_at_resume(run, memory, 2, None) is at_stage_start

@@ -18,7 +18,7 @@ import pytest
 from chain_fakes import write_tiny_config
 from test_online import append, decisions, make_search, metrics_record
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, after_switch, initial_state
 from cona.planner.systems import load_system

@@ -15,7 +15,7 @@ import pytest
 import torch
 from chain_fakes import FakeEngine, chain_run, seed_shaped_chain, write_tiny_config
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.checkpoint import load_model_tensors, resolve_checkpoint, save_checkpoint
 from cona.errors import CheckpointError
 from cona.runner import publish as publish_module

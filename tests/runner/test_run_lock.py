@@ -19,7 +19,7 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 
 from cona.cli import main
 from cona.commands import train_runs
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.engine.checkpoint import layout_dir
 from cona.processes import running
 from cona.runner.launch import start_torchrun

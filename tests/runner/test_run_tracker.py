@@ -37,7 +37,7 @@ def event_texts(events: EventAccumulator) -> list[tuple[int, str]]:
 
 
 def with_tensorboard(run, directory: Path):
-    training = dataclasses.replace(run.config.training, tensorboard_dir=str(directory))
+    training = run.config.training.replace(tensorboard_dir=str(directory))
     return dataclasses.replace(run, config=dataclasses.replace(run.config, training=training))
 
 

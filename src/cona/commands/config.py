@@ -7,7 +7,7 @@ import json
 import sys
 
 from cona.commands.config_flags import add_config_flags
-from cona.config_file import load_config
+from cona.config.file import load_config
 
 
 def register(subparsers) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cona.config_overrides import FLAG
+from cona.config.overrides import FLAG
 
 CONFIG_HELP = "config file (default: .conaconfig in cwd or a parent)"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.data.bert_vocab import train_bert_vocab
 from cona.data.demo import obtain_demo_data
 from cona.data.indexed import IndexedDataset
@@ -147,10 +147,10 @@ def _tokenizer(args: argparse.Namespace) -> Tokenizer | None:
             if args.config is not None:
                 raise
             return None  # no .conaconfig around: the ids alone
-        if training.vocab_file is None:
+        if training.data.vocab_file is None:
             return None
-        kind, vocab = args.tokenizer_type or training.tokenizer_type, Path(training.vocab_file)
-        merges = Path(training.merge_file) if training.merge_file is not None else None
+        kind, vocab = args.tokenizer_type or training.data.tokenizer_type, Path(training.data.vocab_file)
+        merges = Path(training.data.merge_file) if training.data.merge_file is not None else None
     files = tokenizer_files(kind, vocab, merges)
     return cached_tokenizer(kind, tuple(map(str, files)), files_fingerprint(files))
 

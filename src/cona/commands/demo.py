@@ -192,7 +192,7 @@ def _online_run(config_path: Path, run_root: Path, processes: int, system: str) 
     return OnlineRun(
         config=config,
         workdir=run_root,
-        run_dir=Path(config.training.log_root) / "online",
+        run_dir=Path(config.training.logging.log_root) / "online",
         world_size=processes,
         device_type=device_type(config.training),
         system=system,

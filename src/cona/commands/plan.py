@@ -16,7 +16,7 @@ from cona.commands.flag_types import finite_float, positive_int
 from cona.commands.plan_curves import add_curves_flags, run_curves
 from cona.commands.search_flags import add_search_flags, botorch_choice
 from cona.config import ConaConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import PlanError, UsageError
 from cona.planner.plan import (
     DEFAULT_SEGMENTS,
@@ -121,7 +121,7 @@ def _run(args: argparse.Namespace) -> int:
     initial_gbs = args.initial_gbs if args.initial_gbs is not None else int(trace.gbs[0])
     if args.max_gbs < initial_gbs:
         raise UsageError(f"--max-gbs: {args.max_gbs} is below the initial gbs {initial_gbs}")
-    dtype = args.dtype or config.training.dtype
+    dtype = args.dtype or config.training.runtime.dtype
     # The trace's run mode (compiled, CUDA graphs) picks the profile's host dispatch, as online mode's does.
     backend = run_profile(args.backend or trace.backend, config.training)
     estimator, calibration_note = _estimator(config, trace, system, gpus, dtype, backend)
@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
 def _target(
     args: argparse.Namespace, config: ConaConfig, trace: Trace, initial_gbs: int
 ) -> tuple[float, str]:
-    base, factor = config.training.base_gbs, config.training.noise_scale_factor
+    base, factor = config.training.lr.base_gbs, config.training.online.noise_scale_factor
     if args.target_ppl is not None or args.target_loss is not None:
         if args.target_ppl is not None and not args.target_ppl > 1:
             raise UsageError(f"--target-ppl must be above 1, got {args.target_ppl}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cona.commands.search_flags import botorch_choice
 from cona.config import ConaConfig, TrainingConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import PlanError, UsageError
 from cona.planner.cluster import Cluster, curves_world, policy_settings
 from cona.planner.curves import StatCurves, load_curves
@@ -56,7 +56,7 @@ def run_curves(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-gbs: {max_gbs} is below the initial gbs {initial_gbs}")
     system = load_system(args.system)
     cluster = Cluster(
-        system=system, gpus=args.gpus, dtype=args.dtype or training.dtype,
+        system=system, gpus=args.gpus, dtype=args.dtype or training.runtime.dtype,
         backend=run_profile(args.backend or "native", training), botorch=botorch_choice(args),
         options=space_options(training),
     )  # fmt: skip
@@ -82,9 +82,9 @@ def _training(args: argparse.Namespace, curves: StatCurves) -> TrainingConfig:
     if args.config is None and not args.overrides:
         return TrainingConfig(base_gbs=curves.base_gbs)
     training = load_config(args.config, overrides=args.overrides).training
-    if training.base_gbs != curves.base_gbs:
+    if training.lr.base_gbs != curves.base_gbs:
         raise UsageError(
-            f"training.base_gbs: {training.base_gbs} differs from the curves' base_gbs {curves.base_gbs} "
+            f"training.base_gbs: {training.lr.base_gbs} differs from the curves' base_gbs {curves.base_gbs} "
             f"({curves.source}); the LR rule and efficiency are relative to it"
         )
     return training

@@ -7,7 +7,7 @@ import json
 
 from cona.commands.config_flags import add_config_flags
 from cona.config import RECOMPUTE, TrainingConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import UsageError
 from cona.planner.perf_model import Prediction, predict
 from cona.planner.profiles import BACKENDS
@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides=args.overrides)
     system = load_system(args.system)
     strategy = _strategy(args, config.training)
-    dtype = args.dtype or config.training.dtype
+    dtype = args.dtype or config.training.runtime.dtype
     prediction = predict(config.model, strategy, system, dtype=dtype, backend=args.backend)
     if args.json:
         print(json.dumps(_flat(prediction, strategy, system, system.resolve_dtype(dtype), args.backend)))
@@ -104,7 +104,9 @@ def _strategy(args: argparse.Namespace, training: TrainingConfig) -> Strategy:
     """The flags' strategy; what the flags leave out comes from the config's training section."""
     if args.interleave is not None and args.interleave < 1:
         raise UsageError(f"--interleave: {args.interleave} must be at least 1")
-    virtual_stages = args.interleave if args.interleave is not None else training.pipeline_virtual_stages
+    virtual_stages = (
+        args.interleave if args.interleave is not None else training.runtime.pipeline_virtual_stages
+    )
     if args.gpipe and virtual_stages > 1:
         raise UsageError("--gpipe cannot be combined with interleaving (--interleave or the config's stages)")
     if args.gpipe:
@@ -112,16 +114,16 @@ def _strategy(args: argparse.Namespace, training: TrainingConfig) -> Strategy:
     elif args.interleave is not None:
         schedule = "interleaved_1f1b" if virtual_stages > 1 else "1f1b"
     else:
-        schedule = training.pipeline_schedule
+        schedule = training.runtime.pipeline_schedule
     return Strategy(
         dp=args.dp,
         tp=args.tp,
         pp=args.pp,
         mbs=args.mbs,
         gbs=args.gbs,
-        zero_stage=args.zero_stage if args.zero_stage is not None else training.zero_stage,
-        recompute=args.recompute or training.recompute,
-        sequence_parallel=args.sequence_parallel or training.sequence_parallel,
+        zero_stage=args.zero_stage if args.zero_stage is not None else training.runtime.zero_stage,
+        recompute=args.recompute or training.runtime.recompute,
+        sequence_parallel=args.sequence_parallel or training.runtime.sequence_parallel,
         pipeline_schedule=schedule,
         virtual_stages=virtual_stages,
     )

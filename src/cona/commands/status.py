@@ -40,8 +40,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 def latest_run_dir(config_path: str | None, overrides: Sequence[str] = ()) -> Path:
     """The run ``<log_root>/latest`` names, with log_root from the config (relative to its file)."""
-    from cona.config_file import load_config
+    from cona.config.file import load_config
     from cona.runner.run_dir import resolve_latest, resolve_log_root
 
     config = resolve_log_root(load_config(config_path, overrides=overrides))
-    return resolve_latest(Path(config.training.log_root))
+    return resolve_latest(Path(config.training.logging.log_root))

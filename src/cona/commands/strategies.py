@@ -13,7 +13,7 @@ import numpy as np
 from cona.commands.config_flags import add_config_flags
 from cona.commands.flag_types import seed_value
 from cona.commands.search_flags import add_search_flags, botorch_choice
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import UsageError
 from cona.planner.profiles import BACKENDS, run_profile
 from cona.strategy import Strategy
@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         args.gpus,
         args.gbs,
         options=options,
-        dtype=config.training.dtype,
+        dtype=config.training.runtime.dtype,
         top_k=max(args.top, EXPLAIN_POOL),
         backend=run_profile(args.backend, config.training),
         botorch=botorch_choice(args),

@@ -20,7 +20,7 @@ from typing import Any
 
 from cona.commands.search_flags import botorch_choice
 from cona.config import ConaConfig, TrainingConfig
-from cona.config_file import load_config
+from cona.config.file import load_config
 from cona.errors import LaunchError, UsageError
 from cona.planner.systems import devices_mismatch, load_system
 from cona.runner.fixed import FixedRun
@@ -47,14 +47,14 @@ def run_config(
     config = resolve_log_root(load_config(config_path, check_data_files=True, overrides=overrides or ()))
     if device is None:
         return config
-    return dataclasses.replace(config, training=dataclasses.replace(config.training, device=device))
+    return dataclasses.replace(config, training=config.training.replace(device=device))
 
 
 def device_type(training: TrainingConfig, *, processes: int | None = None) -> str:
     """``cpu`` or ``cuda`` as the workers will resolve ``training.device``; given ``processes`` (one node's),
     a CUDA run needs a GPU for each. Torch is imported only to ask CUDA (``auto``, or a GPU count): the runner
     needs it for nothing else, and its import is seconds of every run's start."""
-    requested = training.device
+    requested = training.runtime.device
     if requested == "cpu" or (requested != "auto" and processes is None):
         return requested
     import torch
@@ -82,7 +82,7 @@ def placement(flags: Any) -> NodePlacement:
 
 def _common(flags: Any, config: ConaConfig, run_name: str, num_nodes: int) -> dict[str, Any]:
     """What every run description takes from the flags that all modes share."""
-    run_dir = Path(config.training.log_root) / check_run_name(run_name)
+    run_dir = Path(config.training.logging.log_root) / check_run_name(run_name)
     return {
         "config": config,
         "workdir": workdir(flags),
@@ -208,7 +208,7 @@ def _budget(flags: Any, training: TrainingConfig) -> tuple[int | None, int | Non
     target_ppl = _positive(given[2], "--target-ppl", float)
     if target_ppl is not None and target_ppl <= 1.0:
         raise UsageError(f"cona train --target-ppl: a perplexity is above 1, got {given[2]}")
-    if total_iters is None and total_tokens is None and training.lr_decay_tokens is None:
+    if total_iters is None and total_tokens is None and training.lr.lr_decay_tokens is None:
         raise UsageError(
             "cona train --target-ppl without --total-iters/--total-tokens trains at most to the LR horizon: "
             "set training.lr_decay_tokens in the config"
@@ -253,7 +253,7 @@ def check_run_size(config: ConaConfig, gbs: int, iters: int) -> None:
     if epoch and gbs > epoch:
         raise UsageError(
             f"cona train --gbs {gbs}: more than the {epoch} samples of one epoch of the train split "
-            f"({config.training.data_prefix}); every step would repeat samples"
+            f"({config.training.data.data_prefix}); every step would repeat samples"
         )
     if epoch and gbs * iters > MAX_EPOCHS * epoch:
         raise UsageError(
@@ -263,8 +263,8 @@ def check_run_size(config: ConaConfig, gbs: int, iters: int) -> None:
     lr = scaled_lr(config.training, gbs)
     if lr.lr >= 1.0:
         print(
-            f"cona: warning: --gbs {gbs} scales training.base_lr {config.training.base_lr:g} by "
-            f"{lr.factor:.4g} ({config.training.lr_scale_strategy}) to a peak LR of {lr.lr:.4g}; set "
+            f"cona: warning: --gbs {gbs} scales training.base_lr {config.training.lr.base_lr:g} by "
+            f"{lr.factor:.4g} ({config.training.lr.lr_scale_strategy}) to a peak LR of {lr.lr:.4g}; set "
             "training.lr_scale_lr_cap or a gbs nearer training.base_gbs",
             file=sys.stderr,
         )

@@ -26,20 +26,20 @@ CHUNK_TOKENS = 1 << 24
 def check_dataset(config: ConaConfig) -> None:
     """Refuse a validation split with no sample and token ids >= ``model.vocab_size``."""
     training = config.training
-    if training.data_prefix is None:
+    if training.data.data_prefix is None:
         return  # check_training_files names the missing key
-    indexed = IndexedDataset(training.data_prefix)
+    indexed = IndexedDataset(training.data.data_prefix)
     where = f"{config.path}: " if config.path else ""
     check_validation_split(config, indexed, where)
     if config.model.vocab_size is not None:
-        check_token_ids(indexed, config.model.vocab_size, where, training.vocab_file)
+        check_token_ids(indexed, config.model.vocab_size, where, training.data.vocab_file)
 
 
 def split_samples(config: ConaConfig, indexed: IndexedDataset) -> dict[str, tuple[int, int, int]]:
     """(documents, tokens, samples per epoch) of each split, as :mod:`cona.data.gpt_dataset` cuts them."""
     model = config.model
     length = model.seq - SPECIALS_PER_SAMPLE if model.family == "bert" else model.seq
-    ranges = split_document_ranges(len(indexed), config.training.split)
+    ranges = split_document_ranges(len(indexed), config.training.data.split)
     sizes = indexed.sizes.astype(np.int64)
     result = {}
     for name, (begin, end) in zip(("train", "valid", "test"), ranges, strict=True):
@@ -52,10 +52,10 @@ def check_validation_split(config: ConaConfig, indexed: IndexedDataset, where: s
     documents, tokens, samples = split_samples(config, indexed)["valid"]
     if samples > 0:
         return
-    training = config.training
+    data = config.training.data
     raise DataError(
-        f"{where}training.split {training.split!r} with model.seq {config.model.seq} leaves the validation "
-        f"split no sample ({documents} documents, {tokens} tokens of {training.data_prefix}); evaluation "
+        f"{where}training.split {data.split!r} with model.seq {config.model.seq} leaves the validation "
+        f"split no sample ({documents} documents, {tokens} tokens of {data.data_prefix}); evaluation "
         "needs one: give the second weight more, or lower model.seq"
     )
 

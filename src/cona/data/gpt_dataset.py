@@ -268,16 +268,21 @@ def build_datasets(config: ConaConfig) -> Splits:
     """The train/valid/test datasets of ``training.data_prefix`` for ``model.seq`` and ``training.seed``."""
     training = config.training
     where = f"{config.path}: " if config.path else ""
-    if training.data_prefix is None:
+    if training.data.data_prefix is None:
         raise DataError(f"{where}training.data_prefix is not set")
-    indexed = IndexedDataset(training.data_prefix)
+    indexed = IndexedDataset(training.data.data_prefix)
     cache_dir = (
-        Path(training.data_cache_path)
-        if training.data_cache_path
-        else default_cache_dir(training.data_prefix)
+        Path(training.data.data_cache_path)
+        if training.data.data_cache_path
+        else default_cache_dir(training.data.data_prefix)
     )
-    ranges = split_document_ranges(len(indexed), training.split)
-    common = {"seq": config.model.seq, "seed": training.seed, "split": training.split, "cache_dir": cache_dir}
+    ranges = split_document_ranges(len(indexed), training.data.split)
+    common = {
+        "seq": config.model.seq,
+        "seed": training.runtime.seed,
+        "split": training.data.split,
+        "cache_dir": cache_dir,
+    }
     if config.model.family == "bert":
         rule = _masking_rule(config, where)
         datasets: dict[str, GPTDataset] = {
@@ -292,12 +297,12 @@ def build_datasets(config: ConaConfig) -> Splits:
     train = datasets["train"]
     if train.documents[0] == train.documents[1]:
         raise DataError(
-            f"{where}training.split {training.split!r} leaves the train split no documents "
-            f"({len(indexed)} documents in {training.data_prefix})"
+            f"{where}training.split {training.data.split!r} leaves the train split no documents "
+            f"({len(indexed)} documents in {training.data.data_prefix})"
         )
     if train.samples_per_epoch == 0:
         raise DataError(
-            f"{training.data_prefix}: the train split has {train.num_tokens} tokens, too few for one "
+            f"{training.data.data_prefix}: the train split has {train.num_tokens} tokens, too few for one "
             f"sample of {_sample_tokens(config)} tokens"
         )
     usable = {name: ds if ds.samples_per_epoch > 0 else None for name, ds in datasets.items()}
@@ -313,10 +318,10 @@ def train_samples_per_epoch(config: ConaConfig) -> int:
     """Samples in one epoch of the train split, counted from the index alone (nothing is built or cached);
     0 when the split is empty or shorter than one sample (building the datasets refuses that)."""
     training = config.training
-    if training.data_prefix is None:
+    if training.data.data_prefix is None:
         raise DataError("training.data_prefix is not set")
-    indexed = IndexedDataset(training.data_prefix)
-    begin, end = split_document_ranges(len(indexed), training.split)[0]
+    indexed = IndexedDataset(training.data.data_prefix)
+    begin, end = split_document_ranges(len(indexed), training.data.split)[0]
     tokens = int(indexed.sizes[begin:end].astype(np.int64).sum())
     seq = config.model.seq - (SPECIALS_PER_SAMPLE if config.model.family == "bert" else 0)
     return max(tokens - 1, 0) // seq
@@ -332,20 +337,20 @@ def _sample_tokens(config: ConaConfig) -> str:
 def _masking_rule(config: ConaConfig, where: str) -> MaskingRule:
     """BERT's masking over the special ids of ``training.vocab_file`` (a WordPiece vocab.txt)."""
     training, model = config.training, config.model
-    if training.tokenizer_type != BERT_WORDPIECE_LOWER or training.vocab_file is None:
+    if training.data.tokenizer_type != BERT_WORDPIECE_LOWER or training.data.vocab_file is None:
         raise DataError(
             f"{where}model.family 'bert' needs training.tokenizer_type {BERT_WORDPIECE_LOWER!r} and "
             "training.vocab_file (the WordPiece vocab.txt the data was preprocessed with)"
         )
     if model.seq <= SPECIALS_PER_SAMPLE:
         raise DataError(f"{where}model.seq {model.seq} leaves no room for tokens between [CLS] and [SEP]")
-    tokenizer = load_wordpiece_tokenizer(training.vocab_file)
+    tokenizer = load_wordpiece_tokenizer(training.data.vocab_file)
     if model.vocab_size is not None and tokenizer.vocab_size > model.vocab_size:
         raise DataError(
             f"{where}model.vocab_size {model.vocab_size} is smaller than the {tokenizer.vocab_size} entries "
-            f"of training.vocab_file {training.vocab_file}"
+            f"of training.vocab_file {training.data.vocab_file}"
         )
-    return masking_rule(tokenizer, seed=training.seed)
+    return masking_rule(tokenizer, seed=training.runtime.seed)
 
 
 def micro_batch_sample_ids(

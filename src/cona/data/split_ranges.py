@@ -3,7 +3,7 @@ can check a dataset against its config before any worker starts (:mod:`cona.data
 
 from __future__ import annotations
 
-from cona.config_checks import split_fractions
+from cona.config.training import split_fractions
 
 
 def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:

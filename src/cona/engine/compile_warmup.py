@@ -46,7 +46,7 @@ def warmable(spec: StageSpec) -> bool:
     """Whether the stage compiles graphs the one-rank helper can build: compiled, unsplit, unsharded."""
     strategy, training = spec.strategy, spec.config.training
     unsplit = strategy.tp == 1 and strategy.pp == 1 and (strategy.dp == 1 or strategy.zero_stage == 0)
-    return bool(spec.warm_micro_batches) and unsplit and training.compile is not False
+    return bool(spec.warm_micro_batches) and unsplit and training.runtime.compile is not False
 
 
 def start_compile_warmup(spec: StageSpec, device: torch.device) -> subprocess.Popen | None:
@@ -102,7 +102,7 @@ def compile_shapes(
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     spec = StageSpec.read(Path(args[0]))
-    use_cuda = torch.cuda.is_available() and spec.config.training.device != "cpu"
+    use_cuda = torch.cuda.is_available() and spec.config.training.runtime.device != "cpu"
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

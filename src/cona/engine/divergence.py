@@ -57,8 +57,8 @@ class DivergenceWatch:
         saved = trainer_state or {}
         lowest, last = saved.get(LOWEST_LOSS_KEY), saved.get(LOSS_KEY)
         return cls(
-            max_skipped_steps=config.training.max_skipped_steps,
-            loss_factor=config.training.divergence_loss_factor,
+            max_skipped_steps=config.training.runtime.max_skipped_steps,
+            loss_factor=config.training.runtime.divergence_loss_factor,
             uniform_loss=math.log(config.model.padded_vocab_size),
             lowest_loss=float(lowest) if isinstance(lowest, int | float) else math.inf,
             last_loss=float(last) if isinstance(last, int | float) else math.nan,

@@ -111,14 +111,14 @@ def check_exportable(model: ModelConfig) -> None:
 
 def _tokenizer_files(training: TrainingConfig, model: ModelConfig) -> tuple[Path, Path] | None:
     """The checkpoint config's GPT-2 vocab.json and merges.txt, or None when it names no vocabulary."""
-    if training.vocab_file is None:
+    if training.data.vocab_file is None:
         return None
-    if training.tokenizer_type != "GPT2BPETokenizer" or training.merge_file is None:
+    if training.data.tokenizer_type != "GPT2BPETokenizer" or training.data.merge_file is None:
         raise CheckpointError(
             f"training.merge_file: --format hf writes GPT-2 BPE tokenizers only (vocab.json and merges.txt); "
-            f"this checkpoint's tokenizer is {training.tokenizer_type} without a merge file"
+            f"this checkpoint's tokenizer is {training.data.tokenizer_type} without a merge file"
         )
-    files = (Path(training.vocab_file), Path(training.merge_file))
+    files = (Path(training.data.vocab_file), Path(training.data.merge_file))
     for key, file in zip(("vocab_file", "merge_file"), files, strict=True):
         if not file.is_file():
             raise CheckpointError(f"training.{key}: {file} (from the checkpoint's config) does not exist")

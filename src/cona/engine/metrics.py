@@ -148,8 +148,8 @@ def build_metrics_logger(
     sinks: list[MetricsSink] = [JsonlSink(metrics_path)]
     if console is not None:
         sinks.append(ConsoleSink(console))
-    if training.tensorboard_dir is not None:
-        sinks.append(TensorBoardSink(directory=training.tensorboard_dir, run_name=run_name))
+    if training.logging.tensorboard_dir is not None:
+        sinks.append(TensorBoardSink(directory=training.logging.tensorboard_dir, run_name=run_name))
     return MetricsLogger(sinks)
 
 

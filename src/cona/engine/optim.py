@@ -76,13 +76,15 @@ def build_optimizer(model_parts: list[nn.Module], training: TrainingConfig) -> t
     decay, no_decay = parameter_groups(model_parts)
     if not decay and not no_decay:
         raise ValueError("build_optimizer: the model parts have no trainable parameters")
-    groups = [{"params": part, "weight_decay": training.weight_decay} for part in _split_by_mesh(decay)]
+    groups = [
+        {"params": part, "weight_decay": training.optimizer.weight_decay} for part in _split_by_mesh(decay)
+    ]
     groups += [{"params": part, "weight_decay": 0.0} for part in _split_by_mesh(no_decay)]
     return torch.optim.AdamW(
         groups,
         lr=0.0,
-        betas=(training.adam_beta1, training.adam_beta2),
-        eps=training.adam_eps,
+        betas=(training.optimizer.adam_beta1, training.optimizer.adam_beta2),
+        eps=training.optimizer.adam_eps,
         **_implementation_flags(decay + no_decay),
     )
 
@@ -165,17 +167,19 @@ def lr_schedule(
         raise ValueError(f"planned_tokens must be positive, got {planned_tokens}")
     if lr_factor <= 0 or min_lr_factor < 0:
         raise ValueError(f"LR factors must be positive, got {lr_factor} and {min_lr_factor}")
-    if training.lr_warmup_tokens is not None:
-        warmup = training.lr_warmup_tokens
+    if training.lr.lr_warmup_tokens is not None:
+        warmup = training.lr.lr_warmup_tokens
     else:
-        warmup = round(training.lr_warmup_frac * planned_tokens)
-    decay = training.lr_decay_tokens if training.lr_decay_tokens is not None else planned_tokens
+        warmup = round(training.lr.lr_warmup_frac * planned_tokens)
+    decay = training.lr.lr_decay_tokens if training.lr.lr_decay_tokens is not None else planned_tokens
     if decay < warmup:
-        source = "training.lr_decay_tokens" if training.lr_decay_tokens is not None else "the planned tokens"
+        source = (
+            "training.lr_decay_tokens" if training.lr.lr_decay_tokens is not None else "the planned tokens"
+        )
         raise ConfigError(
             f"{source} ({decay}) is shorter than the warmup ({warmup} tokens); lower "
             f"training.lr_warmup_tokens / training.lr_warmup_frac or raise {source}"
         )
-    peak = training.base_lr * lr_factor
-    minimum = min(training.base_min_lr * min_lr_factor, peak)
+    peak = training.lr.base_lr * lr_factor
+    minimum = min(training.lr.base_min_lr * min_lr_factor, peak)
     return LRSchedule(peak_lr=peak, min_lr=minimum, warmup_tokens=warmup, decay_tokens=decay)

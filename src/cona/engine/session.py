@@ -99,7 +99,7 @@ def release_stage_memory(config: ConaConfig) -> None:
     """Free what the finished stage held (its model, optimizer and data are unreachable by now): the
     next stage has other shapes, so cached CUDA blocks and compiled graphs would only be in its way."""
     gc.collect()
-    if config.training.compile is not False:  # on by default on a GPU
+    if config.training.runtime.compile is not False:  # on by default on a GPU
         torch._dynamo.reset()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

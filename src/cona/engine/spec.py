@@ -132,13 +132,13 @@ class StageSpec:
         training = self.config.training
         if self.eval_interval:
             return self.eval_interval
-        if training.eval_every_tokens:
+        if training.logging.eval_every_tokens:
             tokens_per_step = self.strategy.gbs * self.config.model.seq
-            return max(1, round(training.eval_every_tokens / tokens_per_step))
-        return training.eval_interval
+            return max(1, round(training.logging.eval_every_tokens / tokens_per_step))
+        return training.logging.eval_interval
 
     def resolved_eval_iters(self) -> int:
-        return self.eval_iters or self.config.training.eval_iters
+        return self.eval_iters or self.config.training.logging.eval_iters
 
     def to_dict(self) -> dict[str, Any]:
         values: dict[str, Any] = {"version": SPEC_VERSION}

@@ -128,7 +128,7 @@ def destroy_mesh_groups(mesh: DeviceMesh) -> None:
 def _eval_batches(spec: StageSpec, valid_data, dp_rank: int, device: torch.device):
     return fixed_eval_batches(
         valid_data,
-        samples=spec.resolved_eval_iters() * spec.config.training.base_gbs,
+        samples=spec.resolved_eval_iters() * spec.config.training.lr.base_gbs,
         mbs=spec.strategy.mbs,
         dp=spec.strategy.dp,
         dp_rank=dp_rank,
@@ -223,7 +223,7 @@ def _start_save(
         "stage": spec.stage,
         RUN_KEY: owner,
         PERIODIC_KEY: writer_group is not None,
-        "seed": spec.config.training.seed,
+        "seed": spec.config.training.runtime.seed,
         "lr_schedule": dataclasses.asdict(schedule),
     }
     unfit = divergence.unfit_to_resume() if divergence is not None else None
@@ -260,13 +260,13 @@ def periodic_saves(spec: StageSpec, start: Callable[..., PendingSave], root: Pat
     return PeriodicSaves(
         every_iterations=spec.save_interval,
         every_seconds=spec.save_interval_minutes * 60.0 if spec.save_interval_minutes is not None else None,
-        keep=training.keep_checkpoints,
+        keep=training.checkpoint.keep_checkpoints,
         start=start,
         layout_dir=root,
         stage=spec.stage,
         owner=tmp_owner(spec.run_dir),
         loaded=spec.load_path,
-        timeout_minutes=training.distributed_timeout_minutes,
+        timeout_minutes=training.runtime.distributed_timeout_minutes,
     )
 
 

@@ -44,12 +44,12 @@ def compile_scope(
     """What ``torch.compile`` covers: ``model`` (one graph with the loss), ``blocks`` (each transformer
     block; the rest eager) or ``none``. ``training.compile_scope`` picks it; ``auto`` compiles the whole
     model where it can and the model is smaller than :data:`BLOCKS_FROM_PARAMETERS`."""
-    if not training.compiles_on(device_type):
+    if not training.runtime.compiles_on(device_type):
         return "none"
     if not compiles_whole_model(strategy):
         return "blocks"
-    if training.compile_scope != "auto":
-        return training.compile_scope
+    if training.runtime.compile_scope != "auto":
+        return training.runtime.compile_scope
     return "blocks" if parameter_count(model) >= BLOCKS_FROM_PARAMETERS else "model"
 
 
@@ -60,7 +60,7 @@ def uses_cuda_graphs(
     micro-batch: with several, autograd accumulates into gradients that the next replay of the same backward
     graph would overwrite first. A measured step's pieces hold their gradients apart for that reason."""
     return (
-        training.cuda_graphs
+        training.runtime.cuda_graphs
         and device.type == "cuda"
         and compile_scope(training, model, strategy, device.type) == "model"
         and strategy.micro_batches == 1
@@ -75,4 +75,4 @@ def compile_options(cuda_graphs: bool) -> dict[str, bool]:
 
 def resolved_dtype(training: TrainingConfig, device: torch.device) -> str:
     """The precision a run trains in: fp32 on CPU, ``training.dtype`` on CUDA."""
-    return training.dtype if device.type == "cuda" else "fp32"
+    return training.runtime.dtype if device.type == "cuda" else "fp32"

@@ -130,7 +130,9 @@ class TrainingModel:
     def seed_dropout(self, iteration: int) -> None:
         """Seed dropout from (seed, iteration, dp rank): TP ranks must draw the same masks on replicated
         activations, and nothing rank-specific has to survive a reshard."""
-        torch.manual_seed(parameter_seed(self.config.training.seed, f"dropout/{iteration}/{self.dp_rank}"))
+        torch.manual_seed(
+            parameter_seed(self.config.training.runtime.seed, f"dropout/{iteration}/{self.dp_rank}")
+        )
 
     def train_step_pending(
         self, micro_batches: list[Batch], *, iteration: int | None = None, measure_gns: bool = True
@@ -390,7 +392,7 @@ def build_training_model(
         parallelize_gpt(model, mesh, strategy, compile_blocks=compile_blocks, param_dtype=param_dtype)
         model.to_empty(device=device)
         model.tie_output()  # to_empty makes new tensors per module, which unties plain parameters
-        init_weights(model, config.model, config.training.seed)
+        init_weights(model, config.model, config.training.runtime.seed)
         parts.append(model)
     return TrainingModel(
         config=config, strategy=strategy, mesh=mesh, device=device, model_parts=parts, stage_ids=stage_ids

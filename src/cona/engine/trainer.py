@@ -315,7 +315,7 @@ def gns_due(spec: StageSpec, progress: Progress, *, single_step: bool = False) -
     A line forced early by a switch request may fall before them; its GNS inputs are then NaN.
     """
     upcoming = progress.iteration + 1  # the iteration number the step ends at
-    log_interval = spec.config.training.log_interval
+    log_interval = spec.config.training.logging.log_interval
     if 1 < upcoming <= min(GNS_FIRST_STEPS + 1, log_interval, spec.resolved_eval_interval()):
         return True
     steps = gns_steps_per_line(log_interval, single_step=single_step)
@@ -360,7 +360,7 @@ def _step(
     out = ctx.model.train_step_pending(  # also seeds dropout
         micro_batches, iteration=progress.iteration, measure_gns=measure_gns
     )
-    grad_norm = ctx.model.clip_grad_norm_pending(spec.config.training.clip_grad)
+    grad_norm = ctx.model.clip_grad_norm_pending(spec.config.training.optimizer.clip_grad)
     stepped = ctx.model.optimizer_step_pending(ctx.optimizer)  # which also drops the gradients
     if trace is not None:
         lrs = [group["lr"] for group in ctx.optimizer.param_groups]
@@ -380,7 +380,7 @@ def _maybe_log(
 ) -> IntervalSums:
     """Write a metrics line at log and eval boundaries (and at the end); returns the next interval."""
     spec = ctx.spec
-    log_due = progress.iteration % spec.config.training.log_interval == 0
+    log_due = progress.iteration % spec.config.training.logging.log_interval == 0
     eval_due = progress.iteration % spec.resolved_eval_interval() == 0
     if not (log_due or eval_due or force):
         return interval

@@ -165,9 +165,9 @@ def run_stage(
 def init_distributed(config: ConaConfig) -> tuple[torch.device, dist.ProcessGroup | None]:
     """Join the process group on this rank's device. Returns the device and, on CUDA, a gloo group over
     all ranks for host-side agreement (on CPU the default group is gloo and serves)."""
-    timeout = timedelta(minutes=config.training.distributed_timeout_minutes)
-    use_cuda = config.training.device == "cuda" or (
-        config.training.device == "auto" and torch.cuda.is_available()
+    timeout = timedelta(minutes=config.training.runtime.distributed_timeout_minutes)
+    use_cuda = config.training.runtime.device == "cuda" or (
+        config.training.runtime.device == "auto" and torch.cuda.is_available()
     )
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

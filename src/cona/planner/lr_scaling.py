@@ -57,25 +57,25 @@ def scaled_lr(
             f"cannot scale the learning rate to gbs={gbs}: the global batch size must be positive"
         )
     factor = lr_factor(training, gbs, noise_scale=noise_scale)
-    uncapped_lr = training.base_lr * factor
-    cap = training.lr_scale_lr_cap
+    uncapped_lr = training.lr.base_lr * factor
+    cap = training.lr.lr_scale_lr_cap
     lr = uncapped_lr if cap is None else min(uncapped_lr, cap)
-    min_lr_factor = factor if training.scale_min_lr else 1.0
-    min_lr = min(training.base_min_lr * min_lr_factor, lr)
+    min_lr_factor = factor if training.lr.scale_min_lr else 1.0
+    min_lr = min(training.lr.base_min_lr * min_lr_factor, lr)
     return ScaledLR(lr=lr, min_lr=min_lr, factor=factor, min_lr_factor=min_lr_factor, capped=lr < uncapped_lr)
 
 
 def lr_factor(training: TrainingConfig, gbs: int, *, noise_scale: NoiseScaleEstimate | None = None) -> float:
     """The multiplier of ``base_lr`` at ``gbs`` under ``training.lr_scale_strategy`` (no cap applied)."""
-    base = training.base_gbs
+    base = training.lr.base_gbs
     scale = gbs / base
-    strategy = training.lr_scale_strategy
+    strategy = training.lr.lr_scale_strategy
     if strategy == "linear":
         return scale
     if strategy == "sqrt":
         return math.sqrt(scale)
     if strategy == "power":
-        return scale**training.lr_scale_exp
+        return scale**training.lr.lr_scale_exp
     if strategy == "piecewise":
         return _piecewise_factor(training, gbs)
     if strategy == "adascale":
@@ -94,10 +94,10 @@ def _piecewise_factor(training: TrainingConfig, gbs: int) -> float:
     ``log f = low x (log min(g, p) - log min(b, p)) + high x (log max(g, p) - log max(b, p))``.
     With the base below the pivot and ``gbs`` above it this is ``(p/b)^low x (g/p)^high``.
     """
-    pivot = training.lr_scale_pivot_gbs
+    pivot = training.lr.lr_scale_pivot_gbs
     if pivot is None:
         raise PlanError("training.lr_scale_pivot_gbs is required by lr_scale_strategy 'piecewise'")
-    base = training.base_gbs
-    log_factor = training.lr_scale_low_exp * (math.log(min(gbs, pivot)) - math.log(min(base, pivot)))
-    log_factor += training.lr_scale_high_exp * (math.log(max(gbs, pivot)) - math.log(max(base, pivot)))
+    base = training.lr.base_gbs
+    log_factor = training.lr.lr_scale_low_exp * (math.log(min(gbs, pivot)) - math.log(min(base, pivot)))
+    log_factor += training.lr.lr_scale_high_exp * (math.log(max(gbs, pivot)) - math.log(max(base, pivot)))
     return math.exp(log_factor)

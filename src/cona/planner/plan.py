@@ -112,15 +112,18 @@ def space_options(training: TrainingConfig) -> SpaceOptions:
     GPipe configs are searched (and predicted) as 1F1B, which has the same bubble. Interleaved 1F1B is
     refused: a chain gives every step the config's virtual stages, which a pp = 1 step cannot have, and the
     space cannot be limited to exactly that many."""
-    if training.pipeline_schedule == "interleaved_1f1b" and training.pipeline_virtual_stages > 1:
+    if (
+        training.runtime.pipeline_schedule == "interleaved_1f1b"
+        and training.runtime.pipeline_virtual_stages > 1
+    ):
         raise PlanError(
             "training.pipeline_schedule: planning chains for 'interleaved_1f1b' is not supported; "
             "plan with '1f1b' (the chain's strategies are the same apart from the schedule)"
         )
     return SpaceOptions(
-        zero_stages=(training.zero_stage,),
-        recompute=(training.recompute,),
-        sequence_parallel=(training.sequence_parallel,),
+        zero_stages=(training.runtime.zero_stage,),
+        recompute=(training.runtime.recompute,),
+        sequence_parallel=(training.runtime.sequence_parallel,),
         interleave=False,
     )
 

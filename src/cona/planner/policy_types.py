@@ -95,16 +95,16 @@ class PolicySettings:
     @classmethod
     def from_training(cls, training: TrainingConfig, *, max_gbs: int, **overrides: Any) -> PolicySettings:
         values: dict[str, Any] = {
-            "base_gbs": training.base_gbs,
+            "base_gbs": training.lr.base_gbs,
             "max_gbs": max_gbs,
-            "fallback": training.fallback,
-            "fallback_ema_alpha": training.fallback_ema_alpha,
-            "fallback_patience": training.fallback_patience,
-            "noise_scale_factor": training.noise_scale_factor,
-            "decision_interval": training.log_interval,
-            "probe": training.probe,
-            "probe_tokens": training.probe_tokens,
-            "probe_tolerance": training.probe_tolerance,
+            "fallback": training.online.fallback,
+            "fallback_ema_alpha": training.online.fallback_ema_alpha,
+            "fallback_patience": training.online.fallback_patience,
+            "noise_scale_factor": training.online.noise_scale_factor,
+            "decision_interval": training.logging.log_interval,
+            "probe": training.online.probe,
+            "probe_tokens": training.online.probe_tokens,
+            "probe_tolerance": training.online.probe_tolerance,
         }
         values.update(overrides)
         return cls(**values)

@@ -157,8 +157,8 @@ def run_profile(backend: str, training: TrainingConfig) -> BackendProfile:
     :data:`EAGER_HOST`. An eager run, or one with graphs off, dispatches every kernel from the host: the
     graph profile puts GPT-125M mbs 8 eager at 2.3x its measured tokens/s, and a fit on that one point
     under-predicts the larger batches by a third."""
-    compiled = training.compiles_on("cuda")
-    profile = backend_profile(backend).with_cuda_graphs(training.cuda_graphs and compiled)
+    compiled = training.runtime.compiles_on("cuda")
+    profile = backend_profile(backend).with_cuda_graphs(training.runtime.cuda_graphs and compiled)
     if backend == "native" and not compiled:
         profile = replace(profile, device_time_factor=EAGER_DEVICE_FACTOR, host=EAGER_HOST)
     return profile

@@ -89,7 +89,7 @@ def read_trace(path: str | Path, *, training: TrainingConfig, min_samples: int =
     path = Path(path)
     metrics = path / METRICS_NAME if path.is_dir() else path
     rows = _read_rows(metrics)
-    tracker = NoiseScaleTracker(base_batch=training.base_gbs, min_samples=min_samples)
+    tracker = NoiseScaleTracker(base_batch=training.lr.base_gbs, min_samples=min_samples)
     columns: dict[str, list[float]] = {
         key: [] for key in ("tokens", "gbs", "grad_sqr", "trace_sigma", "samples")
     }

@@ -193,7 +193,7 @@ def drive(
             run_dir=run.run_dir,
             nodes=run.nodes,
             base_port=run.base_port,
-            timeout_s=run.config.training.distributed_timeout_minutes * 60.0,
+            timeout_s=run.config.training.runtime.distributed_timeout_minutes * 60.0,
             world_size=run.world_size,
             device_type=run.device_type,
             quiet=run.quiet,
@@ -367,8 +367,8 @@ class StageDriver:
             lr_factor=stage.lr_factor,
             min_lr_factor=stage.min_lr_factor,
             save_at_end=True,
-            save_interval=self.run.config.training.save_interval,
-            save_interval_minutes=self.run.config.training.save_interval_minutes,
+            save_interval=self.run.config.training.checkpoint.save_interval,
+            save_interval_minutes=self.run.config.training.checkpoint.save_interval_minutes,
             warm_micro_batches=self.schedule.warm_micro_batches(state, stage.step_num),
         )
 

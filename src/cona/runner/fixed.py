@@ -58,9 +58,9 @@ class FixedRun:
         """Make the run's directory, or take the one an earlier run of this name left (which the driver
         resumes, or refuses when it was another strategy or config), and say which on the first line."""
         name = self.run_name or fixed_run_name(self.strategy, self.iters)
-        run_dir = Path(self.config.training.log_root).resolve() / check_run_name(name)
+        run_dir = Path(self.config.training.logging.log_root).resolve() / check_run_name(name)
         if not run_dir.exists():
-            run_dir = create_run_dir(Path(self.config.training.log_root), name)
+            run_dir = create_run_dir(Path(self.config.training.logging.log_root), name)
             print(f"run directory: {run_dir}", flush=True)
             return run_dir
         if not (run_dir / run_files.FIXED_CHAIN).is_file():

@@ -15,7 +15,7 @@ def measured_noise_scale(
     run_dir: Path, training: TrainingConfig, up_to_iteration: int
 ) -> NoiseScaleEstimate | None:
     """The gradient noise scale measured so far (metrics.jsonl up to ``up_to_iteration``), for adascale."""
-    return noise_tracker(run_dir, training.base_gbs, up_to_iteration).estimate()
+    return noise_tracker(run_dir, training.lr.base_gbs, up_to_iteration).estimate()
 
 
 def noise_tracker(run_dir: Path, base_gbs: int, up_to_iteration: int) -> NoiseScaleTracker:

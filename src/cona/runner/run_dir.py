@@ -34,11 +34,11 @@ def resolve_log_root(config: ConaConfig) -> ConaConfig:
     """The config with ``training.log_root`` absolute. A relative value (the default ``logs`` is left
     relative by the config loader) is taken relative to the config file's directory, as every other path
     of a .conaconfig is, so a run's logs do not depend on the directory it was started from."""
-    log_root = Path(config.training.log_root)
+    log_root = Path(config.training.logging.log_root)
     if not log_root.is_absolute():
         base = config.path.parent if config.path is not None else Path.cwd()
         log_root = (base / log_root).resolve()
-    return dataclasses.replace(config, training=dataclasses.replace(config.training, log_root=str(log_root)))
+    return dataclasses.replace(config, training=config.training.replace(log_root=str(log_root)))
 
 
 def create_run_dir(log_root: Path, run_name: str) -> Path:

@@ -69,7 +69,7 @@ def torchrun_launcher(
 
 def checkpoint_dtype(training: TrainingConfig, device_type: str) -> str:
     """The checkpoints' dtype directory: fp32 on CPU (which always trains in fp32), else the config's."""
-    return "fp32" if device_type == "cpu" else training.dtype
+    return "fp32" if device_type == "cpu" else training.runtime.dtype
 
 
 def launch_stage(launcher: Launcher, launch: StageLaunch) -> float:
@@ -174,12 +174,12 @@ def stage_lr(run_dir: Path, training: TrainingConfig, gbs: int, start_iteration:
     in ``run_dir`` up to the stage's start)."""
     noise = (
         measured_noise_scale(run_dir, training, start_iteration)
-        if training.lr_scale_strategy == "adascale"
+        if training.lr.lr_scale_strategy == "adascale"
         else None
     )
     lr = scaled_lr(training, gbs, noise_scale=noise)
-    min_lr_factor = lr.min_lr / training.base_min_lr if training.base_min_lr > 0 else lr.min_lr_factor
-    return StageLR(scaled=lr, lr_factor=lr.lr / training.base_lr, min_lr_factor=min_lr_factor)
+    min_lr_factor = lr.min_lr / training.lr.base_min_lr if training.lr.base_min_lr > 0 else lr.min_lr_factor
+    return StageLR(scaled=lr, lr_factor=lr.lr / training.lr.base_lr, min_lr_factor=min_lr_factor)
 
 
 def publish_timed(

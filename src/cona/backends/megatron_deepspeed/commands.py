@@ -147,7 +147,7 @@ def ds_config(strategy: Strategy, training: TrainingConfig, device_type: str) ->
         "gradient_accumulation_steps": accumulation,
         "steps_per_print": STEPS_PER_PRINT,
         "zero_optimization": {"stage": strategy.zero_stage},
-        "gradient_clipping": training.clip_grad,
+        "gradient_clipping": training.optimizer.clip_grad,
         "wall_clock_breakdown": False,
     }
     precision = precision_of(training, device_type)
@@ -161,7 +161,7 @@ def ds_config(strategy: Strategy, training: TrainingConfig, device_type: str) ->
 
 def precision_of(training: TrainingConfig, device_type: str) -> str:
     """CPU trains in fp32 (as the native engine does); CUDA in the config's dtype."""
-    return "fp32" if device_type == "cpu" else training.dtype
+    return "fp32" if device_type == "cpu" else training.runtime.dtype
 
 
 def check_supported(config: ConaConfig, strategy: Strategy, device_type: str) -> None:
@@ -192,7 +192,9 @@ def check_supported(config: ConaConfig, strategy: Strategy, device_type: str) ->
             "off CUDA (it passes sequence_parallel= to torch.nn.LayerNorm); set model.normalization: rmsnorm"
         )
     missing = [
-        key for key in ("data_prefix", "vocab_file", "merge_file") if getattr(config.training, key) is None
+        key
+        for key in ("data_prefix", "vocab_file", "merge_file")
+        if getattr(config.training.data, key) is None
     ]
     if missing:
         raise ConfigError(
@@ -249,15 +251,15 @@ def _parallel_args(strategy: Strategy) -> list[str]:
 
 def _data_args(training: TrainingConfig) -> list[str]:
     values = [
-        "--data-path", str(training.data_prefix),
+        "--data-path", str(training.data.data_prefix),
         "--data-impl", "mmap",
-        "--split", training.split,
-        "--tokenizer-type", training.tokenizer_type,
-        "--vocab-file", str(training.vocab_file),
-        "--merge-file", str(training.merge_file),
+        "--split", training.data.split,
+        "--tokenizer-type", training.data.tokenizer_type,
+        "--vocab-file", str(training.data.vocab_file),
+        "--merge-file", str(training.data.merge_file),
     ]  # fmt: skip
-    if training.data_cache_path is not None:
-        values += ["--data-cache-path", str(training.data_cache_path)]
+    if training.data.data_cache_path is not None:
+        values += ["--data-cache-path", str(training.data.data_cache_path)]
     return values
 
 
@@ -270,12 +272,12 @@ def _schedule_args(training: TrainingConfig, shape: ChainShape, args: StageArgs)
         "--lr-decay-style", "cosine",
         "--lr-warmup-tokens", str(schedule.warmup_tokens),
         "--lr-decay-tokens", str(schedule.decay_tokens),
-        "--weight-decay", repr(training.weight_decay),
-        "--clip-grad", repr(training.clip_grad),
-        "--adam-beta1", repr(training.adam_beta1),
-        "--adam-beta2", repr(training.adam_beta2),
-        "--adam-eps", repr(training.adam_eps),
-        "--seed", str(training.seed),
+        "--weight-decay", repr(training.optimizer.weight_decay),
+        "--clip-grad", repr(training.optimizer.clip_grad),
+        "--adam-beta1", repr(training.optimizer.adam_beta1),
+        "--adam-beta2", repr(training.optimizer.adam_beta2),
+        "--adam-eps", repr(training.optimizer.adam_eps),
+        "--seed", str(training.runtime.seed),
     ]  # fmt: skip
     if args.override_scheduler:
         values.append("--override-opt_param-scheduler")
@@ -300,19 +302,19 @@ def _checkpoint_args(args: StageArgs) -> list[str]:
 
 def _logging_args(training: TrainingConfig, args: StageArgs) -> list[str]:
     values = [
-        "--log-interval", str(training.log_interval),
-        "--eval-interval", str(training.eval_interval),
-        "--eval-iters", str(args.eval_iters or training.eval_iters),
+        "--log-interval", str(training.logging.log_interval),
+        "--eval-interval", str(training.logging.eval_interval),
+        "--eval-iters", str(args.eval_iters or training.logging.eval_iters),
     ]  # fmt: skip
-    if training.tensorboard_dir is not None:
+    if training.logging.tensorboard_dir is not None:
         values += [
-            "--tensorboard-dir", str(Path(training.tensorboard_dir) / args.run_name),
+            "--tensorboard-dir", str(Path(training.logging.tensorboard_dir) / args.run_name),
             "--log-validation-ppl-to-tensorboard",
         ]  # fmt: skip
-    if training.wandb_project is not None and training.wandb_mode != "disabled":
-        values += ["--wandb-project", training.wandb_project, "--wandb-exp-name", args.run_name]
-        if training.wandb_dir is not None:
-            values += ["--wandb-save-dir", str(training.wandb_dir)]
+    if training.logging.wandb_project is not None and training.logging.wandb_mode != "disabled":
+        values += ["--wandb-project", training.logging.wandb_project, "--wandb-exp-name", args.run_name]
+        if training.logging.wandb_dir is not None:
+            values += ["--wandb-save-dir", str(training.logging.wandb_dir)]
     return values
 
 

@@ -46,8 +46,9 @@ def run_mds_online(
     ``--restart-workers``), every other one through a checkpoint."""
     check_nodes(run.nodes)
     config = run.config
+    zero_stage = config.training.runtime.zero_stage
     check_supported(config, Strategy(dp=run.world_size, tp=1, pp=1, mbs=1, gbs=run.initial_gbs,
-                                     zero_stage=config.training.zero_stage), run.device_type)  # fmt: skip
+                                     zero_stage=zero_stage), run.device_type)  # fmt: skip
     if qkv_layout(env.repo) == "blocked":
         raise ChainError(
             f"--repo-path {env.repo}: online mode may change tp and mbs, which this checkout (commit "
@@ -74,7 +75,9 @@ def online_max_samples(run: OnlineRun) -> int:
     below ``--initial-gbs``, so a token budget is reached within ``budget samples / initial gbs``
     iterations."""
     seq = run.config.model.seq
-    total_tokens = run.total_tokens if run.total_tokens is not None else run.config.training.lr_decay_tokens
+    total_tokens = (
+        run.total_tokens if run.total_tokens is not None else run.config.training.lr.lr_decay_tokens
+    )
     bounds = [] if run.total_iters is None else [run.total_iters]
     if total_tokens is not None:
         bounds.append(math.ceil(math.ceil(total_tokens / seq) / run.initial_gbs))

@@ -264,7 +264,7 @@ class MdsBackend:
             self.held.keep(Held(process=process, strategy=strategy, iteration=handover, directory=directory))
         view = nodes.exchange_view(
             log, recorder, topology, succeeded=returncode in (0, None), stage=spec.stage,
-            timeout_s=spec.config.training.distributed_timeout_minutes * 60.0,
+            timeout_s=spec.config.training.runtime.distributed_timeout_minutes * 60.0,
         )  # fmt: skip
         return LaunchOutput(
             returncode=returncode or 0,
@@ -283,7 +283,7 @@ class MdsBackend:
         spec = launch.spec
         env = self.env.process_env(self.base_env, device_type=self.device_type)
         env["CONA_MDS_SCRIPT"] = str(self.env.repo / "pretrain_gpt.py")
-        env["CONA_MDS_GNS_STEPS"] = str(gns_steps_per_line(spec.config.training.log_interval))
+        env["CONA_MDS_GNS_STEPS"] = str(gns_steps_per_line(spec.config.training.logging.log_interval))
         for key in ("CONA_MDS_STOP_ITERATION", "CONA_MDS_SWITCH_REQUEST", *IN_PLACE_ENV):
             env.pop(key, None)
         if training and spec.target_iteration is not None:

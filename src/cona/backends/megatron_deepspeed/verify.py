@@ -63,9 +63,9 @@ def draw_digest(config: ConaConfig, shape: ChainShape, *, gbs: int, eval_iters: 
     """What identifies a Megatron evaluation draw (see the module docstring)."""
     training = config.training
     definition = {
-        "data_prefix": str(training.data_prefix),
-        "split": training.split,
-        "seed": training.seed,
+        "data_prefix": str(training.data.data_prefix),
+        "split": training.data.split,
+        "seed": training.runtime.seed,
         "seq": config.model.seq,
         "train_samples": shape.train_samples,
         "gbs": gbs,

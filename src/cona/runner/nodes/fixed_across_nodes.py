@@ -46,6 +46,6 @@ def write_fixed_chain(
 ) -> tuple[Path, str]:
     """Write the strategy's one-stage chain into its run directory; returns the chain file and run name."""
     name = check_run_name(run_name or fixed_run_name(strategy, iters))
-    chain_path = Path(config.training.log_root) / name / run_files.FIXED_CHAIN
+    chain_path = Path(config.training.logging.log_root) / name / run_files.FIXED_CHAIN
     write_chain(chain_path, fixed_chain(strategy, iters))
     return chain_path, name

@@ -252,7 +252,7 @@ def cona_command(
     config, placement)."""
     command = [
         sys.executable, "-m", "cona", "train", *mode_args,
-        "--workdir", str(workdir), "--run-name", run_dir.name, "--device", config.training.device,
+        "--workdir", str(workdir), "--run-name", run_dir.name, "--device", config.training.runtime.device,
         "--num-nodes", str(nodes.num_nodes), "--gpus-per-node", str(nodes.gpus_per_node),
         "--master-addr", nodes.master_addr, "--master-port-base", str(base_port),
     ]  # fmt: skip

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cona.config import ConaConfig
-from cona.config_fields import reject_unknown
+from cona.config.fields import reject_unknown
 from cona.engine.checkpoint_paths import CHECKPOINTS, layout_name
 from cona.errors import ChainError, ConaError
 from cona.layout_rules import LayoutSizes, check_layout

@@ -130,7 +130,7 @@ class OnlineSchedule:
         )
         self.budget = Budget(
             total_iters=run.total_iters,
-            total_tokens=run.total_tokens if run.total_tokens is not None else training.lr_decay_tokens,
+            total_tokens=run.total_tokens if run.total_tokens is not None else training.lr.lr_decay_tokens,
             target_ppl=run.target_ppl,
             seq=run.config.model.seq,
         )

@@ -46,7 +46,7 @@ def resumed_memory(
     training = run.config.training
     current = state.current
     assert current is not None
-    tracker = noise_tracker(run.run_dir, training.base_gbs, current.start_iteration or 0)
+    tracker = noise_tracker(run.run_dir, training.lr.base_gbs, current.start_iteration or 0)
     policy_state = _with_switch_costs(initial_state(records.candidate(len(state.stages))), state, records)
     earlier = len(state.stages) - 1
     if earlier:
@@ -54,7 +54,7 @@ def resumed_memory(
         policy_state = dataclasses.replace(policy_state, earlier=_earlier_stages(rates, records))
     policy_state = lost_probes(run.run_dir, policy_state, seq=run.config.model.seq)
     # Probes need the native engine's workers: another backend switches on the noise-scale model alone.
-    probe = training.probe and run.backend == "native"
+    probe = training.online.probe and run.backend == "native"
     overrides = {"in_place": in_place, "in_place_mbs": in_place_mbs, "probe": probe, **run.policy_overrides}
     settings = PolicySettings.from_training(training, max_gbs=run.max_gbs, **overrides)
     return Memory(settings=settings, policy_state=policy_state, tracker=tracker)
@@ -126,4 +126,4 @@ def tracker_at_resume(
         return memory.tracker
     if saved.get("stage") != stage or not isinstance(saved.get("iteration"), int):
         return memory.tracker
-    return noise_tracker(run.run_dir, run.config.training.base_gbs, saved["iteration"])
+    return noise_tracker(run.run_dir, run.config.training.lr.base_gbs, saved["iteration"])

@@ -88,7 +88,7 @@ class OnlineRun:
         training = self.config.training
         if self.total_tokens is not None:
             return self.total_tokens
-        if training.lr_decay_tokens is not None:
-            return training.lr_decay_tokens
+        if training.lr.lr_decay_tokens is not None:
+            return training.lr.lr_decay_tokens
         assert self.total_iters is not None, "an online run has a budget"
         return self.total_iters * self.initial_gbs * self.config.model.seq

@@ -78,7 +78,7 @@ class StageMonitor:
         self.failed: str | None = None
         """Why the display of this stage stopped (it is not retried)."""
         self._metrics = JsonlTail(spec.metrics_path)
-        self._tracker = NoiseScaleTracker(base_batch=spec.config.training.base_gbs)
+        self._tracker = NoiseScaleTracker(base_batch=spec.config.training.lr.base_gbs)
         last_eval = None
         for record in self._metrics.new_records():  # earlier stages and attempts: noise scale, last eval
             self._tracker = self._tracker.update_from_metrics(record)

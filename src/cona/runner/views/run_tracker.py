@@ -58,7 +58,7 @@ def wandb_notice(
     training: TrainingConfig, run_name: str, run_id: str = "", directory: Path | None = None
 ) -> str:
     """The one line that says whether W&B is on (which run, where its files go), and why not when off."""
-    mode, project = training.wandb_mode, training.wandb_project
+    mode, project = training.logging.wandb_mode, training.logging.wandb_project
     if project is None:
         alone = f" (training.wandb_mode {mode!r} alone does not turn it on)" if mode != "disabled" else ""
         return f"W&B is off: training.wandb_project is not set{alone}"
@@ -87,7 +87,7 @@ def wandb_run_id(run_dir: Path) -> str:
 def wandb_directory(training: TrainingConfig, run_dir: Path) -> Path:
     """Where the run's W&B files go (W&B adds ``wandb/`` below): ``training.wandb_dir``, else the run
     directory."""
-    return Path(training.wandb_dir) if training.wandb_dir is not None else Path(run_dir)
+    return Path(training.logging.wandb_dir) if training.logging.wandb_dir is not None else Path(run_dir)
 
 
 def decision_scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -136,9 +136,9 @@ class RunTracker:
         """The trackers the config asks for; says on ``out`` (once) whether W&B is on."""
         training, run_name = config.training, Path(run_dir).name
         tensorboard = None
-        if training.tensorboard_dir is not None:
-            tensorboard = _tensorboard_writer(Path(training.tensorboard_dir) / run_name)
-        if training.wandb_project is None or training.wandb_mode == "disabled":
+        if training.logging.tensorboard_dir is not None:
+            tensorboard = _tensorboard_writer(Path(training.logging.tensorboard_dir) / run_name)
+        if training.logging.wandb_project is None or training.logging.wandb_mode == "disabled":
             out(wandb_notice(training, run_name))
             return cls(tensorboard=tensorboard)
         _import_wandb()  # refused now, not at the first value
@@ -256,9 +256,9 @@ def _wandb_run(config: ConaConfig, run_name: str, run_id: str, directory: Path) 
     training = config.training
     directory.mkdir(parents=True, exist_ok=True)
     run = _import_wandb().init(
-        project=training.wandb_project,
+        project=training.logging.wandb_project,
         dir=str(directory),
-        mode=training.wandb_mode,
+        mode=training.logging.wandb_mode,
         name=run_name,
         id=run_id,
         resume="allow",

@@ -1,7 +1,7 @@
 """Finding and reading a ``.conaconfig`` file, and the checks of its data files before a run starts.
 
-Apart from :mod:`cona.config` (the config's types and validation, which the data modules import) so that
-reading a config with its data checks imports the data modules without an import cycle.
+Apart from the package's other modules (the config's types and validation, which the data modules import)
+so that reading a config with its data checks imports the data modules without an import cycle.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from cona.config import CONFIG_NAME, PATH_KEYS, ConaConfig, ModelConfig, TrainingConfig, parse_config
-from cona.config_fields import read_json_file
-from cona.config_overrides import FLAG as OVERRIDE_FLAG
-from cona.config_overrides import apply_overrides
+from cona.config.conaconfig import CONFIG_NAME, PATH_KEYS, ConaConfig, parse_config
+from cona.config.fields import read_json_file
+from cona.config.model import ModelConfig
+from cona.config.overrides import FLAG as OVERRIDE_FLAG
+from cona.config.overrides import apply_overrides
+from cona.config.training import SECTION_OF
 from cona.data.checks import check_dataset
 from cona.errors import ConfigError
 
@@ -32,7 +34,7 @@ def load_config(
     path: Path | str | None = None, *, check_data_files: bool = False, overrides: Sequence[str] = ()
 ) -> ConaConfig:
     """Read, resolve and validate a config file (found from the cwd when ``path`` is None), with the
-    ``--set`` ``overrides`` over its keys (:mod:`cona.config_overrides`)."""
+    ``--set`` ``overrides`` over its keys (:mod:`cona.config.overrides`)."""
     config_path = Path(path) if path is not None else find_config()
     if config_path.is_dir():
         inside = config_path / CONFIG_NAME
@@ -40,7 +42,7 @@ def load_config(
         raise ConfigError(f"config file {config_path} is a directory, not a {CONFIG_NAME} file{hint}")
     if not config_path.is_file():
         raise ConfigError(f"config file {config_path} does not exist")
-    known = {"model": _field_names(ModelConfig), "training": _field_names(TrainingConfig)}
+    known = {"model": _field_names(ModelConfig), "training": tuple(SECTION_OF)}
     raw = apply_overrides(read_json_file(config_path), overrides, known_keys=known, path_keys=PATH_KEYS)
     where = f"{config_path} with {' '.join(f'{OVERRIDE_FLAG} {o}' for o in overrides)}" if overrides else None
     config = parse_config(raw, source=config_path, where=where)
@@ -60,14 +62,14 @@ def check_training_files(config: ConaConfig) -> None:
     validation split without a sample, token ids >= model.vocab_size): what ``cona train`` checks before it
     starts a worker."""
     where = str(config.path) if config.path else "<config>"
-    training = config.training
-    if training.data_prefix is None:
+    data = config.training.data
+    if data.data_prefix is None:
         raise ConfigError(f"{where}: training.data_prefix is required to train")
     for suffix in (".bin", ".idx"):
-        if not Path(training.data_prefix + suffix).is_file():
-            raise ConfigError(f"{where}: training.data_prefix: {training.data_prefix}{suffix} does not exist")
+        if not Path(data.data_prefix + suffix).is_file():
+            raise ConfigError(f"{where}: training.data_prefix: {data.data_prefix}{suffix} does not exist")
     for key in ("vocab_file", "merge_file"):
-        value = getattr(training, key)
+        value = getattr(data, key)
         if value is not None and not Path(value).is_file():
             raise ConfigError(f"{where}: training.{key}: {value} does not exist")
     check_dataset(config)

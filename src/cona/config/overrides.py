@@ -1,6 +1,6 @@
 """``--set SECTION.KEY=VALUE``: config keys given on the command line, over the ``.conaconfig``'s.
 
-One place for every command that loads a config (:func:`cona.config.load_config` applies them): the
+One place for every command that loads a config (:func:`cona.config.file.load_config` applies them): the
 value is read as JSON when it parses as JSON (``3e-4``, ``true``, ``null``, ``[1, 2]``, ``"quoted"``), else
 taken as the string it is (``bf16``, ``949,50,1``, ``data/x_text_document``). The override replaces the
 key in the file's raw JSON before validation, so the config's own checks (types, ranges, choices) judge
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cona.config_fields import reject_unknown
+from cona.config.fields import reject_unknown
 from cona.errors import UsageError
 
 FLAG = "--set"

@@ -2,7 +2,8 @@
 
 Generic (no knowledge of CONA's keys): unknown keys get a "did you mean", placeholders copied from an example
 (``"<num_layers>"``) and numbers written as strings are named as such, ints widen to floats, and ``Literal``
-fields list their choices. :mod:`cona.config` applies it to the ``model`` and ``training`` sections.
+fields list their choices. :mod:`cona.config.conaconfig` applies it to the ``model`` section and to each part
+of the ``training`` section.
 """
 
 from __future__ import annotations
