@@ -254,7 +254,8 @@ def measure_save_and_load(setup: Setup, args: argparse.Namespace, checkpoint: Pa
     checkpoint, ``args.ref_repeats`` times each, without restarting anything."""
     import torch
 
-    from cona.engine.checkpoint import load_checkpoint, save_checkpoint
+    from cona.engine.checkpoint.load import load_checkpoint
+    from cona.engine.checkpoint.save import save_checkpoint
     from cona.engine.optim import build_optimizer
     from cona.engine.parallel_dims import build_mesh
     from cona.engine.train_model import build_training_model

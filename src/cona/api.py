@@ -242,7 +242,8 @@ def load_model(path: str | Path, *, device: str = "cpu") -> nn.Module:
     padded vocabulary, ``model.config`` is its model section. ``path``: a checkpoint (a ``global_step``
     directory, a layout directory with a ``latest`` marker, the marker itself) or a run directory (its
     newest checkpoint). Weights of any layout load whole into this one process, verified."""
-    from cona.engine.checkpoint import load_model_tensors, read_checkpoint_info, resolve_checkpoint
+    from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
+    from cona.engine.checkpoint.load import load_model_tensors
     from cona.engine.model import GPT
 
     checkpoint = resolve_checkpoint(_checkpoint_of(Path(path)))

@@ -19,7 +19,8 @@ from cona.commands.demo import demo_config, demo_system
 from cona.commands.train_runs import online_run as online_run_from_args
 from cona.config import parse_config
 from cona.config_file import load_config
-from cona.engine.checkpoint import layout_dir, read_checkpoint_info
+from cona.engine.checkpoint.info import read_checkpoint_info
+from cona.engine.checkpoint.paths import layout_dir
 from cona.engine.spec import StageResult
 from cona.errors import ConaError, LaunchError
 from cona.jsonl import JsonlTail

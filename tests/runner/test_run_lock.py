@@ -20,7 +20,7 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 from cona.cli import main
 from cona.commands import train_runs
 from cona.config_file import load_config
-from cona.engine.checkpoint import layout_dir
+from cona.engine.checkpoint.paths import layout_dir
 from cona.processes import running
 from cona.runner.launch import start_torchrun
 from cona.runner.run_lock import RunLocked, lock_directory, lock_path, popen_holding_locks, run_locks

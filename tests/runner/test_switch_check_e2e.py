@@ -26,7 +26,7 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cona.commands import train_runs
-from cona.engine.checkpoint import LATEST_UNIVERSAL, PROBE_FILE
+from cona.engine.checkpoint.info import LATEST_UNIVERSAL, PROBE_FILE
 from cona.engine.spec import StageResult
 from cona.engine.switch_check import PROBE_RTOL, Verdict
 from cona.errors import CheckpointError, LaunchError

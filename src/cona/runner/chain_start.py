@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cona.engine.checkpoint_info import read_checkpoint_info, resolve_checkpoint
+from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
 from cona.errors import ChainError, CheckpointError
 
 

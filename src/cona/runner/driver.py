@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cona import run_files
-from cona.engine.checkpoint_paths import another_runs_checkpoint, layout_dir, resume_folders, tmp_owner
+from cona.engine.checkpoint.paths import another_runs_checkpoint, layout_dir, resume_folders, tmp_owner
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import CheckpointError, TrainingDiverged
 from cona.runner.in_place import replay_in_place

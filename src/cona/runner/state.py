@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 from cona import run_files
 from cona.atomic_files import write_json_atomic
-from cona.engine.checkpoint_files import TRAINER_STATE_FILE
-from cona.engine.checkpoint_info import LATEST, read_checkpoint_info
-from cona.engine.checkpoint_paths import RUN_KEY, tmp_owner
+from cona.engine.checkpoint.files import TRAINER_STATE_FILE
+from cona.engine.checkpoint.info import LATEST, read_checkpoint_info
+from cona.engine.checkpoint.paths import RUN_KEY, tmp_owner
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.jsonl import read_json
@@ -225,7 +225,7 @@ def open_run(
     """Load the run's state (refusing another chain's or config's) or start a new one (``fresh`` discards the
     old one first). Returns it with the line that says which, naming the checkpoint a resume continues from.
     ``resume_folders``: per step, where a relaunch looks for its own checkpoints
-    (:func:`cona.engine.checkpoint_paths.resume_folders`)."""
+    (:func:`cona.engine.checkpoint.paths.resume_folders`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if fresh:
         discard_run(run_dir)
@@ -268,7 +268,7 @@ def resume_line(
     state: RunState, run_name: str, resume_folders: Sequence[Sequence[Path]], *, owner: str = ""
 ) -> str:
     """``resuming run X at stage N (status) from <checkpoint>, iteration=..., consumed_samples=...``
-    (``owner``: the run's :func:`cona.engine.checkpoint.tmp_owner`)."""
+    (``owner``: the run's :func:`cona.engine.checkpoint.paths.tmp_owner`)."""
     current = state.current
     if current is None:
         last = state.stages[-1]

@@ -13,7 +13,7 @@ Every error is a :class:`ChainError` whose one line names the file, the step and
 A pruning entry's ``ckpt_dir`` names the layout of stage ``stage`` as the seed's chain files do,
 ``checkpoints/<model.name>/z<zero>/<dtype>/tp<tp>_pp<pp>_dp<dp>_sp1`` relative to the workdir (a chain file
 does not know the name of the run it will be run as); what is pruned is that run's own folder of the layout,
-``<workdir>/checkpoints/<run_name>/<model.name>/...`` (:mod:`cona.engine.checkpoint_paths`).
+``<workdir>/checkpoints/<run_name>/<model.name>/...`` (:mod:`cona.engine.checkpoint.paths`).
 
 Which pruning entries are safe (the rule :func:`_check_pruning` enforces): pruning after stage ``k`` runs
 once stage ``k`` is trained and (if ``convert``) published, before stage ``k+1`` starts, and it only ever
@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from cona.config import ConaConfig
 from cona.config_fields import reject_unknown
-from cona.engine.checkpoint_paths import CHECKPOINTS, layout_name
+from cona.engine.checkpoint.paths import CHECKPOINTS, layout_name
 from cona.errors import ChainError, ConaError
 from cona.layout_rules import LayoutSizes, check_layout
 from cona.runner.chain_start import start_point

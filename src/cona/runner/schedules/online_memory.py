@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cona import run_files
-from cona.engine.checkpoint_info import read_checkpoint_info
+from cona.engine.checkpoint.info import read_checkpoint_info
 from cona.errors import CheckpointError
 from cona.jsonl import read_lines
 from cona.planner.efficiency import NoiseScaleTracker

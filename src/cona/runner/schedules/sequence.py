@@ -22,8 +22,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from cona.engine.checkpoint_info import resolve_checkpoint
-from cona.engine.checkpoint_paths import layout_dir, resume_folders
+from cona.engine.checkpoint.info import resolve_checkpoint
+from cona.engine.checkpoint.paths import layout_dir, resume_folders
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError, UsageError
 from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
