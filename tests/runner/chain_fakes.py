@@ -27,7 +27,7 @@ from cona.engine.checkpoint.info import read_checkpoint_info
 from cona.engine.checkpoint.paths import layout_dir, tmp_owner
 from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.spec import StageResult
-from cona.runner.schedules.sequence import ChainRun, StageLaunch, run_chain
+from cona.runner.schedules.chain_schedule import ChainRun, StageLaunch, run_chain
 
 KILL_POINTS = ("training", "save", "between_stages", "publish", "prune")
 

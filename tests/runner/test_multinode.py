@@ -15,6 +15,7 @@ from tests.torchrun_util import free_port
 from cona.cli import main
 from cona.config_file import load_config
 from cona.errors import LaunchError
+from cona.runner.chain_file import load_chain
 from cona.runner.nodes import multinode
 from cona.runner.nodes.multinode import (
     NodePlacement,
@@ -24,8 +25,7 @@ from cona.runner.nodes.multinode import (
     resolve_placement,
 )
 from cona.runner.nodes.multinode_sync import Coordinator, follow
-from cona.runner.schedules.chain import load_chain
-from cona.runner.schedules.chain_options import runner_command
+from cona.runner.run_descriptions import runner_command
 
 TWO_HOSTS = "127.0.0.1 slots=2\n127.0.0.2 slots=2\n"
 
@@ -127,7 +127,9 @@ def test_gpus_with_only_a_hostfile_is_refused(tmp_path):
 def test_a_fixed_strategy_across_nodes_runs_as_a_one_stage_chain(tmp_path, monkeypatch):
     config = write_tiny_setup(tmp_path)
     captured = []
-    monkeypatch.setattr("cona.runner.schedules.sequence.run_chain", lambda run, **_: captured.append(run))
+    monkeypatch.setattr(
+        "cona.runner.schedules.chain_schedule.run_chain", lambda run, **_: captured.append(run)
+    )
     fixed = ["--dp", "2", "--tp", "1", "--pp", "2", "--gbs", "8", "--mbs", "2", "--iters", "6"]
     nodes = ["--num-nodes", "2", "--gpus-per-node", "2", "--hostfile", str(hostfile(tmp_path)), "--no-ssh"]
     argv = ["train", "--config", str(config), "--workdir", str(tmp_path), "--device", "cpu", *fixed, *nodes]

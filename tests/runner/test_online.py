@@ -26,11 +26,11 @@ from cona.errors import ConaError, LaunchError
 from cona.jsonl import JsonlTail
 from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
+from cona.runner.chain_file import load_chain
 from cona.runner.nodes.multinode import NodePlacement, cona_command
-from cona.runner.schedules.chain import load_chain
+from cona.runner.schedules.chain_schedule import StageLaunch, run_chain
 from cona.runner.schedules.online import OnlineRun, run_online
 from cona.runner.schedules.online_search import Budget, StageSearch
-from cona.runner.schedules.sequence import StageLaunch, run_chain
 from cona.strategy import Strategy
 
 SEQ = 8

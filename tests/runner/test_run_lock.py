@@ -24,7 +24,7 @@ from cona.engine.checkpoint.paths import layout_dir
 from cona.processes import running
 from cona.runner.launch import start_torchrun
 from cona.runner.run_lock import RunLocked, lock_directory, lock_path, popen_holding_locks, run_locks
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.strategy import Strategy
 
 REPO = Path(__file__).resolve().parents[2]

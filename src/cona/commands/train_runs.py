@@ -1,11 +1,10 @@
 """``cona train``'s flags as the typed run descriptions the runner takes.
 
 The runner never sees the parsed flags: each mode's flags become one frozen description
-(:class:`~cona.runner.schedules.chain_options.ChainRun`,
-:class:`~cona.runner.schedules.online_options.OnlineRun`,
-:class:`~cona.runner.fixed.FixedRun`), checked here with a message that names the flag. What every mode
-shares is written once: the config with the ``--device`` override (:func:`run_config`), the device the
-workers will use (:func:`device_type`) and the node placement (:func:`placement`).
+(:mod:`cona.runner.run_descriptions`: ``ChainRun``, ``OnlineRun``, ``FixedRun``), checked here with a message
+that names the flag. What every mode shares is written once: the config with the ``--device`` override
+(:func:`run_config`), the device the workers will use (:func:`device_type`) and the node placement
+(:func:`placement`).
 """
 
 from __future__ import annotations
@@ -23,12 +22,10 @@ from cona.config import ConaConfig, TrainingConfig
 from cona.config_file import load_config
 from cona.errors import LaunchError, UsageError
 from cona.planner.systems import devices_mismatch, load_system
-from cona.runner.fixed import FixedRun
 from cona.runner.launch import resolve_port_base
 from cona.runner.nodes.multinode import NodePlacement, resolve_placement
+from cona.runner.run_descriptions import ChainRun, FixedRun, OnlineRun
 from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
-from cona.runner.schedules.chain_options import ChainRun
-from cona.runner.schedules.online_options import OnlineRun
 from cona.strategy import Strategy, configured_strategy
 
 PLACEMENT_FLAGS = ("num_nodes", "gpus_per_node", "gpus", "hostfile", "master_addr", "node_rank", "no_ssh")

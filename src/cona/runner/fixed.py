@@ -3,9 +3,9 @@
 The run directory is named by the strategy and its ``--iters`` (``fixed-dp2_tp1_pp1_mbs2_gbs8-iters100``)
 unless ``--run-name`` names it, so the same command resumes the run as a chain's and an online run's do; the
 strategy is written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage
-driver as every chain is (:func:`cona.runner.schedules.sequence.run_chain`), with ``dp*tp*pp`` workers under
-torchrun; the last line says where it stopped and saved. Rerunning the same command resumes the run from its
-newest checkpoint (periodic ones included, ``training.save_interval[_minutes]``); ``--fresh`` starts it
+driver as every chain is (:func:`cona.runner.schedules.chain_schedule.run_chain`), with ``dp*tp*pp`` workers
+under torchrun; the last line says where it stopped and saved. Rerunning the same command resumes the run from
+its newest checkpoint (periodic ones included, ``training.save_interval[_minutes]``); ``--fresh`` starts it
 over; a run directory that holds no fixed run is refused, as is one made for another config or ``--workdir``
 (the run state says which). The Megatron-DeepSpeed backend runs its fixed mode the same way, and so does a run
 across nodes, whose every node derives the same name (:mod:`cona.runner.nodes.fixed_across_nodes`).
@@ -13,64 +13,37 @@ across nodes, whose every node derives the same name (:mod:`cona.runner.nodes.fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cona import run_files
-from cona.config import ConaConfig
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
-from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 from cona.runner.nodes.fixed_across_nodes import fixed_chain, fixed_run_name, write_chain
+from cona.runner.run_descriptions import ChainRun, FixedRun
 from cona.runner.run_dir import check_run_name, create_run_dir, point_latest
-from cona.runner.schedules.chain_options import ChainRun
-from cona.strategy import Strategy
 
 if TYPE_CHECKING:
     from cona.runner.views.console import RunConsole
 
 
-@dataclass(frozen=True, kw_only=True)
-class FixedRun:
-    """What ``cona train`` with a fixed strategy was asked to do."""
-
-    strategy: Strategy
-    iters: int
-    """The iteration the stage stops at."""
-    config: ConaConfig
-    workdir: Path
-    """Checkpoints go to ``<workdir>/checkpoints/<run name>/...`` (absolute)."""
-    device_type: str
-    """``cpu`` or ``cuda``, as the workers will resolve it."""
-    run_name: str | None = None
-    """The run directory's name under ``training.log_root``; None: the strategy's
-    (:func:`cona.runner.nodes.fixed_across_nodes.fixed_run_name`)."""
-    base_port: int | None = DEFAULT_MASTER_PORT_BASE
-    """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
-    quiet: bool = False
-    fresh: bool = False
-    """Discard what an earlier run of the same name left and start over."""
-    resume_diverged: bool = False
-    """Relaunch a stage whose last attempt stopped because training diverged (else it is refused)."""
-
-    def open_run_dir(self) -> Path:
-        """Make the run's directory, or take the one an earlier run of this name left (which the driver
-        resumes, or refuses when it was another strategy or config), and say which on the first line."""
-        name = self.run_name or fixed_run_name(self.strategy, self.iters)
-        run_dir = Path(self.config.training.log_root).resolve() / check_run_name(name)
-        if not run_dir.exists():
-            run_dir = create_run_dir(Path(self.config.training.log_root), name)
-            print(f"run directory: {run_dir}", flush=True)
-            return run_dir
-        if not (run_dir / run_files.FIXED_CHAIN).is_file():
-            raise LaunchError(
-                f"run directory {run_dir} already exists and holds no fixed run to resume; pick another "
-                f"--run-name"
-            )
-        point_latest(run_dir)
-        print(f"run directory: {run_dir} ({'starting over' if self.fresh else 'resuming'})", flush=True)
+def open_run_dir(run: FixedRun) -> Path:
+    """Make the run's directory, or take the one an earlier run of this name left (which the driver
+    resumes, or refuses when it was another strategy or config), and say which on the first line."""
+    name = run.run_name or fixed_run_name(run.strategy, run.iters)
+    run_dir = Path(run.config.training.log_root).resolve() / check_run_name(name)
+    if not run_dir.exists():
+        run_dir = create_run_dir(Path(run.config.training.log_root), name)
+        print(f"run directory: {run_dir}", flush=True)
         return run_dir
+    if not (run_dir / run_files.FIXED_CHAIN).is_file():
+        raise LaunchError(
+            f"run directory {run_dir} already exists and holds no fixed run to resume; pick another "
+            f"--run-name"
+        )
+    point_latest(run_dir)
+    print(f"run directory: {run_dir} ({'starting over' if run.fresh else 'resuming'})", flush=True)
+    return run_dir
 
 
 def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
@@ -94,10 +67,10 @@ def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
 def run_fixed(run: FixedRun, console: RunConsole) -> Path:
     """Train the one stage to ``run.iters`` through the stage driver and print where it stopped; returns
     the run directory."""
-    from cona.runner.schedules.sequence import run_chain  # imports torch
+    from cona.runner.schedules.chain_schedule import run_chain  # imports torch
     from cona.runner.stage_run import torchrun_launcher
 
-    run_dir = run.open_run_dir()
+    run_dir = open_run_dir(run)
     run_chain(
         one_stage_chain(run, run_dir), launcher=console.launcher(torchrun_launcher), out=console.message
     )

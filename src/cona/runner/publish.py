@@ -33,7 +33,7 @@ from cona.atomic_files import write_atomic
 from cona.engine.checkpoint.files import verify_complete
 from cona.engine.checkpoint.info import LATEST_UNIVERSAL
 from cona.errors import CheckpointError
-from cona.runner.schedules.chain import PruneRule
+from cona.runner.chain_file import PruneRule
 
 LOG = logging.getLogger(__name__)
 UNIVERSAL_SUFFIX = "_universal"

@@ -36,7 +36,7 @@ from cona.engine.checkpoint.paths import RUN_KEY, tmp_owner
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.jsonl import read_json
-from cona.runner.schedules.chain import ChainConfig
+from cona.runner.chain_file import ChainConfig
 
 STATE_NAME = run_files.RUNNER_STATE
 ONLINE_CHAIN = "online"

@@ -1,6 +1,6 @@
 """``cona train --backend megatron-deepspeed --repo-path PATH``: fixed, chain and online modes via a checkout.
 
-Fixed and chain modes run through :func:`cona.runner.schedules.sequence.run_chain`, online mode through
+Fixed and chain modes run through :func:`cona.runner.schedules.chain_schedule.run_chain`, online mode through
 :func:`cona.runner.schedules.online.run_online`, with this backend's launcher and publisher (a fixed
 strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage state
 machine, the backend says how a stage is launched, saved and verified, so the run directory, its state and
@@ -24,13 +24,12 @@ from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_lay
 from cona.backends.megatron_deepspeed.stage import MdsBackend
 from cona.backends.megatron_deepspeed.universal import check_reshardable
 from cona.errors import ChainError, ConfigError
-from cona.runner.fixed import FixedRun, one_stage_chain
+from cona.runner.chain_file import load_chain, planned_iterations
+from cona.runner.fixed import one_stage_chain, open_run_dir
 from cona.runner.nodes.multinode import NodePlacement
-from cona.runner.schedules.chain import load_chain, planned_iterations
-from cona.runner.schedules.chain_options import ChainRun
+from cona.runner.run_descriptions import ChainRun, FixedRun, OnlineRun
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.schedules.online import run_online
-from cona.runner.schedules.online_options import OnlineRun
-from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import checkpoint_dtype
 from cona.runner.state import RunState
 from cona.strategy import Strategy
@@ -88,7 +87,7 @@ def train_fixed(run: FixedRun, env: MdsEnvironment) -> RunState:
     run directory, resumed when it exists (across nodes the CLI writes the one-step chain file, as for the
     native backend)."""
     check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
-    chain = one_stage_chain(run, run.open_run_dir())
+    chain = one_stage_chain(run, open_run_dir(run))
     return run_mds_chain(chain, env)
 
 

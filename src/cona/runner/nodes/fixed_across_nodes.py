@@ -3,7 +3,7 @@
 Across nodes a stage needs what a chain run has: a run directory every node agrees on, node 0 announcing the
 stage and publishing only when every node left it, and a run state that a rerun continues from. So the fixed
 strategy is written as the chain of one initial step (:func:`write_fixed_chain`) and run by
-:func:`cona.runner.schedules.sequence.run_chain`; its LR is the one single-node fixed mode uses too
+:func:`cona.runner.schedules.chain_schedule.run_chain`; its LR is the one single-node fixed mode uses too
 (``training.base_lr`` scaled from ``base_gbs`` to the gbs). Its default run name is the strategy's, as on
 one node: the same on every node, and the same for a rerun, which resumes the run.
 """

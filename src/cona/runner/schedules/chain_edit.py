@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from cona.errors import ChainError
-from cona.runner.schedules.chain import ChainConfig
+from cona.runner.chain_file import ChainConfig
 from cona.runner.state import RunState, StageState, save_state
 
 

@@ -26,19 +26,19 @@ from cona.engine.checkpoint.info import resolve_checkpoint
 from cona.engine.checkpoint.paths import layout_dir, resume_folders
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError, UsageError
-from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
-from cona.runner.publish import LATEST_UNIVERSAL, import_checkpoint_reader_in_background, prune, publish
-from cona.runner.run_dir import point_latest
-from cona.runner.run_lock import lock_directory
-from cona.runner.schedules.chain import (
+from cona.runner.chain_file import (
     ChainConfig,
     ChainStep,
     content_digest,
     load_chain,
     planned_tokens,
 )
+from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
+from cona.runner.publish import LATEST_UNIVERSAL, import_checkpoint_reader_in_background, prune, publish
+from cona.runner.run_descriptions import ChainRun, runner_command
+from cona.runner.run_dir import point_latest
+from cona.runner.run_lock import lock_directory
 from cona.runner.schedules.chain_edit import continue_edited
-from cona.runner.schedules.chain_options import ChainRun, runner_command
 from cona.runner.stage_run import Launcher, StageLaunch, StageLR, checkpoint_dtype, torchrun_launcher
 from cona.runner.state import RunState, StageState, finished_result, load_state, open_run
 from cona.runner.views.run_tracker import RunTracker

@@ -1,5 +1,7 @@
-"""The description of an online run (``cona train --gpus N --system S --initial-gbs G0 ...``; made from the
-flags, and checked, by :mod:`cona.commands.train_runs`)."""
+"""What ``cona train`` was asked to do, one description per mode, made from the flags and checked by
+:mod:`cona.commands.train_runs`: a chain file (:class:`ChainRun`; the file's schema is
+:mod:`cona.runner.chain_file`), a fixed strategy (:class:`FixedRun`, run as a one-step chain) and an online
+run (:class:`OnlineRun`)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,75 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import ConaConfig
+from cona.runner.chain_file import content_digest
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
-from cona.runner.nodes.multinode import NodePlacement
-from cona.runner.schedules.chain import content_digest
+from cona.runner.nodes.multinode import NodePlacement, cona_command
+from cona.strategy import Strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainRun:
+    """What ``cona train --chain`` was asked to do."""
+
+    chain_path: Path
+    config: ConaConfig
+    workdir: Path
+    """Checkpoints go to ``<workdir>/checkpoints/<run_dir.name>/...``."""
+    run_dir: Path
+    world_size: int
+    device_type: str
+    """``cpu`` or ``cuda``; decides the checkpoint dtype directory (CPU trains in fp32)."""
+    base_port: int | None = DEFAULT_MASTER_PORT_BASE
+    """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
+    fresh: bool = False
+    """Discard the run directory's state and start the chain over."""
+    quiet: bool = False
+    """No per-interval console lines from the workers."""
+    resume_diverged: bool = False
+    """Relaunch a stage whose last attempt stopped because training diverged (else it is refused)."""
+    nodes: NodePlacement = NodePlacement()
+    """Where this node stands in a multi-node run (one node by default)."""
+    switch_in_place: bool = False
+    """A step that keeps the previous step's layout continues the state in the workers' memory (when the
+    launcher keeps its workers, see :mod:`cona.runner.worker_session`) instead of saving, publishing and
+    loading a checkpoint; a layout change always goes through the checkpoint and its verification."""
+
+
+def runner_command(run: ChainRun) -> list[str]:
+    """The ``cona train --chain`` command of this run, for the runners node 0 starts on the other hosts."""
+    return cona_command(
+        ["--chain", str(run.chain_path.resolve())],
+        config=run.config,
+        nodes=run.nodes,
+        run_dir=run.run_dir,
+        workdir=run.workdir,
+        base_port=run.base_port,
+        quiet=run.quiet,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FixedRun:
+    """What ``cona train`` with a fixed strategy was asked to do."""
+
+    strategy: Strategy
+    iters: int
+    """The iteration the stage stops at."""
+    config: ConaConfig
+    workdir: Path
+    """Checkpoints go to ``<workdir>/checkpoints/<run name>/...`` (absolute)."""
+    device_type: str
+    """``cpu`` or ``cuda``, as the workers will resolve it."""
+    run_name: str | None = None
+    """The run directory's name under ``training.log_root``; None: the strategy's
+    (:func:`cona.runner.nodes.fixed_across_nodes.fixed_run_name`)."""
+    base_port: int | None = DEFAULT_MASTER_PORT_BASE
+    """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
+    quiet: bool = False
+    fresh: bool = False
+    """Discard what an earlier run of the same name left and start over."""
+    resume_diverged: bool = False
+    """Relaunch a stage whose last attempt stopped because training diverged (else it is refused)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,7 @@
-"""Chain config (``--chain FILE``): a fixed sequence of strategies, parsed and validated before anything runs.
+"""The chain file (``--chain FILE``): a fixed sequence of strategies, validated before anything runs.
+
+It imports none of the runner's modules and no torch: ``cona plan`` (which checks the chain it writes) and
+the run descriptions (:mod:`cona.runner.run_descriptions`) read chain files without the rest of the runner.
 
 A chain file is JSON with ``steps`` (one object per stage) and optional ``pruning`` entries::
 
@@ -37,10 +40,10 @@ from typing import Any, Literal
 
 from cona.config import ConaConfig
 from cona.config_fields import reject_unknown
+from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
 from cona.engine.checkpoint.paths import CHECKPOINTS, layout_name
-from cona.errors import ChainError, ConaError
+from cona.errors import ChainError, CheckpointError, ConaError
 from cona.layout_rules import LayoutSizes, check_layout
-from cona.runner.chain_start import start_point
 from cona.strategy import Strategy, configured_strategy
 
 PRUNE_MODES = ("keep-latest", "delete-all")
@@ -245,6 +248,28 @@ def _expect_positive_int(value: Any, label: str) -> None:
 
 def _step_label(where: str, step: ChainStep) -> str:
     return f"{where}: step {step.step_num}"
+
+
+def start_point(loads: list[str | None], workdir: Path, where: str) -> tuple[Path | None, int, int]:
+    """Where a chain starts: from scratch, or from the checkpoint its initial step loads (another run's, to
+    continue or fine-tune it). The checkpoint, iteration and consumed tokens the chain starts from, given
+    each step's ``load_checkpoint`` (only the first may have one; a relative path is relative to the
+    workdir)."""
+    for number, given in enumerate(loads[1:], start=2):
+        if given is not None:
+            raise ChainError(
+                f"{where}: step {number}: load_checkpoint: only the initial step loads a given checkpoint "
+                "(the others load the previous step's)"
+            )
+    if loads[0] is None:
+        return None, 0, 0
+    path = Path(loads[0]) if Path(loads[0]).is_absolute() else Path(workdir) / loads[0]
+    try:
+        checkpoint = resolve_checkpoint(path)
+        state = read_checkpoint_info(checkpoint).trainer_state
+    except CheckpointError as err:
+        raise ChainError(f"{where}: step 1: load_checkpoint: {err}") from None
+    return checkpoint, int(state.get("iteration", 0)), int(state.get("consumed_tokens", 0))
 
 
 def _check_sequence(steps: tuple[ChainStep, ...], where: str, *, start_iteration: int = 0) -> None:
