@@ -103,8 +103,8 @@ class TrainResult:
     """The newest checkpoint a finished stage saved (what :func:`load_model` loads), None when none did."""
     realized_chain: Path | None
     """The chain file of the strategies the run took: ``cona.train(config, chain=result.realized_chain)``
-    (``cona train --chain``) trains them again (an online run's ``realized_chain.json``, a chain's own file,
-    a fixed strategy's one-step chain); None until an online run has finished."""
+    (``cona train --chain``) trains them again (an online run's ``realized_chain.json``, a chain's own file);
+    None until an online run has finished, and for a fixed run (its strategy is its chain)."""
 
     @classmethod
     def read(cls, run_dir: Path | str) -> TrainResult:
@@ -141,12 +141,13 @@ def _stage(summary: Any) -> Stage:
 
 
 def _realized_chain(run_dir: Path, state: Any) -> Path | None:
+    from cona.runner.chain_file import FIXED_CHAIN
     from cona.runner.state import ONLINE_CHAIN
 
     realized = run_dir / run_files.REALIZED_CHAIN
     if realized.is_file():
         return realized.resolve()
-    if state is None or state.chain_path == ONLINE_CHAIN:
+    if state is None or state.chain_path in (ONLINE_CHAIN, FIXED_CHAIN):
         return None
     return Path(state.chain_path)  # as the run recorded it (cona.train records it absolute)
 

@@ -12,7 +12,7 @@ report, ``cona plan --trace``) agree on them. It imports nothing of CONA's, so e
                           runner_end.json          how its newest runner left it (finished, stopped, failed)
                           online_stages.json       an online run's chosen stages
                           realized_chain.json      an online run as a chain file that replays it
-                          fixed_chain.json         a fixed strategy as a one-stage chain
+                          fixed_chain.json         a fixed strategy across nodes as a one-stage chain
                           wandb_run_id             the run's W&B id (wandb/: its files, by default)
                           mds_handover/            Megatron-DeepSpeed in-place switches: continue commands
                           stages/<N>/spec.json     what stage N runs (replay_spec.json: its replay)

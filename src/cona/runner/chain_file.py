@@ -53,6 +53,9 @@ STEP_INT_KEYS = ("step_num", "dp", "tp", "pp", "gbs", "mbs", *STOP_KEYS, "load_d
 STEP_KEYS = (*STEP_INT_KEYS, "is_initial", "convert", "load_checkpoint")
 PRUNE_KEYS = ("stage", "ckpt_dir", "mode")
 TOP_KEYS = ("steps", "pruning")
+FIXED_CHAIN = "fixed"
+"""The origin of a fixed run's chain (``cona train --dp .. --iters N``): one initial step built in memory
+from the strategy, named so in the run state (where a chain file's path stands otherwise)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,8 +127,9 @@ class ChainConfig:
 
     steps: tuple[ChainStep, ...]
     pruning: tuple[PruneRule, ...] = ()
-    path: Path | None = None
-    """The file it came from."""
+    origin: str = "<chain>"
+    """What the chain came from, as messages and the run state name it: the chain file's path, or
+    :data:`FIXED_CHAIN` for a fixed run's one step (built in memory from its strategy)."""
     digest: str = ""
     """sha256 of the file's JSON content (key order and whitespace ignored): identifies the chain of a run."""
     step_digests: tuple[str, ...] = ()
@@ -175,9 +179,9 @@ def load_chain(
 
 
 def parse_chain(
-    raw: Any, *, source: Path | None, config: ConaConfig, world_size: int, dtype: str, workdir: Path
+    raw: Any, *, source: Path | str | None, config: ConaConfig, world_size: int, dtype: str, workdir: Path
 ) -> ChainConfig:
-    """Validate decoded chain JSON; ``source`` names the file in errors."""
+    """Validate decoded chain JSON; ``source`` (the file, or :data:`FIXED_CHAIN`) names it in errors."""
     where = str(source) if source is not None else "<chain>"
     if not isinstance(raw, dict):
         raise ChainError(f"{where}: the top level must be an object with 'steps' (and optionally 'pruning')")
@@ -199,7 +203,7 @@ def parse_chain(
     return ChainConfig(
         steps=steps,
         pruning=rules,
-        path=source,
+        origin=where,
         digest=content_digest(raw),
         step_digests=tuple(content_digest(item) for item in raw_steps),
         start_checkpoint=start[0],

@@ -1,14 +1,16 @@
 """One fixed strategy on one node (``cona train --dp .. --iters N --workdir W``): a one-stage chain.
 
 The run directory is named by the strategy and its ``--iters`` (``fixed-dp2_tp1_pp1_mbs2_gbs8-iters100``)
-unless ``--run-name`` names it, so the same command resumes the run as a chain's and an online run's do; the
-strategy is written into it as the chain of one initial step (``fixed_chain.json``) and run by the stage
+unless ``--run-name`` names it, so the same command resumes the run as a chain's and an online run's do. The
+strategy is the chain of one initial step, built in memory (:func:`one_stage_chain`), and run by the stage
 driver as every chain is (:func:`cona.runner.schedules.chain_schedule.run_chain`), with ``dp*tp*pp`` workers
-under torchrun; the last line says where it stopped and saved. Rerunning the same command resumes the run from
-its newest checkpoint (periodic ones included, ``training.save_interval[_minutes]``); ``--fresh`` starts it
-over; a run directory that holds no fixed run is refused, as is one made for another config or ``--workdir``
-(the run state says which). The Megatron-DeepSpeed backend runs its fixed mode the same way, and so does a run
-across nodes, whose every node derives the same name (:mod:`cona.runner.nodes.fixed_across_nodes`).
+under torchrun; the run state names its chain :data:`cona.runner.chain_file.FIXED_CHAIN` and records its
+digest, which the same command rebuilds. The last line says where it stopped and saved. Rerunning the same
+command resumes the run from its newest checkpoint (periodic ones included,
+``training.save_interval[_minutes]``); ``--fresh`` starts it over; a run directory that holds no fixed run is
+refused, as is one made for another strategy, config or ``--workdir`` (the run state says which). The
+Megatron-DeepSpeed backend runs its fixed mode the same way. A run across nodes writes its one step as a chain
+file that every node's runner reads (:mod:`cona.runner.nodes.fixed_across_nodes`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import TYPE_CHECKING
 from cona import run_files
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
-from cona.runner.nodes.fixed_across_nodes import fixed_chain, fixed_run_name, write_chain
+from cona.runner.chain_file import FIXED_CHAIN
+from cona.runner.nodes.fixed_across_nodes import fixed_chain, fixed_run_name
 from cona.runner.run_descriptions import ChainRun, FixedRun
 from cona.runner.run_dir import check_run_name, create_run_dir, point_latest
+from cona.runner.state import load_state
 
 if TYPE_CHECKING:
     from cona.runner.views.console import RunConsole
@@ -36,7 +40,7 @@ def open_run_dir(run: FixedRun) -> Path:
         run_dir = create_run_dir(Path(run.config.training.log_root), name)
         print(f"run directory: {run_dir}", flush=True)
         return run_dir
-    if not (run_dir / run_files.FIXED_CHAIN).is_file():
+    if not holds_fixed_run(run_dir):
         raise LaunchError(
             f"run directory {run_dir} already exists and holds no fixed run to resume; pick another "
             f"--run-name"
@@ -46,12 +50,21 @@ def open_run_dir(run: FixedRun) -> Path:
     return run_dir
 
 
+def holds_fixed_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a fixed run to resume: its run state names the fixed chain, or the one-step
+    chain file ``fixed_chain.json`` that a fixed run across nodes writes (and that older cona versions wrote
+    for a fixed run on one node too: such a run state records the digest of the same chain as the one built
+    here, so it resumes without reading the file)."""
+    state = load_state(run_dir)
+    if state is None:
+        return (run_dir / run_files.FIXED_CHAIN).is_file()
+    return state.chain_path == FIXED_CHAIN or Path(state.chain_path).name == run_files.FIXED_CHAIN
+
+
 def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:
-    """The fixed run as the chain of one initial step, written to ``<run_dir>/fixed_chain.json``."""
-    chain_path = run_dir / run_files.FIXED_CHAIN
-    write_chain(chain_path, fixed_chain(run.strategy, run.iters))
+    """The fixed run as the chain of one initial step, built in memory."""
     return ChainRun(
-        chain_path=chain_path,
+        fixed_chain=fixed_chain(run.strategy, run.iters),
         config=run.config,
         workdir=run.workdir,
         run_dir=run_dir,

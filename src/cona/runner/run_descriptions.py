@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import ConaConfig
-from cona.runner.chain_file import content_digest
+from cona.runner.chain_file import FIXED_CHAIN, ChainConfig, content_digest, load_chain, parse_chain
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 from cona.runner.nodes.multinode import NodePlacement, cona_command
 from cona.strategy import Strategy
@@ -19,9 +19,13 @@ from cona.strategy import Strategy
 
 @dataclass(frozen=True, kw_only=True)
 class ChainRun:
-    """What ``cona train --chain`` was asked to do."""
+    """What ``cona train --chain`` was asked to do, or a fixed strategy as the chain of one step."""
 
-    chain_path: Path
+    chain_path: Path | None = None
+    """The chain file; None for a fixed run on one node, whose chain is :attr:`fixed_chain`."""
+    fixed_chain: dict | None = None
+    """A fixed run's chain of one initial step, built in memory from its strategy
+    (:func:`cona.runner.nodes.fixed_across_nodes.fixed_chain`) and validated as a chain file's content."""
     config: ConaConfig
     workdir: Path
     """Checkpoints go to ``<workdir>/checkpoints/<run_dir.name>/...``."""
@@ -44,9 +48,26 @@ class ChainRun:
     launcher keeps its workers, see :mod:`cona.runner.worker_session`) instead of saving, publishing and
     loading a checkpoint; a layout change always goes through the checkpoint and its verification."""
 
+    def __post_init__(self) -> None:
+        assert (self.chain_path is None) != (self.fixed_chain is None), "a chain file or a fixed run's chain"
+
+    def read_chain(self, dtype: str) -> ChainConfig:
+        """The validated chain (checkpoints in ``dtype``): the chain file's, or the fixed run's one step."""
+        settings = {
+            "config": self.config,
+            "world_size": self.world_size,
+            "dtype": dtype,
+            "workdir": self.workdir,
+        }
+        if self.fixed_chain is not None:
+            return parse_chain(self.fixed_chain, source=FIXED_CHAIN, **settings)
+        assert self.chain_path is not None
+        return load_chain(self.chain_path, **settings)
+
 
 def runner_command(run: ChainRun) -> list[str]:
     """The ``cona train --chain`` command of this run, for the runners node 0 starts on the other hosts."""
+    assert run.chain_path is not None, "a fixed run across nodes reads its chain from a file"
     return cona_command(
         ["--chain", str(run.chain_path.resolve())],
         config=run.config,

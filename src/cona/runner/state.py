@@ -128,7 +128,7 @@ class RunState:
 
 
 def new_state(
-    *, chain_path: Path, chain_digest: str, config_digest: str, world_size: int, num_stages: int
+    *, chain_path: Path | str, chain_digest: str, config_digest: str, world_size: int, num_stages: int
 ) -> RunState:
     return RunState(
         chain_path=str(chain_path),
@@ -232,7 +232,7 @@ def open_run(
     state = load_state(run_dir)
     if state is None:
         state = new_state(
-            chain_path=chain.path,
+            chain_path=chain.origin,
             chain_digest=chain.digest,
             config_digest=config_digest,
             world_size=world_size,
@@ -243,7 +243,7 @@ def open_run(
         save_state(run_dir, state)
         return (
             state,
-            f"starting run {run_dir.name}: {len(chain.steps)} stages from {chain.path} "
+            f"starting run {run_dir.name}: {len(chain.steps)} stages from {chain.origin} "
             f"(run directory {run_dir})",
         )
     check_same_run(

@@ -30,7 +30,6 @@ from cona.runner.chain_file import (
     ChainConfig,
     ChainStep,
     content_digest,
-    load_chain,
     planned_tokens,
 )
 from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
@@ -59,9 +58,7 @@ def run_chain(
     ``prepare_publisher`` are the backend's (the native engine's by default;
     :mod:`cona.backends.megatron_deepspeed` has its own)."""
     dtype = checkpoint_dtype(run.config.training, run.device_type)
-    chain = load_chain(  # every node validates the chain
-        run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
-    )
+    chain = run.read_chain(dtype)  # every node validates the chain
     return drive(
         run,
         lambda stage_launcher: ChainSchedule(
@@ -160,7 +157,7 @@ class ChainSchedule:
         target = step.target_iteration(start)
         if target <= start:
             raise ChainError(
-                f"{self.chain.path}: step {step.step_num}: stops at iteration {target}, but its "
+                f"{self.chain.origin}: step {step.step_num}: stops at iteration {target}, but its "
                 f"checkpoint is already at iteration {start}"
             )
         if in_place or step.is_initial:
