@@ -19,8 +19,7 @@ from cona import run_files
 from cona.config_file import load_config
 from cona.errors import ChainError, LaunchError
 from cona.runner.chain_file import FIXED_CHAIN
-from cona.runner.fixed import one_stage_chain, open_run_dir
-from cona.runner.nodes.fixed_across_nodes import fixed_chain
+from cona.runner.fixed import fixed_chain, one_stage_chain, open_run_dir
 from cona.runner.run_descriptions import ChainRun, FixedRun
 from cona.runner.run_dir import create_run_dir, resolve_log_root
 from cona.runner.schedules.chain_schedule import run_chain

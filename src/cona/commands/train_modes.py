@@ -134,11 +134,12 @@ def _train_fixed(args: Any, mds: bool) -> Path | None:
     console = RunConsole.for_stdout(quiet=bool(flag(args, "quiet")))
     check_layout(LayoutSizes.of_config(config.model), strategy, strategy.world_size)
     if across_nodes:  # a one-stage chain; each node checks its own GPUs
-        from cona.runner.nodes.fixed_across_nodes import write_fixed_chain
+        from cona.runner.fixed import fixed_chain, fixed_run_name
+        from cona.runner.run_dir import check_run_name
         from cona.runner.schedules.chain_schedule import run_chain, torchrun_launcher
 
-        chain_path, run_name = write_fixed_chain(config, strategy, args.iters, flag(args, "run_name"))
-        run = chain_run(args, chain=chain_path, run_name=run_name)
+        name = check_run_name(flag(args, "run_name") or fixed_run_name(strategy, args.iters))
+        run = chain_run(args, fixed=(fixed_chain(strategy, args.iters), name))
         if mds:
             from cona.backends.megatron_deepspeed.run import run_mds_chain
 

@@ -91,20 +91,21 @@ def _common(flags: Any, config: ConaConfig, run_name: str, num_nodes: int) -> di
     }
 
 
-def chain_run(flags: Any, *, chain: Path | None = None, run_name: str | None = None) -> ChainRun:
+def chain_run(flags: Any, *, fixed: tuple[dict, str] | None = None) -> ChainRun:
     """``cona train --chain FILE [--config] [--device] [--workdir] [--gpus | --num-nodes --gpus-per-node]
-    [--run-name] [--master-port-base] [--quiet] [--fresh] [--switch-in-place]`` (``chain`` and
-    ``run_name`` replace the flags' for a chain the command wrote itself)."""
+    [--run-name] [--master-port-base] [--quiet] [--fresh] [--switch-in-place]``; ``fixed``: a fixed
+    strategy's chain (built in memory) and run name in place of the chain file, across nodes."""
     config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     resolved = device_type(config.training)
     nodes = placement(flags)
-    chain_path = Path(chain or flags.chain)
-    name = run_name or flag(flags, "run_name") or f"chain-{chain_path.stem}"
+    chain_path = Path(flags.chain) if fixed is None else None
+    name = fixed[1] if fixed is not None else flag(flags, "run_name") or f"chain-{Path(flags.chain).stem}"
     common = _common(flags, config, name, nodes.num_nodes)
     return ChainRun(
         chain_path=chain_path,
+        fixed_chain=fixed[0] if fixed is not None else None,
         world_size=nodes.num_nodes * nodes.gpus_per_node
-        if nodes.num_nodes > 1
+        if nodes.num_nodes > 1 or chain_path is None
         else _chain_world_size(flags, chain_path, resolved),
         device_type=resolved,
         nodes=nodes,

@@ -1,16 +1,22 @@
-"""One fixed strategy on one node (``cona train --dp .. --iters N --workdir W``): a one-stage chain.
+"""One fixed strategy (``cona train --dp .. --iters N --workdir W``): a one-stage chain.
 
 The run directory is named by the strategy and its ``--iters`` (``fixed-dp2_tp1_pp1_mbs2_gbs8-iters100``)
 unless ``--run-name`` names it, so the same command resumes the run as a chain's and an online run's do. The
-strategy is the chain of one initial step, built in memory (:func:`one_stage_chain`), and run by the stage
+strategy is the chain of one initial step, built in memory (:func:`fixed_chain`), and run by the stage
 driver as every chain is (:func:`cona.runner.schedules.chain_schedule.run_chain`), with ``dp*tp*pp`` workers
 under torchrun; the run state names its chain :data:`cona.runner.chain_file.FIXED_CHAIN` and records its
 digest, which the same command rebuilds. The last line says where it stopped and saved. Rerunning the same
 command resumes the run from its newest checkpoint (periodic ones included,
 ``training.save_interval[_minutes]``); ``--fresh`` starts it over; a run directory that holds no fixed run is
 refused, as is one made for another strategy, config or ``--workdir`` (the run state says which). The
-Megatron-DeepSpeed backend runs its fixed mode the same way. A run across nodes writes its one step as a chain
-file that every node's runner reads (:mod:`cona.runner.nodes.fixed_across_nodes`).
+Megatron-DeepSpeed backend runs its fixed mode the same way.
+
+Across nodes (``--num-nodes K``) a stage needs what a chain run has: a run directory every node agrees on,
+node 0 announcing the stage and publishing only when every node left it, and a run state that a rerun
+continues from. So the same one-step chain runs there as a chain run (:mod:`cona.commands.train_modes`):
+every node's runner builds it from the same flags (node 0 starts the others with them,
+:func:`cona.runner.run_descriptions.runner_command`) and derives the same run name; its LR is the one a fixed
+run on one node uses (``training.base_lr`` scaled from ``base_gbs`` to the gbs).
 """
 
 from __future__ import annotations
@@ -22,13 +28,28 @@ from cona import run_files
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
 from cona.runner.chain_file import FIXED_CHAIN
-from cona.runner.nodes.fixed_across_nodes import fixed_chain, fixed_run_name
 from cona.runner.run_descriptions import ChainRun, FixedRun
 from cona.runner.run_dir import check_run_name, create_run_dir, point_latest
 from cona.runner.state import load_state
+from cona.strategy import Strategy
 
 if TYPE_CHECKING:
     from cona.runner.views.console import RunConsole
+
+
+def fixed_chain(strategy: Strategy, iters: int) -> dict:
+    """The chain of one initial step that trains ``strategy`` to iteration ``iters``."""
+    step = {"step_num": 1, "dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+    step |= {"gbs": strategy.gbs, "mbs": strategy.mbs, "train_iters": iters, "is_initial": True}
+    return {"steps": [step]}
+
+
+def fixed_run_name(strategy: Strategy, iters: int) -> str:
+    """``fixed-dp2_tp1_pp1_mbs2_gbs8-iters100``: the default run name of a fixed strategy trained to
+    iteration ``iters`` (a rerun of the same command finds its run by it; another ``--iters`` is another
+    run)."""
+    layout = f"dp{strategy.dp}_tp{strategy.tp}_pp{strategy.pp}_mbs{strategy.mbs}_gbs{strategy.gbs}"
+    return f"fixed-{layout}-iters{iters}"
 
 
 def open_run_dir(run: FixedRun) -> Path:
@@ -51,10 +72,9 @@ def open_run_dir(run: FixedRun) -> Path:
 
 
 def holds_fixed_run(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a fixed run to resume: its run state names the fixed chain, or the one-step
-    chain file ``fixed_chain.json`` that a fixed run across nodes writes (and that older cona versions wrote
-    for a fixed run on one node too: such a run state records the digest of the same chain as the one built
-    here, so it resumes without reading the file)."""
+    """Whether ``run_dir`` holds a fixed run to resume: its run state names the fixed chain, or the chain
+    file ``fixed_chain.json`` in which older cona versions kept a fixed run's one step (their run state
+    records the digest of the same chain as the one built here, so the run resumes without reading it)."""
     state = load_state(run_dir)
     if state is None:
         return (run_dir / run_files.FIXED_CHAIN).is_file()

@@ -22,10 +22,10 @@ class ChainRun:
     """What ``cona train --chain`` was asked to do, or a fixed strategy as the chain of one step."""
 
     chain_path: Path | None = None
-    """The chain file; None for a fixed run on one node, whose chain is :attr:`fixed_chain`."""
+    """The chain file; None for a fixed run, whose chain is :attr:`fixed_chain`."""
     fixed_chain: dict | None = None
     """A fixed run's chain of one initial step, built in memory from its strategy
-    (:func:`cona.runner.nodes.fixed_across_nodes.fixed_chain`) and validated as a chain file's content."""
+    (:func:`cona.runner.fixed.fixed_chain`) and validated as a chain file's content."""
     config: ConaConfig
     workdir: Path
     """Checkpoints go to ``<workdir>/checkpoints/<run_dir.name>/...``."""
@@ -66,10 +66,10 @@ class ChainRun:
 
 
 def runner_command(run: ChainRun) -> list[str]:
-    """The ``cona train --chain`` command of this run, for the runners node 0 starts on the other hosts."""
-    assert run.chain_path is not None, "a fixed run across nodes reads its chain from a file"
+    """The ``cona train`` command of this run, for the runners node 0 starts on the other hosts: ``--chain
+    FILE``, or a fixed run's strategy flags, from which each runner builds the same chain."""
     return cona_command(
-        ["--chain", str(run.chain_path.resolve())],
+        _chain_args(run),
         config=run.config,
         nodes=run.nodes,
         run_dir=run.run_dir,
@@ -77,6 +77,15 @@ def runner_command(run: ChainRun) -> list[str]:
         base_port=run.base_port,
         quiet=run.quiet,
     )
+
+
+def _chain_args(run: ChainRun) -> list[str]:
+    if run.fixed_chain is None:
+        assert run.chain_path is not None
+        return ["--chain", str(run.chain_path.resolve())]
+    (step,) = run.fixed_chain["steps"]
+    flags = [arg for key in ("dp", "tp", "pp", "gbs", "mbs") for arg in (f"--{key}", str(step[key]))]
+    return [*flags, "--iters", str(step["train_iters"])]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +102,7 @@ class FixedRun:
     """``cpu`` or ``cuda``, as the workers will resolve it."""
     run_name: str | None = None
     """The run directory's name under ``training.log_root``; None: the strategy's
-    (:func:`cona.runner.nodes.fixed_across_nodes.fixed_run_name`)."""
+    (:func:`cona.runner.fixed.fixed_run_name`)."""
     base_port: int | None = DEFAULT_MASTER_PORT_BASE
     """Stage N rendezvous on port ``base_port + N``; None: torchrun picks a free port (one node only)."""
     quiet: bool = False

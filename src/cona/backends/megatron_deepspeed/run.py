@@ -84,8 +84,8 @@ def online_max_samples(run: OnlineRun) -> int:
 
 def train_fixed(run: FixedRun, env: MdsEnvironment) -> RunState:
     """``cona train --dp .. --iters N --workdir W --repo-path PATH`` on one node: a one-stage chain in its
-    run directory, resumed when it exists (across nodes the CLI writes the one-step chain file that every
-    node's runner reads, as for the native backend)."""
+    run directory, resumed when it exists (across nodes the CLI runs the same chain as a chain run, as for
+    the native backend)."""
     check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
     chain = one_stage_chain(run, open_run_dir(run))
     return run_mds_chain(chain, env)
