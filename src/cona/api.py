@@ -141,13 +141,13 @@ def _stage(summary: Any) -> Stage:
 
 
 def _realized_chain(run_dir: Path, state: Any) -> Path | None:
-    from cona.runner.chain_file import FIXED_CHAIN
+    from cona.runner.chain_file import FIXED_ORIGIN
     from cona.runner.state import ONLINE_CHAIN
 
     realized = run_dir / run_files.REALIZED_CHAIN
     if realized.is_file():
         return realized.resolve()
-    if state is None or state.chain_path in (ONLINE_CHAIN, FIXED_CHAIN):
+    if state is None or state.chain_path in (ONLINE_CHAIN, FIXED_ORIGIN):
         return None
     return Path(state.chain_path)  # as the run recorded it (cona.train records it absolute)
 

@@ -16,9 +16,10 @@ from chain_fakes import FakeEngine, run_layout, write_tiny_config
 from tests.runner.forked import fork
 
 from cona import run_files
+from cona.api import TrainResult
 from cona.config_file import load_config
 from cona.errors import ChainError, LaunchError
-from cona.runner.chain_file import FIXED_CHAIN
+from cona.runner.chain_file import FIXED_ORIGIN
 from cona.runner.fixed import fixed_chain, one_stage_chain, open_run_dir
 from cona.runner.run_descriptions import ChainRun, FixedRun
 from cona.runner.run_dir import create_run_dir, resolve_log_root
@@ -79,7 +80,7 @@ def test_the_same_fixed_command_resumes_a_killed_run_from_its_checkpoint(tmp_pat
         run_dir = open_run_dir(run)
         killed_mid_stage(lambda: one_stage_chain(run, run_dir))
         assert sorted(path.name for path in run_dir.iterdir()) == [run_files.RUNNER_STATE, run_files.STAGES]
-        assert load_state(run_dir).chain_path == FIXED_CHAIN
+        assert load_state(run_dir).chain_path == FIXED_ORIGIN
     else:
         killed_mid_stage(as_older_cona_made_it(run))
         run_dir = tmp_path / "logs" / "run"
@@ -99,9 +100,11 @@ def test_the_same_fixed_command_resumes_a_killed_run_from_its_checkpoint(tmp_pat
     assert after == {name: data for name, data in before.items() if name != run_files.RUNNER_STATE}
     made_here = made_by == "this cona"
     assert load_state(run_dir).chain_path == (
-        FIXED_CHAIN if made_here else str(run_dir / run_files.FIXED_CHAIN)
+        FIXED_ORIGIN if made_here else str(run_dir / run_files.FIXED_CHAIN)
     )
     assert (run_dir / run_files.FIXED_CHAIN).exists() != made_here
+    realized = None if made_here else run_dir.resolve() / run_files.FIXED_CHAIN  # a chain file, where one is
+    assert TrainResult.read(run_dir).realized_chain == realized
 
 
 def test_a_fixed_run_of_another_iters_under_the_same_name_is_refused(tmp_path):
@@ -110,7 +113,7 @@ def test_a_fixed_run_of_another_iters_under_the_same_name_is_refused(tmp_path):
     run_dir = open_run_dir(run)
     killed_mid_stage(lambda: one_stage_chain(run, run_dir))
     longer = fixed_run(tmp_path, iters=ITERS + 2)
-    with pytest.raises(ChainError, match=f"step 1 of {FIXED_CHAIN} changed after it started"):
+    with pytest.raises(ChainError, match=f"step 1 of {FIXED_ORIGIN} changed after it started"):
         run_chain(one_stage_chain(longer, open_run_dir(longer)), launcher=FakeEngine(), out=lambda line: None)
 
 

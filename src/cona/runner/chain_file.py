@@ -53,7 +53,7 @@ STEP_INT_KEYS = ("step_num", "dp", "tp", "pp", "gbs", "mbs", *STOP_KEYS, "load_d
 STEP_KEYS = (*STEP_INT_KEYS, "is_initial", "convert", "load_checkpoint")
 PRUNE_KEYS = ("stage", "ckpt_dir", "mode")
 TOP_KEYS = ("steps", "pruning")
-FIXED_CHAIN = "fixed"
+FIXED_ORIGIN = "fixed"
 """The origin of a fixed run's chain (``cona train --dp .. --iters N``): one initial step built in memory
 from the strategy, named so in the run state (where a chain file's path stands otherwise)."""
 
@@ -123,13 +123,13 @@ class PruneRule:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChainConfig:
-    """A whole validated chain file."""
+    """A whole validated chain: a chain file's, or a fixed run's one step."""
 
     steps: tuple[ChainStep, ...]
     pruning: tuple[PruneRule, ...] = ()
     origin: str = "<chain>"
     """What the chain came from, as messages and the run state name it: the chain file's path, or
-    :data:`FIXED_CHAIN` for a fixed run's one step (built in memory from its strategy)."""
+    :data:`FIXED_ORIGIN` for a fixed run's one step (built in memory from its strategy)."""
     digest: str = ""
     """sha256 of the file's JSON content (key order and whitespace ignored): identifies the chain of a run."""
     step_digests: tuple[str, ...] = ()
@@ -181,7 +181,7 @@ def load_chain(
 def parse_chain(
     raw: Any, *, source: Path | str | None, config: ConaConfig, world_size: int, dtype: str, workdir: Path
 ) -> ChainConfig:
-    """Validate decoded chain JSON; ``source`` (the file, or :data:`FIXED_CHAIN`) names it in errors."""
+    """Validate decoded chain JSON; ``source`` (the file, or :data:`FIXED_ORIGIN`) names it in errors."""
     where = str(source) if source is not None else "<chain>"
     if not isinstance(raw, dict):
         raise ChainError(f"{where}: the top level must be an object with 'steps' (and optionally 'pruning')")

@@ -4,7 +4,7 @@ The run directory is named by the strategy and its ``--iters`` (``fixed-dp2_tp1_
 unless ``--run-name`` names it, so the same command resumes the run as a chain's and an online run's do. The
 strategy is the chain of one initial step, built in memory (:func:`fixed_chain`), and run by the stage
 driver as every chain is (:func:`cona.runner.schedules.chain_schedule.run_chain`), with ``dp*tp*pp`` workers
-under torchrun; the run state names its chain :data:`cona.runner.chain_file.FIXED_CHAIN` and records its
+under torchrun; the run state names its chain :data:`cona.runner.chain_file.FIXED_ORIGIN` and records its
 digest, which the same command rebuilds. The last line says where it stopped and saved. Rerunning the same
 command resumes the run from its newest checkpoint (periodic ones included,
 ``training.save_interval[_minutes]``); ``--fresh`` starts it over; a run directory that holds no fixed run is
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from cona import run_files
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import LaunchError
-from cona.runner.chain_file import FIXED_CHAIN
+from cona.runner.chain_file import FIXED_ORIGIN
 from cona.runner.run_descriptions import ChainRun, FixedRun
 from cona.runner.run_dir import check_run_name, create_run_dir, point_latest
 from cona.runner.state import load_state
@@ -78,7 +78,7 @@ def holds_fixed_run(run_dir: Path) -> bool:
     state = load_state(run_dir)
     if state is None:
         return (run_dir / run_files.FIXED_CHAIN).is_file()
-    return state.chain_path == FIXED_CHAIN or Path(state.chain_path).name == run_files.FIXED_CHAIN
+    return state.chain_path == FIXED_ORIGIN or Path(state.chain_path).name == run_files.FIXED_CHAIN
 
 
 def one_stage_chain(run: FixedRun, run_dir: Path) -> ChainRun:

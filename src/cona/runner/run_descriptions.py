@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import ConaConfig
-from cona.runner.chain_file import FIXED_CHAIN, ChainConfig, content_digest, load_chain, parse_chain
+from cona.runner.chain_file import FIXED_ORIGIN, ChainConfig, content_digest, load_chain, parse_chain
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 from cona.runner.nodes.multinode import NodePlacement, cona_command
 from cona.strategy import Strategy
@@ -60,7 +60,7 @@ class ChainRun:
             "workdir": self.workdir,
         }
         if self.fixed_chain is not None:
-            return parse_chain(self.fixed_chain, source=FIXED_CHAIN, **settings)
+            return parse_chain(self.fixed_chain, source=FIXED_ORIGIN, **settings)
         assert self.chain_path is not None
         return load_chain(self.chain_path, **settings)
 
