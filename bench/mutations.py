@@ -123,7 +123,7 @@ MUTATIONS = (
     Mutation(
         name="resave_deletes_old_first",
         why="a re-save of the same iteration deletes the old copy before renaming the new one into place",
-        path="src/cona/engine/checkpoint.py",
+        path="src/cona/engine/checkpoint/save.py",
         function="_publish",
         old="not final_dir.exists()",
         new="_remove(final_dir) or True",  # removes the old copy, then takes the plain rename
