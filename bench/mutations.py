@@ -123,7 +123,7 @@ MUTATIONS = (
     Mutation(
         name="resave_deletes_old_first",
         why="a re-save of the same iteration deletes the old copy before renaming the new one into place",
-        path="src/cona/engine/checkpoint.py",
+        path="src/cona/engine/checkpoint/save.py",
         function="_publish",
         old="not final_dir.exists()",
         new="_remove(final_dir) or True",  # removes the old copy, then takes the plain rename
@@ -132,7 +132,7 @@ MUTATIONS = (
     Mutation(
         name="prune_newest_periodic",
         why="keep_checkpoints keeps the oldest periodic checkpoints of a stage and removes the newest",
-        path="src/cona/engine/periodic_save.py",
+        path="src/cona/engine/checkpoint/periodic.py",
         function="prune_periodic",
         old="sorted(periodic, reverse=True)",
         new="sorted(periodic)",
@@ -205,7 +205,7 @@ MUTATIONS = (
     Mutation(
         name="every_rank_hashes_share_0",
         why="on load every rank hashes share 0 of the checkpoint's files instead of its own",
-        path="src/cona/engine/checkpoint_load.py",
+        path="src/cona/engine/checkpoint/load.py",
         function="verify_checkpoint",
         old="shares(sizes, parts)[me]",
         new="shares(sizes, parts)[0]",
@@ -214,7 +214,7 @@ MUTATIONS = (
     Mutation(
         name="save_clock_never_restarts",
         why="the clock of time-based periodic saves is not restarted by a save (every step due after one)",
-        path="src/cona/engine/periodic_save.py",
+        path="src/cona/engine/checkpoint/periodic.py",
         function="PeriodicSaves.begin",
         old="self.started_at = time.monotonic()",
         new="",

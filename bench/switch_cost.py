@@ -1,8 +1,8 @@
 """Cost of a strategy switch (a gbs change on one process), next to the cost of the same save and load alone.
 
 THE SWITCH: a two-stage chain on one process, stage 1 at gbs G and stage 2 at gbs 2G (same layout, so only
-the batch changes), run by the chain runner (:func:`cona.runner.schedules.sequence.run_chain`, the code behind
-``cona train --chain``), with stage 2 in stage 1's worker processes as that command runs it
+the batch changes), run by the chain runner (:func:`cona.runner.schedules.chain_schedule.run_chain`, the
+code behind ``cona train --chain``), with stage 2 in stage 1's worker processes as that command runs it
 (``--restart-workers``: new processes for stage 2). The runner records the switch's split in
 ``runner_state.json``: save (stage 1's final checkpoint), publish (the universal copy), process start
 (torchrun launch until the worker's imports are done; with reused processes, until they read the next
@@ -41,7 +41,7 @@ import cona
 from cona.config.file import load_config
 from cona.data.indexed import IndexedDatasetWriter
 from cona.runner.run_dir import resolve_log_root
-from cona.runner.schedules.sequence import ChainRun, checkpoint_dtype, run_chain
+from cona.runner.schedules.chain_schedule import ChainRun, checkpoint_dtype, run_chain
 from cona.runner.worker_session import stage_launcher
 
 GPT2_VOCAB = 50257
@@ -254,11 +254,12 @@ def measure_save_and_load(setup: Setup, args: argparse.Namespace, checkpoint: Pa
     checkpoint, ``args.ref_repeats`` times each, without restarting anything."""
     import torch
 
-    from cona.engine.checkpoint import load_checkpoint, save_checkpoint
+    from cona.engine.checkpoint.load import load_checkpoint
+    from cona.engine.checkpoint.save import save_checkpoint
     from cona.engine.optim import build_optimizer
     from cona.engine.parallel_dims import build_mesh
     from cona.engine.train_model import build_training_model
-    from cona.runner.schedules.chain import load_chain
+    from cona.runner.chain_file import load_chain
 
     config = resolve_log_root(load_config(setup.config_path, check_data_files=True))
     chain = load_chain(

@@ -23,8 +23,8 @@ from tests.data.data_testlib import ENGLISH_SAMPLE, write_tiny_gpt2_tokenizer
 import cona
 from cona.config import parse_config
 from cona.data.indexed import IndexedDatasetWriter
-from cona.engine.checkpoint import save_checkpoint
-from cona.engine.checkpoint_paths import layout_dir
+from cona.engine.checkpoint.paths import layout_dir
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.model import GPT
 from cona.engine.optim import build_optimizer
 from cona.errors import ConaError

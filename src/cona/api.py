@@ -103,8 +103,8 @@ class TrainResult:
     """The newest checkpoint a finished stage saved (what :func:`load_model` loads), None when none did."""
     realized_chain: Path | None
     """The chain file of the strategies the run took: ``cona.train(config, chain=result.realized_chain)``
-    (``cona train --chain``) trains them again (an online run's ``realized_chain.json``, a chain's own file,
-    a fixed strategy's one-step chain); None until an online run has finished."""
+    (``cona train --chain``) trains them again (an online run's ``realized_chain.json``, a chain's own file);
+    None until an online run has finished, and for a fixed run (its strategy is its chain)."""
 
     @classmethod
     def read(cls, run_dir: Path | str) -> TrainResult:
@@ -141,12 +141,13 @@ def _stage(summary: Any) -> Stage:
 
 
 def _realized_chain(run_dir: Path, state: Any) -> Path | None:
+    from cona.runner.chain_file import FIXED_ORIGIN
     from cona.runner.state import ONLINE_CHAIN
 
     realized = run_dir / run_files.REALIZED_CHAIN
     if realized.is_file():
         return realized.resolve()
-    if state is None or state.chain_path == ONLINE_CHAIN:
+    if state is None or state.chain_path in (ONLINE_CHAIN, FIXED_ORIGIN):
         return None
     return Path(state.chain_path)  # as the run recorded it (cona.train records it absolute)
 
@@ -242,7 +243,8 @@ def load_model(path: str | Path, *, device: str = "cpu") -> nn.Module:
     padded vocabulary, ``model.config`` is its model section. ``path``: a checkpoint (a ``global_step``
     directory, a layout directory with a ``latest`` marker, the marker itself) or a run directory (its
     newest checkpoint). Weights of any layout load whole into this one process, verified."""
-    from cona.engine.checkpoint import load_model_tensors, read_checkpoint_info, resolve_checkpoint
+    from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
+    from cona.engine.checkpoint.load import load_model_tensors
     from cona.engine.model import GPT
 
     checkpoint = resolve_checkpoint(_checkpoint_of(Path(path)))

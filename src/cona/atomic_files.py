@@ -5,7 +5,7 @@ A reader (a worker polling ``switch_request.json``, ``cona status``, a resumed r
 ``runner_state.json``) then sees the old file or the new one, never half of one; the two fsyncs make the same
 hold after a power loss (without them a journaling filesystem may keep the rename but not the bytes). The
 temporary's name is private to the writer (a process id and a random part), so several processes writing the
-same file at once (every node writes the same one-stage chain) never write into each other's temporary.
+same file at once never write into each other's temporary.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ report, ``cona plan --trace``) agree on them. It imports nothing of CONA's, so e
                           runner_end.json          how its newest runner left it (finished, stopped, failed)
                           online_stages.json       an online run's chosen stages
                           realized_chain.json      an online run as a chain file that replays it
-                          fixed_chain.json         a fixed strategy as a one-stage chain
+                          fixed_chain.json         a fixed strategy's one-step chain (older versions)
                           wandb_run_id             the run's W&B id (wandb/: its files, by default)
                           mds_handover/            Megatron-DeepSpeed in-place switches: continue commands
                           stages/<N>/spec.json     what stage N runs (replay_spec.json: its replay)
@@ -38,6 +38,8 @@ RUNNER_STATE = "runner_state.json"
 ONLINE_STAGES = "online_stages.json"
 REALIZED_CHAIN = "realized_chain.json"
 FIXED_CHAIN = "fixed_chain.json"
+"""A fixed run's chain is built in memory; older cona versions kept it in this file, which marks their run
+directories as fixed runs' (:func:`cona.runner.fixed.holds_fixed_run`)."""
 RUNNER_END = "runner_end.json"
 """How the newest runner of the run left it (:mod:`cona.runner.run_end`)."""
 WANDB_RUN_ID = "wandb_run_id"

@@ -165,7 +165,8 @@ def test_fixed_mode_is_a_one_stage_chain_in_a_new_run_directory(tmp_path, capsys
     ((run, env),) = calls
     assert env.repo == repo and run.world_size == 2 and run.base_port == 29950
     assert run.run_dir == tmp_path / "logs" / "fixed1" and run.device_type == "cpu"
-    steps = json.loads(run.chain_path.read_text())["steps"]
+    assert run.chain_path is None and list(run.run_dir.iterdir()) == []  # the chain is built in memory
+    steps = run.fixed_chain["steps"]
     assert steps == [
         {"step_num": 1, "dp": 2, "tp": 1, "pp": 1, "gbs": 4, "mbs": 1, "train_iters": 2, "is_initial": True}
     ]

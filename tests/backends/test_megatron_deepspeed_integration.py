@@ -43,8 +43,8 @@ from cona.config.file import load_config
 from cona.data.preprocess import PreprocessOptions, preprocess
 from cona.engine.optim import lr_schedule
 from cona.errors import ChainError, CheckpointError
+from cona.runner.run_descriptions import OnlineRun
 from cona.runner.run_dir import resolve_log_root
-from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.state import RunState, load_state
 from cona.strategy import Strategy
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from cona.engine.checkpoint_manifest import MANIFEST_FILE, checksum, present_files, write_manifest
+from cona.engine.checkpoint.manifest import MANIFEST_FILE, checksum, present_files, write_manifest
 
 
 class Payload:

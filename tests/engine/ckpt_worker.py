@@ -46,7 +46,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from cona.config import ConaConfig, parse_config
-from cona.engine.checkpoint import layout_dir, load_checkpoint, model_and_optimizer_state, save_checkpoint
+from cona.engine.checkpoint.load import load_checkpoint
+from cona.engine.checkpoint.paths import layout_dir
+from cona.engine.checkpoint.save import save_checkpoint
+from cona.engine.checkpoint.state import model_and_optimizer_state
 from cona.engine.optim import build_optimizer, set_lr
 from cona.strategy import Strategy
 

@@ -17,17 +17,13 @@ from tests.torchrun_util import run_torchrun
 from torch import nn
 
 from cona.config import ConaConfig, parse_config
-from cona.engine import checkpoint as ckpt
-from cona.engine.checkpoint import (
-    layout_dir,
-    load_checkpoint,
-    read_checkpoint_info,
-    resolve_checkpoint,
-    save_checkpoint,
-    verify_checkpoint,
-    verify_complete,
-)
-from cona.engine.checkpoint_paths import resume_folders
+from cona.engine.checkpoint import save as ckpt
+from cona.engine.checkpoint.files import verify_complete
+from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
+from cona.engine.checkpoint.load import load_checkpoint, verify_checkpoint
+from cona.engine.checkpoint.manifest import FORMAT_VERSION
+from cona.engine.checkpoint.paths import layout_dir, resume_folders
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.model import GPT
 from cona.engine.optim import build_optimizer, set_lr
 from cona.strategy import Strategy
@@ -93,7 +89,7 @@ def test_save_writes_dir_json_files_and_latest_last(saved) -> None:
     names = {p.name for p in path.iterdir()}
     assert {".metadata", "trainer_state.json", "config.json", "strategy.json", "manifest.json"} <= names
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format_version"] == ckpt.FORMAT_VERSION and manifest["iteration"] == 2
+    assert manifest["format_version"] == FORMAT_VERSION and manifest["iteration"] == 2
     assert set(manifest["files"]) == names - {"manifest.json"}  # every other file, with its checksum
     assert manifest["model_shape"]["hidden"] == 16 and "layers.0.w1.weight" in manifest["model_tensors"]
     assert "state.layers.0.w1.weight.exp_avg_sq" in manifest["optimizer_tensors"]
@@ -156,7 +152,7 @@ def test_a_save_that_must_not_become_latest_leaves_latest_on_the_previous_one(sa
     """A state unfit to resume from (:mod:`cona.engine.divergence`) is saved, but ``latest`` stays."""
     config, path, (model, optimizer) = saved
     ckpt_worker.train_step(model, optimizer, 3)
-    unfit = ckpt.save_checkpoint(
+    unfit = save_checkpoint(
         path.parent,
         iteration=3,
         model_parts=[model],

@@ -13,8 +13,11 @@ from tests.kill_points import KillAt, kill_points, module_proxy
 from tests.runner.chain_fakes import write_tiny_config
 
 from cona.config.file import load_config
-from cona.engine import checkpoint as checkpoint_module
-from cona.engine.checkpoint import LATEST, TMP_PREFIX, load_model_tensors, save_checkpoint
+from cona.engine.checkpoint import save as checkpoint_module
+from cona.engine.checkpoint.info import LATEST
+from cona.engine.checkpoint.load import load_model_tensors
+from cona.engine.checkpoint.paths import TMP_PREFIX
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.strategy import Strategy
 
 STEPS = (

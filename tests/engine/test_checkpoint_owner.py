@@ -7,16 +7,17 @@ import json
 
 import pytest
 
-from cona.engine import checkpoint as ckpt
+from cona.engine.checkpoint import save as ckpt
+from cona.engine.checkpoint.paths import OWNER_TAG, tmp_owner
 from cona.errors import CheckpointError
 
 
 def test_a_save_removes_its_own_stale_temporaries_and_leaves_another_runs(tmp_path):
-    mine, theirs = ckpt.tmp_owner(tmp_path / "logs" / "a"), ckpt.tmp_owner(tmp_path / "logs" / "b")
-    assert mine != theirs and mine == ckpt.tmp_owner(tmp_path / "logs" / "x" / ".." / "a")
+    mine, theirs = tmp_owner(tmp_path / "logs" / "a"), tmp_owner(tmp_path / "logs" / "b")
+    assert mine != theirs and mine == tmp_owner(tmp_path / "logs" / "x" / ".." / "a")
     layout = tmp_path / "layout"
-    own_stale = layout / f".tmp-global_step2-0000{ckpt.OWNER_TAG}{mine}"
-    in_progress = layout / f".tmp-global_step5-1111{ckpt.OWNER_TAG}{theirs}"
+    own_stale = layout / f".tmp-global_step2-0000{OWNER_TAG}{mine}"
+    in_progress = layout / f".tmp-global_step5-1111{OWNER_TAG}{theirs}"
     untagged = layout / ".tmp-global_step4-2222"
     for directory in (own_stale, in_progress, untagged):
         directory.mkdir(parents=True)
@@ -24,7 +25,7 @@ def test_a_save_removes_its_own_stale_temporaries_and_leaves_another_runs(tmp_pa
 
     name = ckpt._agree_on_tmp_name(layout, 3, mine)
 
-    assert name.startswith(".tmp-global_step3-") and name.endswith(f"{ckpt.OWNER_TAG}{mine}")
+    assert name.startswith(".tmp-global_step3-") and name.endswith(f"{OWNER_TAG}{mine}")
     assert sorted(path.name for path in layout.iterdir()) == sorted([name, in_progress.name, untagged.name])
     assert (in_progress / "__0_0.distcp").read_bytes() == b"shard"
     ckpt._agree_on_tmp_name(layout, 6)  # a save without an owner cleans the untagged ones only
@@ -34,7 +35,7 @@ def test_a_save_removes_its_own_stale_temporaries_and_leaves_another_runs(tmp_pa
 def test_a_save_never_replaces_another_runs_checkpoint_of_the_same_iteration(tmp_path):
     """Two runs of one layout in one workdir: the second one's save of an iteration the first one saved is
     refused in one line, and the first one's checkpoint stays as it was; its own re-save goes ahead."""
-    mine, theirs = ckpt.tmp_owner(tmp_path / "logs" / "a"), ckpt.tmp_owner(tmp_path / "logs" / "b")
+    mine, theirs = tmp_owner(tmp_path / "logs" / "a"), tmp_owner(tmp_path / "logs" / "b")
     layout = tmp_path / "layout"
     (layout / "global_step4").mkdir(parents=True)
     (layout / "global_step4" / "trainer_state.json").write_text(json.dumps({"iteration": 4, "run": theirs}))

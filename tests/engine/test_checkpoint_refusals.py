@@ -11,8 +11,10 @@ from tests.engine.ckpt_tamper import rewrite_manifest
 from tests.engine.test_checkpoint import assert_same_state, save, small_config, trained
 from torch import nn
 
-from cona.engine import checkpoint as ckpt
-from cona.engine.checkpoint import load_checkpoint, resolve_checkpoint, verify_complete
+from cona.engine.checkpoint.files import verify_complete
+from cona.engine.checkpoint.info import resolve_checkpoint
+from cona.engine.checkpoint.load import load_checkpoint
+from cona.engine.checkpoint.manifest import FORMAT_VERSION
 from cona.engine.optim import build_optimizer
 from cona.errors import CheckpointError
 
@@ -136,7 +138,7 @@ def test_other_format_version_is_refused(saved) -> None:
     (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(
         CheckpointError,
-        match=rf"global_step2: checkpoint format version 99; this CONA reads {ckpt.FORMAT_VERSION}",
+        match=rf"global_step2: checkpoint format version 99; this CONA reads {FORMAT_VERSION}",
     ):
         load_checkpoint(path, model_parts=[model], optimizer=optimizer, config=config)
 

@@ -22,11 +22,12 @@ from tests.engine.test_checkpoint import ONE, save, small_config, trained
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from cona.cli import main
-from cona.engine import checkpoint as ckpt
-from cona.engine import checkpoint_load
-from cona.engine.checkpoint import load_checkpoint, verify_checkpoint
-from cona.engine.checkpoint_dcp import failure_line
-from cona.engine.checkpoint_manifest import read_manifest, shares
+from cona.engine.checkpoint import load as checkpoint_load
+from cona.engine.checkpoint import save as ckpt
+from cona.engine.checkpoint.dcp import failure_line
+from cona.engine.checkpoint.info import resolve_checkpoint
+from cona.engine.checkpoint.load import load_checkpoint, verify_checkpoint
+from cona.engine.checkpoint.manifest import read_manifest, shares
 from cona.errors import CheckpointError
 
 BYTES_ENTRY = "param_groups.layers.0.w1.weight.lr"
@@ -262,7 +263,7 @@ def test_a_full_disk_during_the_save_is_one_line_with_cause_and_path(saved, monk
     )
     assert "bytes free); on rank 0: OSError: [Errno 28] No space left on device" in message
     assert ".tmp-global_step3-" in message
-    assert ckpt.resolve_checkpoint(path.parent) == path  # the previous checkpoint stays latest
+    assert resolve_checkpoint(path.parent) == path  # the previous checkpoint stays latest
     assert not list(path.parent.glob(".tmp-*"))  # the failed temporary holds no space
 
 
@@ -293,7 +294,7 @@ def test_a_short_write_on_a_full_disk_says_no_space_left_and_removes_the_tempora
     )
     assert "\n" not in message
     assert not list(path.parent.glob(".tmp-*"))
-    assert ckpt.resolve_checkpoint(path.parent) == path
+    assert resolve_checkpoint(path.parent) == path
 
 
 def test_an_unwritable_layout_directory_is_one_line(saved, monkeypatch) -> None:

@@ -15,7 +15,8 @@ from tests.engine import ckpt_worker
 
 from cona.cli import main
 from cona.config import parse_config
-from cona.engine.checkpoint import layout_dir, save_checkpoint
+from cona.engine.checkpoint.paths import layout_dir
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.optim import build_optimizer
 from cona.strategy import Strategy
 

@@ -18,7 +18,8 @@ from cona.cli import main
 from cona.config import parse_config
 from cona.data.small_bpe import train_small_bpe
 from cona.data.tokenizer import load_gpt2_tokenizer
-from cona.engine.checkpoint import layout_dir, save_checkpoint
+from cona.engine.checkpoint.paths import layout_dir
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.model import GPT
 from cona.engine.optim import build_optimizer
 from cona.strategy import Strategy

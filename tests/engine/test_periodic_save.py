@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cona.engine import periodic_save
-from cona.engine.periodic_save import PeriodicSaves, prune_periodic
+from cona.engine.checkpoint import periodic as periodic_save
+from cona.engine.checkpoint.periodic import PeriodicSaves, prune_periodic
 
 
 def checkpoint(layout: Path, iteration: int, **trainer_state) -> Path:

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from cona.config import parse_config
-from cona.engine.checkpoint import PROBE_FILE, read_checkpoint_info, save_checkpoint
+from cona.engine.checkpoint.info import PROBE_FILE, read_checkpoint_info
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.switch_check import (
     PROBE_ATOL,
     PROBE_RTOL,

@@ -28,7 +28,7 @@ from cona.planner.policy import Candidate, PolicySettings
 from cona.planner.systems import load_system
 from cona.planner.trace import LossCurve, read_trace, synthetic_trace
 from cona.planner.trace_progress import trace_progress
-from cona.runner.schedules.chain import parse_chain
+from cona.runner.chain_file import parse_chain
 from cona.strategy import Strategy
 
 GPT_1_3B = ModelConfig(name="gpt-1.3b", layers=24, hidden=2048, heads=16, seq=2048, vocab_size=50257)

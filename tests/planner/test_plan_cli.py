@@ -9,7 +9,7 @@ import pytest
 
 from cona.cli import main
 from cona.config.file import load_config
-from cona.runner.schedules.chain import load_chain
+from cona.runner.chain_file import load_chain
 
 CONFIG = {
     "model": {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab_size": 256},

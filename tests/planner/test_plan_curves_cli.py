@@ -9,7 +9,7 @@ from tests.planner.synthetic_curves import MODEL, write_synthetic_curves
 
 from cona.cli import main
 from cona.config import ConaConfig, ModelConfig, TrainingConfig
-from cona.runner.schedules.chain import load_chain
+from cona.runner.chain_file import load_chain
 
 ARGS = ["plan", "--system", "h100_80g", "--gpus", "64", "--target-loss", "3.0", "--segments", "80",
         "--error-draws", "4"]  # fmt: skip

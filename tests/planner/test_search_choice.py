@@ -12,7 +12,7 @@ from cona.planner import search_choice
 from cona.planner.search_choice import EXHAUSTIVE_UP_TO, search_strategies, uses_botorch
 from cona.planner.space import SpaceOptions, enumerate_strategies
 from cona.planner.systems import load_system
-from cona.runner.schedules.online_options import OnlineRun
+from cona.runner.run_descriptions import OnlineRun
 
 GPT_1_3B = ModelConfig(layers=24, hidden=2048, heads=16, seq=2048, vocab_size=50257)
 SMALL_SPACE = SpaceOptions(zero_stages=(1, 3), recompute=("none", "full"), sequence_parallel=(False,))

@@ -23,9 +23,11 @@ import torch.distributed.checkpoint as dcp
 from tests.runner.forked import fork
 
 from cona.config.file import load_config
-from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint, tmp_owner
+from cona.engine.checkpoint.info import read_checkpoint_info
+from cona.engine.checkpoint.paths import layout_dir, tmp_owner
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.spec import StageResult
-from cona.runner.schedules.sequence import ChainRun, StageLaunch, run_chain
+from cona.runner.schedules.chain_schedule import ChainRun, StageLaunch, run_chain
 
 KILL_POINTS = ("training", "save", "between_stages", "publish", "prune")
 

@@ -17,7 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
-from cona.engine import checkpoint, worker
+from cona.engine import worker
+from cona.engine.checkpoint import save as checkpoint
 from cona.engine.spec import StageSpec
 
 KILL_STAGE_ENV = "CONA_TEST_KILL_IN_SAVE_OF_STAGE"

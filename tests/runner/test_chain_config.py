@@ -11,7 +11,7 @@ from chain_fakes import seed_shaped_chain, tiny_layout, write_tiny_config
 
 from cona.config.file import load_config
 from cona.errors import ChainError
-from cona.runner.schedules.chain import load_chain, planned_iterations, planned_tokens
+from cona.runner.chain_file import load_chain, planned_iterations, planned_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,7 +25,7 @@ from tiny_chain import SEQ, chain_args, write_chain, write_config_and_data
 
 from cona.commands import train_runs
 from cona.runner.launch import run_stage
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.stage_run import StageLaunch
 from cona.runner.state import load_state
 from cona.runner.worker_session import WorkerSession

@@ -15,7 +15,7 @@ from cona.engine.spec import StageSpec
 from cona.errors import ConfigError
 from cona.jsonl import JsonlTail
 from cona.runner.launch import Topology
-from cona.runner.schedules.sequence import StageLaunch
+from cona.runner.schedules.chain_schedule import StageLaunch
 from cona.runner.views.console import RunConsole, StageMonitor, choose_mode, render_stage
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"

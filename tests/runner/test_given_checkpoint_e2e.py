@@ -10,7 +10,7 @@ from tests.observed import TRACE_ENV, trained_steps
 from tiny_chain import SEQ, chain_args, write_chain, write_config_and_data
 
 from cona.commands import train_runs
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.worker_session import WorkerSession
 
 

@@ -13,10 +13,10 @@ import pytest
 from chain_fakes import FakeEngine, chain_run, write_tiny_config
 
 from cona.config.file import load_config
-from cona.engine.checkpoint import layout_dir
+from cona.engine.checkpoint.paths import layout_dir
 from cona.engine.spec import StageResult, StageSpec
+from cona.runner.schedules.chain_schedule import StageLaunch, run_chain
 from cona.runner.schedules.online import OnlineRun, run_online
-from cona.runner.schedules.sequence import StageLaunch, run_chain
 from cona.runner.state import load_state
 
 

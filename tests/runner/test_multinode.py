@@ -13,7 +13,6 @@ from test_train_cli import write_tiny_setup
 from tests.torchrun_util import free_port
 
 from cona.cli import main
-from cona.config.file import load_config
 from cona.errors import LaunchError
 from cona.runner.nodes import multinode
 from cona.runner.nodes.multinode import (
@@ -24,8 +23,7 @@ from cona.runner.nodes.multinode import (
     resolve_placement,
 )
 from cona.runner.nodes.multinode_sync import Coordinator, follow
-from cona.runner.schedules.chain import load_chain
-from cona.runner.schedules.chain_options import runner_command
+from cona.runner.run_descriptions import runner_command
 
 TWO_HOSTS = "127.0.0.1 slots=2\n127.0.0.2 slots=2\n"
 
@@ -127,19 +125,21 @@ def test_gpus_with_only_a_hostfile_is_refused(tmp_path):
 def test_a_fixed_strategy_across_nodes_runs_as_a_one_stage_chain(tmp_path, monkeypatch):
     config = write_tiny_setup(tmp_path)
     captured = []
-    monkeypatch.setattr("cona.runner.schedules.sequence.run_chain", lambda run, **_: captured.append(run))
+    monkeypatch.setattr(
+        "cona.runner.schedules.chain_schedule.run_chain", lambda run, **_: captured.append(run)
+    )
     fixed = ["--dp", "2", "--tp", "1", "--pp", "2", "--gbs", "8", "--mbs", "2", "--iters", "6"]
     nodes = ["--num-nodes", "2", "--gpus-per-node", "2", "--hostfile", str(hostfile(tmp_path)), "--no-ssh"]
     argv = ["train", "--config", str(config), "--workdir", str(tmp_path), "--device", "cpu", *fixed, *nodes]
     assert main([*argv, "--node-rank", "1"]) == 0
     (run,) = captured
     assert run.run_dir.name == "fixed-dp2_tp1_pp2_mbs2_gbs8-iters6" and run.world_size == 4
-    chain = load_chain(
-        run.chain_path, config=load_config(config), world_size=4, dtype="fp32", workdir=tmp_path
-    )
-    (step,) = chain.steps
+    assert run.chain_path is None and not run.run_dir.exists()  # the chain is built in memory
+    (step,) = run.read_chain("fp32").steps
     assert (step.dp, step.tp, step.pp, step.mbs, step.gbs, step.train_iters) == (2, 1, 2, 2, 8, 6)
-    assert step.is_initial and run.chain_path.parent == run.run_dir
+    assert step.is_initial
+    remote = runner_command(run)  # node 0 starts the others' runners with the same strategy flags
+    assert remote[remote.index("train") + 1 : remote.index("--workdir")] == fixed
 
 
 def test_fresh_goes_with_every_mode_a_fixed_strategy_included(capsys):

@@ -19,17 +19,18 @@ from cona.commands.demo import demo_config, demo_system
 from cona.commands.train_runs import online_run as online_run_from_args
 from cona.config import parse_config
 from cona.config.file import load_config
-from cona.engine.checkpoint import layout_dir, read_checkpoint_info
+from cona.engine.checkpoint.info import read_checkpoint_info
+from cona.engine.checkpoint.paths import layout_dir
 from cona.engine.spec import StageResult
 from cona.errors import ConaError, LaunchError
 from cona.jsonl import JsonlTail
 from cona.planner.efficiency import MIN_SAMPLES, NoiseScaleTracker
 from cona.planner.policy import Candidate, PolicySettings, initial_state
+from cona.runner.chain_file import load_chain
 from cona.runner.nodes.multinode import NodePlacement, cona_command
-from cona.runner.schedules.chain import load_chain
+from cona.runner.schedules.chain_schedule import StageLaunch, run_chain
 from cona.runner.schedules.online import OnlineRun, run_online
 from cona.runner.schedules.online_search import Budget, StageSearch
-from cona.runner.schedules.sequence import StageLaunch, run_chain
 from cona.strategy import Strategy
 
 SEQ = 8

@@ -10,7 +10,7 @@ import torch
 from chain_fakes import write_tiny_config
 
 from cona.config.file import load_config
-from cona.engine.checkpoint import save_checkpoint
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.planner.policy import Candidate, after_switch, initial_state
 from cona.runner.noise_history import noise_tracker
 from cona.runner.schedules.online_memory import resumed_memory, tracker_at_resume

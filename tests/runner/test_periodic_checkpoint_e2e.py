@@ -25,7 +25,7 @@ from cona.commands import train_runs
 from cona.engine.spec import StageSpec
 from cona.runner import stage_run
 from cona.runner.launch import run_stage
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.stage_run import StageLaunch
 from cona.runner.state import SWITCH_IN_PARTS, durations
 from cona.runner.views.status import collect_status, status_lines

@@ -16,12 +16,14 @@ import torch
 from chain_fakes import FakeEngine, chain_run, seed_shaped_chain, write_tiny_config
 
 from cona.config.file import load_config
-from cona.engine.checkpoint import load_model_tensors, resolve_checkpoint, save_checkpoint
+from cona.engine.checkpoint.info import resolve_checkpoint
+from cona.engine.checkpoint.load import load_model_tensors
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.errors import CheckpointError
 from cona.runner import publish as publish_module
+from cona.runner.chain_file import PruneRule
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
-from cona.runner.schedules.chain import PruneRule
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.strategy import Strategy
 
 LAYOUT = "checkpoints/tiny/z1/fp32/tp1_pp1_dp1_sp1"

@@ -10,7 +10,7 @@ import pytest
 from test_publish import make_checkpoint
 from tests.kill_points import KillAt, kill_points, module_proxy
 
-from cona.engine.checkpoint import load_model_tensors
+from cona.engine.checkpoint.load import load_model_tensors
 from cona.runner import publish as publish_module
 from cona.runner.publish import LATEST_UNIVERSAL, publish, read_marker
 

@@ -20,11 +20,11 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 from cona.cli import main
 from cona.commands import train_runs
 from cona.config.file import load_config
-from cona.engine.checkpoint import layout_dir
+from cona.engine.checkpoint.paths import layout_dir
 from cona.processes import running
 from cona.runner.launch import start_torchrun
 from cona.runner.run_lock import RunLocked, lock_directory, lock_path, popen_holding_locks, run_locks
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.strategy import Strategy
 
 REPO = Path(__file__).resolve().parents[2]

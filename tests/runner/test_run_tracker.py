@@ -15,9 +15,9 @@ from test_sequence import setup_run
 from tests.wandb_offline import read_offline_run
 
 from cona.config import parse_config
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.schedules.online import run_online
 from cona.runner.schedules.online_search import DECISIONS_NAME
-from cona.runner.schedules.sequence import run_chain
 from cona.runner.views.run_tracker import RunTracker, decision_scalars, wandb_notice, wandb_run_id
 
 tensorboard = pytest.importorskip("tensorboard")

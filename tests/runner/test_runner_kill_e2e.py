@@ -29,7 +29,7 @@ from cona.engine.session import RunnerWatch
 from cona.processes import process_state
 from cona.runner.launch import PIDS_FILE, Topology, record_pids
 from cona.runner.run_lock import lock_path
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.views.status import collect_status, find_processes, status_lines
 
 ITERS = 40

@@ -27,7 +27,7 @@ from cona.commands.train_runs import chain_run as chain_run_from_args
 from cona.data.indexed import IndexedDatasetWriter
 from cona.errors import ChainError, CheckpointError, LaunchError, TrainingDiverged, UsageError
 from cona.runner.publish import LATEST_UNIVERSAL
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.state import load_state
 
 ITERS = 3

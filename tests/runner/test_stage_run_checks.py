@@ -12,7 +12,8 @@ import pytest
 from tests.engine.ckpt_tamper import rewrite_manifest
 from tests.engine.test_checkpoint import ONE, small_config, trained
 
-from cona.engine.checkpoint import layout_dir, save_checkpoint
+from cona.engine.checkpoint.paths import layout_dir
+from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.spec import StageSpec
 from cona.errors import CheckpointError
 from cona.runner.launch import Topology

@@ -26,11 +26,11 @@ from tiny_chain import chain_args, write_chain, write_config_and_data
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cona.commands import train_runs
-from cona.engine.checkpoint import LATEST_UNIVERSAL, PROBE_FILE
+from cona.engine.checkpoint.info import LATEST_UNIVERSAL, PROBE_FILE
 from cona.engine.spec import StageResult
 from cona.engine.switch_check import PROBE_RTOL, Verdict
 from cona.errors import CheckpointError, LaunchError
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.stage_run import StageLaunch, torchrun_launcher
 from cona.runner.state import load_state
 from cona.runner.worker_session import WorkerSession

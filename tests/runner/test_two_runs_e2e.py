@@ -12,7 +12,7 @@ import pytest
 from test_train_cli import train_args, write_tiny_setup
 
 from cona.cli import main
-from cona.engine.checkpoint import tmp_owner
+from cona.engine.checkpoint.paths import tmp_owner
 from cona.runner.views.status import collect_status, status_lines
 
 

@@ -26,7 +26,7 @@ from cona.engine.session import wait_for_command
 from cona.errors import LaunchError
 from cona.runner.launch import PIDS_FILE, Topology, record_exit, record_pids, torchrun_command
 from cona.runner.publish import publish
-from cona.runner.schedules.sequence import run_chain
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.state import load_state
 from cona.runner.views.status import collect_status, status_lines
 from cona.runner.worker_session import WorkerSession

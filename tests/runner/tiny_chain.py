@@ -1,7 +1,7 @@
 """A tiny real chain for end-to-end tests on 2 CPU processes: the tiny example's GPT shape at seq 32 on a
 learnable dataset (a fixed random Markov chain, see test_chain_e2e.write_markov_dataset), with the options
 of ``cona train --chain`` for running it in-process through
-:func:`cona.runner.schedules.sequence.run_chain`."""
+:func:`cona.runner.schedules.chain_schedule.run_chain`."""
 
 from __future__ import annotations
 

@@ -59,12 +59,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
     """What ``cona ckpt inspect`` shows, as a JSON-ready dict."""
-    from cona.engine.checkpoint import (
-        model_shape,
-        read_checkpoint_info,
-        resolve_checkpoint,
-        verify_checkpoint,
-    )
+    from cona.engine.checkpoint.info import model_shape, read_checkpoint_info, resolve_checkpoint
+    from cona.engine.checkpoint.load import verify_checkpoint
 
     checkpoint = resolve_checkpoint(path)
     try:
@@ -120,7 +116,8 @@ def run_export(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from cona.atomic_files import give_umask_mode
-    from cona.engine.checkpoint import load_model_tensors, read_checkpoint_info, resolve_checkpoint
+    from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
+    from cona.engine.checkpoint.load import load_model_tensors
 
     checkpoint = resolve_checkpoint(args.path)
     if args.out.suffix != ".safetensors":

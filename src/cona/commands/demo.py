@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from cona.errors import ConaError, UsageError
 
 if TYPE_CHECKING:
-    from cona.runner.schedules.online_options import OnlineRun
+    from cona.runner.run_descriptions import OnlineRun
 
 CPU_PROCESSES = 4
 
@@ -189,7 +189,7 @@ def demo_system(gpu_name: str | None) -> str:
 def _online_run(config_path: Path, run_root: Path, processes: int, system: str) -> OnlineRun:
     """What ``cona train --gpus N --system S --initial-gbs ... --no-botorch --quiet`` runs."""
     from cona.commands.train_runs import device_type, run_config
-    from cona.runner.schedules.online_options import OnlineRun
+    from cona.runner.run_descriptions import OnlineRun
 
     config = run_config(config_path, None)
     return OnlineRun(

@@ -218,7 +218,7 @@ def _estimator(
 
 
 def _check_chain(raw: dict, out: Path, config: ConaConfig, gpus: int, dtype: str) -> None:
-    from cona.runner.schedules.chain import parse_chain  # deferred: it imports the engine (torch)
+    from cona.runner.chain_file import parse_chain  # deferred: it imports the engine (torch)
 
     parse_chain(raw, source=out, config=config, world_size=gpus, dtype=dtype, workdir=Path.cwd())
 

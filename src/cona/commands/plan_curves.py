@@ -174,7 +174,7 @@ def _duration(seconds: float) -> str:
 def _write_chain(
     out: str, plan: ChainPlan, curves: StatCurves, training: TrainingConfig, cluster: Cluster
 ) -> None:
-    from cona.runner.schedules.chain import parse_chain  # deferred: it imports the engine (torch)
+    from cona.runner.chain_file import parse_chain  # deferred: it imports the engine (torch)
 
     raw = chain_config(plan.stages)
     config = ConaConfig(model=curves.model, training=training)

@@ -3,9 +3,9 @@
 
 The settings become a typed run description (:mod:`cona.commands.train_runs`) and nothing below this module
 sees them; every mode then runs through the one stage driver (:mod:`cona.runner.driver`): a chain from its
-file (:mod:`cona.runner.schedules.sequence`; a fixed strategy is a one-stage chain, its layout checked before
-anything is launched), online mode from the policy (:mod:`cona.runner.schedules.online`). Every mode also
-runs across nodes (--num-nodes, --hostfile; :mod:`cona.runner.nodes.across_nodes`). ``--backend
+file (:mod:`cona.runner.schedules.chain_schedule`; a fixed strategy is a one-stage chain, its layout checked
+before anything is launched), online mode from the policy (:mod:`cona.runner.schedules.online`). Every mode
+also runs across nodes (--num-nodes, --hostfile; :mod:`cona.runner.nodes.across_nodes`). ``--backend
 megatron-deepspeed --repo-path PATH`` (``--repo-path`` alone implies it) runs the fixed and chain modes
 through a Megatron-DeepSpeed checkout (:mod:`cona.backends.megatron_deepspeed`).
 """
@@ -75,7 +75,7 @@ def _train_chain(args: Any, mds: bool) -> Path:
         run = chain_run(args)
         run_mds_chain(run, _mds_environment(args), keep_workers=not bool(flag(args, "restart_workers")))
         return run.run_dir
-    from cona.runner.schedules.sequence import run_chain  # imports torch: not at `cona --help`
+    from cona.runner.schedules.chain_schedule import run_chain  # imports torch: not at `cona --help`
 
     run = chain_run(args)
     with _console_and_launcher(args) as (console, launcher):
@@ -134,11 +134,12 @@ def _train_fixed(args: Any, mds: bool) -> Path | None:
     console = RunConsole.for_stdout(quiet=bool(flag(args, "quiet")))
     check_layout(LayoutSizes.of_config(config.model), strategy, strategy.world_size)
     if across_nodes:  # a one-stage chain; each node checks its own GPUs
-        from cona.runner.nodes.fixed_across_nodes import write_fixed_chain
-        from cona.runner.schedules.sequence import run_chain, torchrun_launcher
+        from cona.runner.fixed import fixed_chain, fixed_run_name
+        from cona.runner.run_dir import check_run_name
+        from cona.runner.schedules.chain_schedule import run_chain, torchrun_launcher
 
-        chain_path, run_name = write_fixed_chain(config, strategy, args.iters, flag(args, "run_name"))
-        run = chain_run(args, chain=chain_path, run_name=run_name)
+        name = check_run_name(flag(args, "run_name") or fixed_run_name(strategy, args.iters))
+        run = chain_run(args, fixed=(fixed_chain(strategy, args.iters), name))
         if mds:
             from cona.backends.megatron_deepspeed.run import run_mds_chain
 

@@ -1,11 +1,10 @@
 """``cona train``'s flags as the typed run descriptions the runner takes.
 
 The runner never sees the parsed flags: each mode's flags become one frozen description
-(:class:`~cona.runner.schedules.chain_options.ChainRun`,
-:class:`~cona.runner.schedules.online_options.OnlineRun`,
-:class:`~cona.runner.fixed.FixedRun`), checked here with a message that names the flag. What every mode
-shares is written once: the config with the ``--device`` override (:func:`run_config`), the device the
-workers will use (:func:`device_type`) and the node placement (:func:`placement`).
+(:mod:`cona.runner.run_descriptions`: ``ChainRun``, ``OnlineRun``, ``FixedRun``), checked here with a message
+that names the flag. What every mode shares is written once: the config with the ``--device`` override
+(:func:`run_config`), the device the workers will use (:func:`device_type`) and the node placement
+(:func:`placement`).
 """
 
 from __future__ import annotations
@@ -23,12 +22,10 @@ from cona.config import ConaConfig, TrainingConfig
 from cona.config.file import load_config
 from cona.errors import LaunchError, UsageError
 from cona.planner.systems import devices_mismatch, load_system
-from cona.runner.fixed import FixedRun
 from cona.runner.launch import resolve_port_base
 from cona.runner.nodes.multinode import NodePlacement, resolve_placement
+from cona.runner.run_descriptions import ChainRun, FixedRun, OnlineRun
 from cona.runner.run_dir import check_run_name, check_workdir, resolve_log_root
-from cona.runner.schedules.chain_options import ChainRun
-from cona.runner.schedules.online_options import OnlineRun
 from cona.strategy import Strategy, configured_strategy
 
 PLACEMENT_FLAGS = ("num_nodes", "gpus_per_node", "gpus", "hostfile", "master_addr", "node_rank", "no_ssh")
@@ -94,20 +91,21 @@ def _common(flags: Any, config: ConaConfig, run_name: str, num_nodes: int) -> di
     }
 
 
-def chain_run(flags: Any, *, chain: Path | None = None, run_name: str | None = None) -> ChainRun:
+def chain_run(flags: Any, *, fixed: tuple[dict, str] | None = None) -> ChainRun:
     """``cona train --chain FILE [--config] [--device] [--workdir] [--gpus | --num-nodes --gpus-per-node]
-    [--run-name] [--master-port-base] [--quiet] [--fresh] [--switch-in-place]`` (``chain`` and
-    ``run_name`` replace the flags' for a chain the command wrote itself)."""
+    [--run-name] [--master-port-base] [--quiet] [--fresh] [--switch-in-place]``; ``fixed``: a fixed
+    strategy's chain (built in memory) and run name in place of the chain file, across nodes."""
     config = run_config(flag(flags, "config"), flag(flags, "device"), flag(flags, "overrides"))
     resolved = device_type(config.training)
     nodes = placement(flags)
-    chain_path = Path(chain or flags.chain)
-    name = run_name or flag(flags, "run_name") or f"chain-{chain_path.stem}"
+    chain_path = Path(flags.chain) if fixed is None else None
+    name = fixed[1] if fixed is not None else flag(flags, "run_name") or f"chain-{Path(flags.chain).stem}"
     common = _common(flags, config, name, nodes.num_nodes)
     return ChainRun(
         chain_path=chain_path,
+        fixed_chain=fixed[0] if fixed is not None else None,
         world_size=nodes.num_nodes * nodes.gpus_per_node
-        if nodes.num_nodes > 1
+        if nodes.num_nodes > 1 or chain_path is None
         else _chain_world_size(flags, chain_path, resolved),
         device_type=resolved,
         nodes=nodes,

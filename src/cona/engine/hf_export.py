@@ -31,7 +31,8 @@ import torch
 
 from cona.atomic_files import give_umask_mode
 from cona.config import ModelConfig, TrainingConfig
-from cona.engine.checkpoint import load_model_tensors, read_checkpoint_info, resolve_checkpoint
+from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
+from cona.engine.checkpoint.load import load_model_tensors
 from cona.errors import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"

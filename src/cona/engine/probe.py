@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from cona.data.gpt_dataset import GPTDataset, Splits, collate
-from cona.engine.checkpoint_state import gather, state_root
+from cona.engine.checkpoint.state import gather, state_root
 from cona.engine.switch_check import ProbeRecord
 from cona.engine.train_model import TrainingModel
 

@@ -41,7 +41,7 @@ class StageSpec:
     """Stage number, counted from 1; names stages/<stage>/ and is written into every metrics line."""
     workdir: Path
     """Checkpoints go to ``<workdir>/checkpoints/<run_name>/<model>/z<zero>/<dtype>/<layout>/``
-    (:func:`cona.engine.checkpoint_paths.layout_dir`)."""
+    (:func:`cona.engine.checkpoint.paths.layout_dir`)."""
     planned_tokens: int
     """Horizon of the LR schedule in tokens (used when training.lr_decay_tokens is not set)."""
     load_path: Path | None = None
@@ -61,7 +61,7 @@ class StageSpec:
     save_at_end: bool = True
     """Save a checkpoint when the stop rule is met (a switch request always saves)."""
     save_interval: int | None = None
-    """Also save every this many iterations (in the background, :mod:`cona.engine.periodic_save`)."""
+    """Also save every this many iterations (in the background, :mod:`cona.engine.checkpoint.periodic`)."""
     save_interval_minutes: float | None = None
     """Also save every this many minutes; with ``save_interval`` None too, only at the end and on a switch."""
     continue_in_place: bool = False

@@ -23,22 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cona.config import ConaConfig
 from cona.data.gpt_dataset import build_datasets
-from cona.engine.checkpoint import (
-    PROBE_FILE,
-    RUN_KEY,
-    PendingSave,
-    layout_dir,
-    load_checkpoint,
-    read_checkpoint_info,
-    resolve_checkpoint,
-    start_checkpoint,
-    tmp_owner,
-)
+from cona.engine.checkpoint.info import PROBE_FILE, read_checkpoint_info, resolve_checkpoint
+from cona.engine.checkpoint.load import load_checkpoint
+from cona.engine.checkpoint.paths import RUN_KEY, layout_dir, tmp_owner
+from cona.engine.checkpoint.periodic import PERIODIC_KEY, PeriodicSaves
+from cona.engine.checkpoint.save import PendingSave, start_checkpoint
 from cona.engine.divergence import DivergenceWatch
 from cona.engine.metrics import MetricsLogger, build_metrics_logger, peak_flops
 from cona.engine.optim import LRSchedule, build_optimizer, lr_schedule
 from cona.engine.parallel_dims import build_mesh
-from cona.engine.periodic_save import PERIODIC_KEY, PeriodicSaves
 from cona.engine.probe import ProbeBatch, measure_probe, probe_batch
 from cona.engine.probe_branch import ProbeLog
 from cona.engine.spec import StageSpec

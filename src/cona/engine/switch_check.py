@@ -1,8 +1,9 @@
 """Switch verification: the loss of one fixed probe batch before a save and after the next load must agree.
 
 A stage that saves records the mean loss of a fixed probe batch (a few validation rows, the same whatever the
-layout, gbs or mbs) in the checkpoint (``probe.json``, see :func:`cona.engine.checkpoint.save_checkpoint`).
-The stage that loads it computes the loss of the same batch before its first training step;
+layout, gbs or mbs) in the checkpoint (``probe.json``, see
+:func:`cona.engine.checkpoint.save.save_checkpoint`). The stage that loads it computes the loss of the same
+batch before its first training step;
 :func:`compare_probe` decides whether the two differ by more than float noise. A resharding bug (a tensor
 concatenated along the wrong dimension, a fused QKV split at the wrong place) or a damaged shard moves that
 loss by far more than the noise, so it stops the run before it trains on wrong weights. A weight the probe

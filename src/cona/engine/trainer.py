@@ -27,11 +27,11 @@ from torch import Tensor
 from cona.atomic_files import write_json_atomic
 from cona.data.gpt_dataset import GPTDataset, collate, micro_batch_sample_ids
 from cona.engine import probe_branch
+from cona.engine.checkpoint.periodic import PeriodicSaves
 from cona.engine.divergence import DivergenceWatch
 from cona.engine.interval_sums import IntervalSums
 from cona.engine.metrics import MetricsLogger, model_flops_utilization
 from cona.engine.optim import LRSchedule, set_lr
-from cona.engine.periodic_save import PeriodicSaves
 from cona.engine.probe import ProbeBatch
 from cona.engine.probe_branch import HeldSteps, ProbeLog
 from cona.engine.session import RunnerWatch, leave_orphaned

@@ -326,7 +326,7 @@ def stages_of(
 
 
 def chain_config(stages: tuple[Stage, ...]) -> dict:
-    """A chain file (:mod:`cona.runner.schedules.chain`) that trains ``stages`` in order."""
+    """A chain file (:mod:`cona.runner.chain_file`) that trains ``stages`` in order."""
     steps = []
     for number, stage in enumerate(stages, start=1):
         s = stage.strategy

@@ -8,8 +8,7 @@ Every move is saved in ``runner_state.json`` before the next, so rerunning the s
 continues where the run stood.
 
 Where the stages come from is the :class:`Schedule`'s business: a chain file
-(:class:`cona.runner.schedules.sequence.ChainSchedule`; a fixed strategy across nodes is a one-step chain) or
-the
+(:class:`cona.runner.schedules.chain_schedule.ChainSchedule`; a fixed strategy is a one-step chain) or the
 online policy deciding the next stage while the current one trains
 (:class:`cona.runner.schedules.online.OnlineSchedule`). The backend (the native engine, or
 :mod:`cona.backends.megatron_deepspeed`) supplies how a stage is launched and how its checkpoint is
@@ -35,17 +34,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cona import run_files
-from cona.engine.checkpoint_paths import another_runs_checkpoint, layout_dir, resume_folders, tmp_owner
+from cona.engine.checkpoint.paths import another_runs_checkpoint, layout_dir, resume_folders, tmp_owner
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import CheckpointError, TrainingDiverged
 from cona.runner.in_place import replay_in_place
 from cona.runner.launch import diverged, stage_master_port
 from cona.runner.nodes.across_nodes import node_topology, run_across_nodes
 from cona.runner.publish import import_checkpoint_reader_in_background, publish
+from cona.runner.run_descriptions import ChainRun, OnlineRun
 from cona.runner.run_end import record_runner_end
 from cona.runner.run_lock import lock_directory, run_locks
-from cona.runner.schedules.chain_options import ChainRun
-from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.stage_run import (
     Launcher,
     StageLaunch,

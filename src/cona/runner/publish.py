@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cona.atomic_files import write_atomic
-from cona.engine.checkpoint_files import verify_complete
-from cona.engine.checkpoint_info import LATEST_UNIVERSAL
+from cona.engine.checkpoint.files import verify_complete
+from cona.engine.checkpoint.info import LATEST_UNIVERSAL
 from cona.errors import CheckpointError
-from cona.runner.schedules.chain import PruneRule
+from cona.runner.chain_file import PruneRule
 
 LOG = logging.getLogger(__name__)
 UNIVERSAL_SUFFIX = "_universal"
@@ -83,7 +83,7 @@ def import_checkpoint_reader_in_background() -> threading.Thread:
     start and train; not a daemon, so the runner never exits in the middle of an import."""
 
     def load() -> None:
-        import cona.engine.checkpoint_dcp  # noqa: F401 (what read_dcp_metadata imports)
+        import cona.engine.checkpoint.dcp  # noqa: F401 (what read_dcp_metadata imports)
 
     thread = threading.Thread(target=load, name="import-checkpoint-reader")
     thread.start()

@@ -21,9 +21,9 @@ from typing import Any
 from cona import run_files
 from cona.atomic_files import write_json_atomic
 from cona.config import TrainingConfig
-from cona.engine.checkpoint_files import TRAINER_STATE_FILE
-from cona.engine.checkpoint_info import read_checkpoint_info
-from cona.engine.checkpoint_paths import layout_dir
+from cona.engine.checkpoint.files import TRAINER_STATE_FILE
+from cona.engine.checkpoint.info import read_checkpoint_info
+from cona.engine.checkpoint.paths import layout_dir
 from cona.engine.spec import StageSpec
 from cona.engine.switch_check import VERDICT_FILE, Verdict, read_verdict
 from cona.errors import CheckpointError, LaunchError

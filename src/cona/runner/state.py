@@ -30,13 +30,13 @@ from typing import Any, Literal
 
 from cona import run_files
 from cona.atomic_files import write_json_atomic
-from cona.engine.checkpoint_files import TRAINER_STATE_FILE
-from cona.engine.checkpoint_info import LATEST, read_checkpoint_info
-from cona.engine.checkpoint_paths import RUN_KEY, tmp_owner
+from cona.engine.checkpoint.files import TRAINER_STATE_FILE
+from cona.engine.checkpoint.info import LATEST, read_checkpoint_info
+from cona.engine.checkpoint.paths import RUN_KEY, tmp_owner
 from cona.engine.spec import StageResult
 from cona.errors import ChainError, CheckpointError
 from cona.jsonl import read_json
-from cona.runner.schedules.chain import ChainConfig
+from cona.runner.chain_file import ChainConfig
 
 STATE_NAME = run_files.RUNNER_STATE
 ONLINE_CHAIN = "online"
@@ -128,7 +128,7 @@ class RunState:
 
 
 def new_state(
-    *, chain_path: Path, chain_digest: str, config_digest: str, world_size: int, num_stages: int
+    *, chain_path: Path | str, chain_digest: str, config_digest: str, world_size: int, num_stages: int
 ) -> RunState:
     return RunState(
         chain_path=str(chain_path),
@@ -225,14 +225,14 @@ def open_run(
     """Load the run's state (refusing another chain's or config's) or start a new one (``fresh`` discards the
     old one first). Returns it with the line that says which, naming the checkpoint a resume continues from.
     ``resume_folders``: per step, where a relaunch looks for its own checkpoints
-    (:func:`cona.engine.checkpoint_paths.resume_folders`)."""
+    (:func:`cona.engine.checkpoint.paths.resume_folders`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if fresh:
         discard_run(run_dir)
     state = load_state(run_dir)
     if state is None:
         state = new_state(
-            chain_path=chain.path,
+            chain_path=chain.origin,
             chain_digest=chain.digest,
             config_digest=config_digest,
             world_size=world_size,
@@ -243,7 +243,7 @@ def open_run(
         save_state(run_dir, state)
         return (
             state,
-            f"starting run {run_dir.name}: {len(chain.steps)} stages from {chain.path} "
+            f"starting run {run_dir.name}: {len(chain.steps)} stages from {chain.origin} "
             f"(run directory {run_dir})",
         )
     check_same_run(
@@ -268,7 +268,7 @@ def resume_line(
     state: RunState, run_name: str, resume_folders: Sequence[Sequence[Path]], *, owner: str = ""
 ) -> str:
     """``resuming run X at stage N (status) from <checkpoint>, iteration=..., consumed_samples=...``
-    (``owner``: the run's :func:`cona.engine.checkpoint.tmp_owner`)."""
+    (``owner``: the run's :func:`cona.engine.checkpoint.paths.tmp_owner`)."""
     current = state.current
     if current is None:
         last = state.stages[-1]

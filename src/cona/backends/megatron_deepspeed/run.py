@@ -1,16 +1,16 @@
 """``cona train --backend megatron-deepspeed --repo-path PATH``: fixed, chain and online modes via a checkout.
 
-Fixed and chain modes run through :func:`cona.runner.schedules.sequence.run_chain`, online mode through
-:func:`cona.runner.schedules.online.run_online`, with this backend's launcher and publisher (a fixed
-strategy is a one-stage chain, written to ``<run_dir>/fixed_chain.json``): the driver owns the stage state
-machine, the backend says how a stage is launched, saved and verified, so the run directory, its state and
-its resume behave as the native backend's. Online mode gets its gradient-noise inputs from CONA's hooks in
-the launched processes (``launched/``), and its stages stop at the search's switch request through the same
-hooks. Across nodes every node's runner starts its share of each stage with ``deepspeed --no_ssh``
-(:mod:`.nodes`). Everything this backend cannot run is refused before the first launch: node 0 starting the
-other nodes over ssh, a tp change on a checkout whose fused QKV layout cannot be resharded, micro-batches >
-1 on such a checkout (online mode: such a checkout at all, since the policy may choose either), and the
-config keys :func:`.commands.check_supported` names.
+Fixed and chain modes run through :func:`cona.runner.schedules.chain_schedule.run_chain`, online mode through
+:func:`cona.runner.schedules.online.run_online`, with this backend's launcher and publisher (a fixed strategy
+is a one-stage chain, built in memory): the driver owns the stage state machine, the backend says how a stage
+is launched, saved and verified, so the run directory, its state and its resume behave as the native
+backend's. Online mode gets its gradient-noise inputs from CONA's hooks in the launched processes
+(``launched/``), and its stages stop at the search's switch request through the same hooks. Across nodes every
+node's runner starts its share of each stage with ``deepspeed --no_ssh`` (:mod:`.nodes`). Everything this
+backend cannot run is refused before the first launch: node 0 starting the other nodes over ssh, a tp change
+on a checkout whose fused QKV layout cannot be resharded, micro-batches > 1 on such a checkout (online mode:
+such a checkout at all, since the policy may choose either), and the config keys
+:func:`.commands.check_supported` names.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_lay
 from cona.backends.megatron_deepspeed.stage import MdsBackend
 from cona.backends.megatron_deepspeed.universal import check_reshardable
 from cona.errors import ChainError, ConfigError
-from cona.runner.fixed import FixedRun, one_stage_chain
+from cona.runner.chain_file import planned_iterations
+from cona.runner.fixed import one_stage_chain, open_run_dir
 from cona.runner.nodes.multinode import NodePlacement
-from cona.runner.schedules.chain import load_chain, planned_iterations
-from cona.runner.schedules.chain_options import ChainRun
+from cona.runner.run_descriptions import ChainRun, FixedRun, OnlineRun
+from cona.runner.schedules.chain_schedule import run_chain
 from cona.runner.schedules.online import run_online
-from cona.runner.schedules.online_options import OnlineRun
-from cona.runner.schedules.sequence import run_chain
 from cona.runner.stage_run import checkpoint_dtype
 from cona.runner.state import RunState
 from cona.strategy import Strategy
@@ -88,10 +87,10 @@ def online_max_samples(run: OnlineRun) -> int:
 
 def train_fixed(run: FixedRun, env: MdsEnvironment) -> RunState:
     """``cona train --dp .. --iters N --workdir W --repo-path PATH`` on one node: a one-stage chain in its
-    run directory, resumed when it exists (across nodes the CLI writes the one-step chain file, as for the
-    native backend)."""
+    run directory, resumed when it exists (across nodes the CLI runs the same chain as a chain run, as for
+    the native backend)."""
     check_supported(run.config, run.strategy, run.device_type)  # before the run directory is made
-    chain = one_stage_chain(run, run.open_run_dir())
+    chain = one_stage_chain(run, open_run_dir(run))
     return run_mds_chain(chain, env)
 
 
@@ -110,12 +109,10 @@ def run_mds_chain(
     gbs continues the previous step's processes (one node; ``keep_workers`` off: ``--restart-workers``)."""
     check_nodes(run.nodes)
     dtype = checkpoint_dtype(run.config.training, run.device_type)
-    chain = load_chain(
-        run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
-    )
+    chain = run.read_chain(dtype)
     if chain.start_checkpoint is not None:
         raise ChainError(
-            f"{chain.path}: step 1: load_checkpoint: the Megatron-DeepSpeed backend starts a chain from "
+            f"{chain.origin}: step 1: load_checkpoint: the Megatron-DeepSpeed backend starts a chain from "
             "scratch for now; use the native backend"
         )
     strategies = [step.strategy(run.config) for step in chain.steps]
@@ -123,7 +120,7 @@ def run_mds_chain(
     for strategy in strategies:
         check_supported(run.config, strategy, run.device_type)
     if check_qkv:
-        check_checkout(env, strategies, where=str(chain.path))
+        check_checkout(env, strategies, where=chain.origin)
     backend = MdsBackend(
         env=env,
         shape=chain_shape(run.config, zip(strategies, stops, strict=True)),

@@ -61,7 +61,7 @@ from cona.backends.megatron_deepspeed.verify import (
     verdict_line,
     verdict_of,
 )
-from cona.engine.checkpoint import layout_dir
+from cona.engine.checkpoint.paths import layout_dir
 from cona.engine.metrics import ConsoleSink, JsonlSink, MetricsLogger, MetricsSink
 from cona.engine.optim import lr_schedule
 from cona.engine.spec import StageSpec

@@ -14,7 +14,7 @@ from pathlib import Path
 from cona.backends.megatron_deepspeed.commands import ChainShape, precision_of
 from cona.backends.megatron_deepspeed.output import LaunchOutput, span_s
 from cona.backends.megatron_deepspeed.verify import SavedProbe, probe_record, write_saved_probe
-from cona.engine.checkpoint import layout_dir
+from cona.engine.checkpoint.paths import layout_dir
 from cona.engine.spec import StageResult, StageSpec
 from cona.engine.switch_check import Verdict
 from cona.errors import LaunchError

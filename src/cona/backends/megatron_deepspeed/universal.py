@@ -31,7 +31,7 @@ from pathlib import Path
 
 from cona.atomic_files import write_json_atomic
 from cona.backends.megatron_deepspeed.environment import MdsEnvironment, qkv_layout
-from cona.engine.checkpoint import LATEST_UNIVERSAL
+from cona.engine.checkpoint.info import LATEST_UNIVERSAL
 from cona.errors import ChainError, CheckpointError
 from cona.runner.publish import UNIVERSAL_SUFFIX, universal_name, write_marker
 

@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from cona.errors import ChainError
-from cona.runner.schedules.chain import ChainConfig
+from cona.runner.chain_file import ChainConfig
 from cona.runner.state import RunState, StageState, save_state
 
 
@@ -29,13 +29,13 @@ def continue_edited(state: RunState, chain: ChainConfig, run_dir: Path) -> tuple
         number = stage.step_num
         ran = "ran" if stage.status != "running" else "started"
         if number > len(chain.steps):
-            raise ChainError(_refusal(run_dir, f"step {number} is gone from {chain.path}, but it {ran}"))
+            raise ChainError(_refusal(run_dir, f"step {number} is gone from {chain.origin}, but it {ran}"))
         if chain.step_digests[number - 1] != state.step_digests[number - 1]:
-            raise ChainError(_refusal(run_dir, f"step {number} of {chain.path} changed after it {ran}"))
+            raise ChainError(_refusal(run_dir, f"step {number} of {chain.origin} changed after it {ran}"))
     pending = tuple(StageState(step_num=number) for number in range(len(started) + 1, len(chain.steps) + 1))
     edited = dataclasses.replace(
         state,
-        chain_path=str(chain.path),
+        chain_path=chain.origin,
         chain_digest=chain.digest,
         step_digests=chain.step_digests,
         stages=started + pending,
@@ -44,7 +44,7 @@ def continue_edited(state: RunState, chain: ChainConfig, run_dir: Path) -> tuple
     first = len(started) + 1
     steps = f"steps {first}..{len(chain.steps)}" if first < len(chain.steps) else f"step {first}"
     what = f"{steps} as the file now says" if pending else f"no step after step {len(started)}"
-    return edited, f"chain {chain.path} edited after step {len(started)} started: {what}"
+    return edited, f"chain {chain.origin} edited after step {len(started)} started: {what}"
 
 
 def _refusal(run_dir: Path, why: str) -> str:

@@ -33,14 +33,14 @@ from cona.jsonl import read_lines
 from cona.planner.policy import Candidate
 from cona.planner.probe_rule import ProbeOutcome
 from cona.planner.systems import load_system
+from cona.runner.chain_file import content_digest
 from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
 from cona.runner.nodes.multinode import cona_command
 from cona.runner.publish import import_checkpoint_reader_in_background, publish
+from cona.runner.run_descriptions import OnlineRun
 from cona.runner.run_dir import point_latest
-from cona.runner.schedules.chain import content_digest
 from cona.runner.schedules.frontier import fit_prior_on_host
 from cona.runner.schedules.online_memory import Memory, resumed_memory, tracker_at_resume
-from cona.runner.schedules.online_options import OnlineRun
 from cona.runner.schedules.online_search import (
     Budget,
     FrontierSearch,

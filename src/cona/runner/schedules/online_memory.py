@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cona import run_files
-from cona.engine.checkpoint_info import read_checkpoint_info
+from cona.engine.checkpoint.info import read_checkpoint_info
 from cona.errors import CheckpointError
 from cona.jsonl import read_lines
 from cona.planner.efficiency import NoiseScaleTracker
@@ -22,7 +22,7 @@ from cona.planner.policy import FinishedStage, PolicySettings, PolicyState, init
 from cona.planner.policy_probe import after_lost_probe
 from cona.planner.probe_rule import ProbeOutcome
 from cona.runner.noise_history import noise_tracker
-from cona.runner.schedules.online_options import OnlineRun
+from cona.runner.run_descriptions import OnlineRun
 from cona.runner.schedules.online_search import PendingSwitch
 from cona.runner.schedules.online_stages import StageRecords
 from cona.runner.state import RunState

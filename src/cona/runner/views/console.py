@@ -47,7 +47,7 @@ from cona.runner.views.console_format import (
 from cona.runner.views.report import DECISIONS_FILE, strategy_label
 
 if TYPE_CHECKING:
-    from cona.runner.schedules.sequence import Launcher, StageLaunch
+    from cona.runner.schedules.chain_schedule import Launcher, StageLaunch
 
 CONSOLE_ENV = "CONA_CONSOLE"
 Mode = Literal["rich", "plain", "quiet"]

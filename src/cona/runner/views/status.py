@@ -32,8 +32,8 @@ from rich.panel import Panel
 from rich.table import Table
 
 from cona import run_files
-from cona.engine.checkpoint_info import LATEST, LATEST_UNIVERSAL, STEP_DIR
-from cona.engine.checkpoint_paths import run_checkpoints
+from cona.engine.checkpoint.info import LATEST, LATEST_UNIVERSAL, STEP_DIR
+from cona.engine.checkpoint.paths import run_checkpoints
 from cona.metrics_record import MetricsRecord
 from cona.processes import PROC, pid_alive
 from cona.processes import process_state as process_state  # re-exported: it lived here

@@ -1,13 +1,4 @@
-"""Reshardable checkpoints: torch.distributed.checkpoint (DCP) shards plus small JSON files.
-
-A checkpoint directory ``<layout>/global_step<N>/`` holds the DCP shards and ``.metadata`` of ``{"model":
-model state, "optim": flattened per-parameter AdamW state}``, and ``trainer_state.json``, ``config.json``,
-``strategy.json``, ``manifest.json`` and (when the saver measured one) ``probe.json``, the loss of a fixed
-probe batch that the next load compares against (:mod:`cona.engine.switch_check`). DCP stores every tensor
-with its global shape and the offsets of each shard, so any layout (dp, tp, pp, zero, 1 process) can load what
-any other saved. ``manifest.json`` lists every other file with its SHA-256 (:mod:`.checkpoint_manifest`);
-every load, export and inspection verifies them first, and nothing in a checkpoint is unpickled beyond plain
-data (:mod:`.checkpoint_dcp`).
+"""Saving a checkpoint (:mod:`cona.engine.checkpoint` says what it holds): collective, crash-safe.
 
 Crash safety comes from the order of writes: shards, JSON and the manifest go to
 ``.tmp-global_step<N>-<id>``, which rank 0 renames to ``global_step<N>`` once every rank finished; only then
@@ -38,49 +29,32 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from cona.atomic_files import fsync_dir, write_atomic, write_json_atomic
 from cona.config import ConaConfig
-from cona.engine.checkpoint_dcp import dcp_async_save, dcp_save, failure_line
-from cona.engine.checkpoint_files import (
+from cona.engine.checkpoint.dcp import dcp_async_save, dcp_save, failure_line
+from cona.engine.checkpoint.files import (
     CONFIG_FILE,
-    METADATA_FILE,
     TRAINER_STATE_FILE,
     exchange_paths,
-    verify_complete,
 )
-from cona.engine.checkpoint_info import (
+from cona.engine.checkpoint.info import (
     LATEST,
-    LATEST_UNIVERSAL,
     PROBE_FILE,
-    STEP_DIR,
     STRATEGY_FILE,
-    CheckpointInfo,
     model_shape,
-    read_checkpoint_info,
-    resolve_checkpoint,
 )
-from cona.engine.checkpoint_load import (
-    load_checkpoint,
-    load_model_tensors,
-    verify_checkpoint,
-)
-from cona.engine.checkpoint_manifest import (
-    FORMAT_VERSION,
-    MANIFEST_FILE,
+from cona.engine.checkpoint.manifest import (
     checksum,
     present_files,
     shares,
     write_manifest,
 )
-from cona.engine.checkpoint_paths import (
+from cona.engine.checkpoint.paths import (
     OWNER_TAG,
-    RUN_KEY,
     TMP_PREFIX,
     another_runs_checkpoint,
     is_own_tmp,
-    layout_dir,
     tmp_name,
-    tmp_owner,
 )
-from cona.engine.checkpoint_state import (
+from cona.engine.checkpoint.state import (
     barrier,
     distributed,
     gather,
@@ -90,37 +64,6 @@ from cona.engine.checkpoint_state import (
 )
 from cona.errors import CheckpointError
 from cona.strategy import Strategy
-
-__all__ = [
-    "CONFIG_FILE",
-    "FORMAT_VERSION",
-    "LATEST",
-    "LATEST_UNIVERSAL",
-    "MANIFEST_FILE",
-    "METADATA_FILE",
-    "OWNER_TAG",
-    "PROBE_FILE",
-    "RUN_KEY",
-    "STEP_DIR",
-    "STRATEGY_FILE",
-    "TRAINER_STATE_FILE",
-    "CheckpointInfo",
-    "PendingSave",
-    "another_runs_checkpoint",
-    "layout_dir",
-    "load_checkpoint",
-    "load_model_tensors",
-    "remove_checkpoint",
-    "model_and_optimizer_state",
-    "model_shape",
-    "read_checkpoint_info",
-    "resolve_checkpoint",
-    "save_checkpoint",
-    "start_checkpoint",
-    "tmp_owner",
-    "verify_checkpoint",
-    "verify_complete",
-]
 
 # ----------------------------------------------------------------------------------------------- save
 

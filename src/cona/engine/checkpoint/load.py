@@ -14,11 +14,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from cona.config import ConaConfig, ModelConfig
-from cona.engine.checkpoint_dcp import dcp_load
-from cona.engine.checkpoint_files import read_dcp_metadata, verify_complete
-from cona.engine.checkpoint_info import model_shape, read_checkpoint_info, resolve_checkpoint
-from cona.engine.checkpoint_manifest import first_mismatch, read_manifest, shares, unlisted_or_missing
-from cona.engine.checkpoint_state import (
+from cona.engine.checkpoint.dcp import dcp_load
+from cona.engine.checkpoint.files import read_dcp_metadata, verify_complete
+from cona.engine.checkpoint.info import model_shape, read_checkpoint_info, resolve_checkpoint
+from cona.engine.checkpoint.manifest import first_mismatch, read_manifest, shares, unlisted_or_missing
+from cona.engine.checkpoint.state import (
     STATE_DICT_OPTIONS,
     distributed,
     gather,

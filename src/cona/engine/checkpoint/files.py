@@ -45,7 +45,7 @@ def verify_complete(path: Path) -> None:
 
 def read_dcp_metadata(path: Path) -> Metadata:
     """The DCP metadata, through the reader that refuses any global but DCP's metadata classes."""
-    from cona.engine.checkpoint_dcp import SafeFileSystemReader  # DCP (and torch) only here: see above
+    from cona.engine.checkpoint.dcp import SafeFileSystemReader  # DCP (and torch) only here: see above
 
     if not (path / METADATA_FILE).is_file():
         raise CheckpointError(f"{path}: incomplete checkpoint: no DCP {METADATA_FILE} file")

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from cona.engine.checkpoint_manifest import MANIFEST_FILE
+from cona.engine.checkpoint.manifest import MANIFEST_FILE
 from cona.errors import CheckpointError
 
 _METADATA_GLOBALS = {

@@ -6,7 +6,7 @@ config, strategy, probe) with its size and SHA-256, and carries the SHA-256 of i
 directory before the rename that publishes the checkpoint: a published checkpoint always has one. It names
 files relative to the checkpoint directory, so a hard-linked copy (``global_step<N>_universal``) has the same
 manifest, and a load under another layout reads the same files. Hashing streams each file
-(:func:`hashlib.file_digest`); the checks here are of one process, :mod:`cona.engine.checkpoint` spreads
+(:func:`hashlib.file_digest`); the checks here are of one process, :mod:`cona.engine.checkpoint.load` spreads
 them over the ranks.
 """
 

@@ -22,23 +22,22 @@ import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from cona.engine.checkpoint_info import resolve_checkpoint
-from cona.engine.checkpoint_paths import layout_dir, resume_folders
+from cona.engine.checkpoint.info import resolve_checkpoint
+from cona.engine.checkpoint.paths import layout_dir, resume_folders
 from cona.engine.spec import StageResult, StageSpec
 from cona.errors import ChainError, LaunchError, UsageError
-from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
-from cona.runner.publish import LATEST_UNIVERSAL, import_checkpoint_reader_in_background, prune, publish
-from cona.runner.run_dir import point_latest
-from cona.runner.run_lock import lock_directory
-from cona.runner.schedules.chain import (
+from cona.runner.chain_file import (
     ChainConfig,
     ChainStep,
     content_digest,
-    load_chain,
     planned_tokens,
 )
+from cona.runner.driver import Plan, Publisher, drive, in_place_mbs, keeps_workers, start_text
+from cona.runner.publish import LATEST_UNIVERSAL, import_checkpoint_reader_in_background, prune, publish
+from cona.runner.run_descriptions import ChainRun, runner_command
+from cona.runner.run_dir import point_latest
+from cona.runner.run_lock import lock_directory
 from cona.runner.schedules.chain_edit import continue_edited
-from cona.runner.schedules.chain_options import ChainRun, runner_command
 from cona.runner.stage_run import Launcher, StageLaunch, StageLR, checkpoint_dtype, torchrun_launcher
 from cona.runner.state import RunState, StageState, finished_result, load_state, open_run
 from cona.runner.views.run_tracker import RunTracker
@@ -59,9 +58,7 @@ def run_chain(
     ``prepare_publisher`` are the backend's (the native engine's by default;
     :mod:`cona.backends.megatron_deepspeed` has its own)."""
     dtype = checkpoint_dtype(run.config.training, run.device_type)
-    chain = load_chain(  # every node validates the chain
-        run.chain_path, config=run.config, world_size=run.world_size, dtype=dtype, workdir=run.workdir
-    )
+    chain = run.read_chain(dtype)  # every node validates the chain
     return drive(
         run,
         lambda stage_launcher: ChainSchedule(
@@ -160,7 +157,7 @@ class ChainSchedule:
         target = step.target_iteration(start)
         if target <= start:
             raise ChainError(
-                f"{self.chain.path}: step {step.step_num}: stops at iteration {target}, but its "
+                f"{self.chain.origin}: step {step.step_num}: stops at iteration {target}, but its "
                 f"checkpoint is already at iteration {start}"
             )
         if in_place or step.is_initial:

@@ -26,15 +26,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from cona.engine.checkpoint import (
-    LATEST,
-    RUN_KEY,
-    STEP_DIR,
-    TRAINER_STATE_FILE,
-    PendingSave,
-    remove_checkpoint,
-    resolve_checkpoint,
-)
+from cona.engine.checkpoint.files import TRAINER_STATE_FILE
+from cona.engine.checkpoint.info import LATEST, STEP_DIR, resolve_checkpoint
+from cona.engine.checkpoint.paths import RUN_KEY
+from cona.engine.checkpoint.save import PendingSave, remove_checkpoint
 from cona.errors import CheckpointError
 
 PERIODIC_KEY = "periodic"
@@ -52,7 +47,8 @@ class PeriodicSaves:
     layout_dir: Path
     stage: int
     owner: str
-    """The run's owner tag (:func:`cona.engine.checkpoint.tmp_owner`): only its own checkpoints are pruned."""
+    """The run's owner tag (:func:`cona.engine.checkpoint.paths.tmp_owner`): only its own checkpoints are
+    pruned."""
     loaded: Path | None = None
     """The checkpoint the stage started from: never pruned."""
     timeout_minutes: float = 10.0

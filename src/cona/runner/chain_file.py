@@ -1,4 +1,7 @@
-"""Chain config (``--chain FILE``): a fixed sequence of strategies, parsed and validated before anything runs.
+"""The chain file (``--chain FILE``): a fixed sequence of strategies, validated before anything runs.
+
+It imports none of the runner's modules and no torch: ``cona plan`` (which checks the chain it writes) and
+the run descriptions (:mod:`cona.runner.run_descriptions`) read chain files without the rest of the runner.
 
 A chain file is JSON with ``steps`` (one object per stage) and optional ``pruning`` entries::
 
@@ -13,7 +16,7 @@ Every error is a :class:`ChainError` whose one line names the file, the step and
 A pruning entry's ``ckpt_dir`` names the layout of stage ``stage`` as the seed's chain files do,
 ``checkpoints/<model.name>/z<zero>/<dtype>/tp<tp>_pp<pp>_dp<dp>_sp1`` relative to the workdir (a chain file
 does not know the name of the run it will be run as); what is pruned is that run's own folder of the layout,
-``<workdir>/checkpoints/<run_name>/<model.name>/...`` (:mod:`cona.engine.checkpoint_paths`).
+``<workdir>/checkpoints/<run_name>/<model.name>/...`` (:mod:`cona.engine.checkpoint.paths`).
 
 Which pruning entries are safe (the rule :func:`_check_pruning` enforces): pruning after stage ``k`` runs
 once stage ``k`` is trained and (if ``convert``) published, before stage ``k+1`` starts, and it only ever
@@ -37,10 +40,10 @@ from typing import Any, Literal
 
 from cona.config import ConaConfig
 from cona.config.fields import reject_unknown
-from cona.engine.checkpoint_paths import CHECKPOINTS, layout_name
-from cona.errors import ChainError, ConaError
+from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
+from cona.engine.checkpoint.paths import CHECKPOINTS, layout_name
+from cona.errors import ChainError, CheckpointError, ConaError
 from cona.layout_rules import LayoutSizes, check_layout
-from cona.runner.chain_start import start_point
 from cona.strategy import Strategy, configured_strategy
 
 PRUNE_MODES = ("keep-latest", "delete-all")
@@ -50,6 +53,9 @@ STEP_INT_KEYS = ("step_num", "dp", "tp", "pp", "gbs", "mbs", *STOP_KEYS, "load_d
 STEP_KEYS = (*STEP_INT_KEYS, "is_initial", "convert", "load_checkpoint")
 PRUNE_KEYS = ("stage", "ckpt_dir", "mode")
 TOP_KEYS = ("steps", "pruning")
+FIXED_ORIGIN = "fixed"
+"""The origin of a fixed run's chain (``cona train --dp .. --iters N``): one initial step built in memory
+from the strategy, named so in the run state (where a chain file's path stands otherwise)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,12 +123,13 @@ class PruneRule:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChainConfig:
-    """A whole validated chain file."""
+    """A whole validated chain: a chain file's, or a fixed run's one step."""
 
     steps: tuple[ChainStep, ...]
     pruning: tuple[PruneRule, ...] = ()
-    path: Path | None = None
-    """The file it came from."""
+    origin: str = "<chain>"
+    """What the chain came from, as messages and the run state name it: the chain file's path, or
+    :data:`FIXED_ORIGIN` for a fixed run's one step (built in memory from its strategy)."""
     digest: str = ""
     """sha256 of the file's JSON content (key order and whitespace ignored): identifies the chain of a run."""
     step_digests: tuple[str, ...] = ()
@@ -172,9 +179,9 @@ def load_chain(
 
 
 def parse_chain(
-    raw: Any, *, source: Path | None, config: ConaConfig, world_size: int, dtype: str, workdir: Path
+    raw: Any, *, source: Path | str | None, config: ConaConfig, world_size: int, dtype: str, workdir: Path
 ) -> ChainConfig:
-    """Validate decoded chain JSON; ``source`` names the file in errors."""
+    """Validate decoded chain JSON; ``source`` (the file, or :data:`FIXED_ORIGIN`) names it in errors."""
     where = str(source) if source is not None else "<chain>"
     if not isinstance(raw, dict):
         raise ChainError(f"{where}: the top level must be an object with 'steps' (and optionally 'pruning')")
@@ -196,7 +203,7 @@ def parse_chain(
     return ChainConfig(
         steps=steps,
         pruning=rules,
-        path=source,
+        origin=where,
         digest=content_digest(raw),
         step_digests=tuple(content_digest(item) for item in raw_steps),
         start_checkpoint=start[0],
@@ -245,6 +252,28 @@ def _expect_positive_int(value: Any, label: str) -> None:
 
 def _step_label(where: str, step: ChainStep) -> str:
     return f"{where}: step {step.step_num}"
+
+
+def start_point(loads: list[str | None], workdir: Path, where: str) -> tuple[Path | None, int, int]:
+    """Where a chain starts: from scratch, or from the checkpoint its initial step loads (another run's, to
+    continue or fine-tune it). The checkpoint, iteration and consumed tokens the chain starts from, given
+    each step's ``load_checkpoint`` (only the first may have one; a relative path is relative to the
+    workdir)."""
+    for number, given in enumerate(loads[1:], start=2):
+        if given is not None:
+            raise ChainError(
+                f"{where}: step {number}: load_checkpoint: only the initial step loads a given checkpoint "
+                "(the others load the previous step's)"
+            )
+    if loads[0] is None:
+        return None, 0, 0
+    path = Path(loads[0]) if Path(loads[0]).is_absolute() else Path(workdir) / loads[0]
+    try:
+        checkpoint = resolve_checkpoint(path)
+        state = read_checkpoint_info(checkpoint).trainer_state
+    except CheckpointError as err:
+        raise ChainError(f"{where}: step 1: load_checkpoint: {err}") from None
+    return checkpoint, int(state.get("iteration", 0)), int(state.get("consumed_tokens", 0))
 
 
 def _check_sequence(steps: tuple[ChainStep, ...], where: str, *, start_iteration: int = 0) -> None:

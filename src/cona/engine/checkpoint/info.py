@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from cona.config import ConaConfig, ModelConfig, parse_config
-from cona.engine.checkpoint_files import CONFIG_FILE, METADATA_FILE, TRAINER_STATE_FILE
-from cona.engine.checkpoint_manifest import MANIFEST_FILE
+from cona.engine.checkpoint.files import CONFIG_FILE, METADATA_FILE, TRAINER_STATE_FILE
+from cona.engine.checkpoint.manifest import MANIFEST_FILE
 from cona.errors import CheckpointError, ConaError
 from cona.strategy import Strategy
 
@@ -98,7 +98,7 @@ class CheckpointInfo:
 
 def read_checkpoint_info(path: Path) -> CheckpointInfo:
     """Read a checkpoint's JSON files; needs no process group (call it on one rank). Their checksums are
-    not verified here (:func:`cona.engine.checkpoint.verify_checkpoint` does)."""
+    not verified here (:func:`cona.engine.checkpoint.load.verify_checkpoint` does)."""
     checkpoint = resolve_checkpoint(path)
     trainer_state = _read_json(checkpoint, TRAINER_STATE_FILE)
     raw_config = _read_json(checkpoint, CONFIG_FILE)

@@ -21,7 +21,7 @@ import secrets
 from pathlib import Path
 
 from cona.config import ConaConfig
-from cona.engine.checkpoint_files import TRAINER_STATE_FILE
+from cona.engine.checkpoint.files import TRAINER_STATE_FILE
 from cona.strategy import Strategy
 
 CHECKPOINTS = "checkpoints"
