@@ -59,7 +59,7 @@ def killed_mid_stage(chain_run: Callable[[], ChainRun]) -> None:
 def as_older_cona_made_it(run: FixedRun) -> Callable[[], ChainRun]:
     """The run directory with the strategy written to ``fixed_chain.json`` and the chain read from that
     file, as cona versions that kept a fixed run's chain on disk ran it."""
-    run_dir = create_run_dir(Path(run.config.training.log_root), "run")
+    run_dir = create_run_dir(Path(run.config.training.logging.log_root), "run")
     chain_path = run_dir / run_files.FIXED_CHAIN
     chain_path.write_text(json.dumps(fixed_chain(run.strategy, run.iters)))
     return lambda: ChainRun(
