@@ -94,12 +94,10 @@ def test_config_show_strategies_and_predict_take_set(config_path, capsys):
     assert "model.hidden: 64 is not divisible by model.heads=3" in capsys.readouterr().err
 
 
-def test_train_takes_set_and_the_other_nodes_get_it(tmp_path, monkeypatch, capsys):
-    from tests.runner.test_train_cli import write_tiny_setup
-
+def test_train_takes_set_and_the_other_nodes_get_it(tmp_path, monkeypatch, capsys, tiny_config_file):
     from cona.runner.nodes.multinode import cona_command
 
-    config = write_tiny_setup(tmp_path)
+    config = tiny_config_file(data="random")
     captured = []
     monkeypatch.setattr("cona.runner.schedules.online.run_online", lambda run, **_: captured.append(run))
     online = ["train", "--config", str(config), "--system", "cpu_gloo", "--initial-gbs", "2", "--gpus", "2"]

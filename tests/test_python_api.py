@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.data.data_testlib import ENGLISH_SAMPLE, write_tiny_gpt2_tokenizer
+from tests.helpers.paths import RUN_CHAIN_SMALL
+from tests.helpers.text_data import ENGLISH_SAMPLE, write_tiny_gpt2_tokenizer
 
 import cona
 from cona.config import parse_config
@@ -115,7 +116,7 @@ def test_load_model_gives_the_saved_models_logits(tmp_path: Path) -> None:
 
 
 def test_a_train_result_reads_a_chain_run_directory() -> None:
-    run_dir = ROOT / "tests" / "runner" / "fixtures" / "run_chain_small"
+    run_dir = RUN_CHAIN_SMALL
     result = cona.TrainResult.read(run_dir)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert (result.final_loss, result.iterations, result.tokens) == (

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from chain_fakes import seed_shaped_chain, tiny_layout, write_tiny_config
+from tests.helpers.chain_fakes import seed_shaped_chain, tiny_layout, write_fake_chain_config
 
 from cona.config_file import load_config
 from cona.errors import ChainError
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     return tmp_path
 
 

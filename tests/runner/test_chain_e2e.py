@@ -3,11 +3,10 @@ the command line, the runner, torchrun and the workers all run as a user runs th
 
 The chains are the shipped examples (``examples/tiny/chain_cpu.json``, ``chain_layout_only.json``) under a
 test-local config: the examples' model shape at seq 32, no dropout, a metrics line every iteration, and a
-dataset generated here from a fixed random Markov chain. Its tokens are learnable (unlike uniformly random
-ones), so the loss falls steadily from ln(VOCAB) and a model that restarted from scratch at a switch would
-show as a jump.
+dataset generated from a fixed random Markov chain (``data="markov"`` of tests/helpers/tiny.py). Its tokens
+are learnable (unlike uniformly random ones), so the loss falls steadily from ln(vocabulary size) and a model
+that restarted from scratch at a switch would show as a jump.
 """
-
 from __future__ import annotations
 
 import json
@@ -18,16 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
-from tests.torchrun_util import free_port_block
-
-from cona.data.indexed import IndexedDatasetWriter
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
+from tests.helpers.tiny import MARKOV_VOCAB, write_tiny_config
+from tests.helpers.tiny_runs import free_port_base
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "tiny"
-VOCAB = 256
-SUCCESSOR_PROBS = (0.55, 0.25, 0.15, 0.05)
-"""Each token is followed by one of 4 fixed tokens with these probabilities (entropy 1.1 nats)."""
 CONTINUITY_RTOL = 0.02
 """The first loss of a stage lies within 2% of the last loss of the stage before: a switch resumes the
 training, it does not restart it."""
@@ -39,58 +34,24 @@ catches a real difference (a lost optimizer state or a wrong LR moves the loss b
 COMMAND_TIMEOUT_S = 480
 
 
-def write_markov_dataset(prefix: Path, *, documents: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    successors = np.stack([rng.choice(VOCAB, size=len(SUCCESSOR_PROBS), replace=False) for _ in range(VOCAB)])
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for _ in range(documents):
-            length = int(rng.integers(50, 200))
-            choices = rng.choice(len(SUCCESSOR_PROBS), size=length - 1, p=SUCCESSOR_PROBS)
-            tokens = [int(rng.integers(VOCAB))]
-            for choice in choices:
-                tokens.append(int(successors[tokens[-1], choice]))
-            writer.add_document(np.asarray(tokens))
-
-
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory) -> Path:
-    """The dataset and a .conaconfig shaped like examples/tiny/.conaconfig (model name, layers, hidden, heads,
-    zero stage: what the example chains' layouts and pruning paths depend on)."""
-    directory = tmp_path_factory.mktemp("chain_e2e")
-    write_markov_dataset(directory / "data" / "markov", documents=400, seed=0)
-    example = json.loads((EXAMPLES / ".conaconfig").read_text())
-    config = {
-        "model": {**example["model"], "seq": 32, "vocab_size": VOCAB},
-        "training": {
-            "seed": 1234,
-            "device": "cpu",
-            "zero_stage": example["training"]["zero_stage"],
-            "dtype": "fp32",
-            "base_gbs": 8,
-            # Small enough that one step moves the loss well under 2% (the continuity check needs a
-            # smooth curve), large enough that each stage moves it by more than that.
-            "base_lr": 6e-4,
-            "base_min_lr": 6e-5,
-            "lr_scale_strategy": "sqrt",
-            "lr_warmup_tokens": 512,
-            "split": "90,10,0",
-            "data_prefix": "data/markov",
-            "log_interval": 1,
-            "eval_interval": 1_000_000,  # no evaluation: the losses compared are training losses
-            "eval_iters": 1,
-            "log_root": "logs",
-        },
+    """The Markov dataset (400 documents) and the tiny config of the example chains' model shape
+    (:func:`tests.helpers.tiny.write_tiny_config`)."""
+    training = {
+        "seed": 1234,
+        # Small enough that one step moves the loss well under 2% (the continuity check needs a smooth
+        # curve), large enough that each stage moves it by more than that.
+        "base_lr": 6e-4,
+        "base_min_lr": 6e-5,
+        "lr_scale_strategy": "sqrt",
+        "lr_warmup_tokens": 512,
     }
+    directory = tmp_path_factory.mktemp("chain_e2e")
+    path = write_tiny_config(directory, data="markov", documents=400, training=training)
+    config = json.loads(path.read_text())
     assert config["model"]["attention_dropout"] == config["model"]["hidden_dropout"] == 0.0
-    path = directory / ".conaconfig"
-    path.write_text(json.dumps(config, indent=1))
     return path
-
-
-def free_port_base(stages: int) -> int:
-    """A base port whose stage ports (base + 1 ... base + stages) are all free right now."""
-    return free_port_block(stages + 1)
 
 
 def cona_train(config: Path, workdir: Path, run_name: str, *args: str, stages: int = 1) -> str:
@@ -159,9 +120,9 @@ def test_chain_switching_dp_tp_pp_and_gbs_continues_the_loss_and_uses_each_sampl
         last, first = stages[before["step_num"]][-1]["loss"], stages[after["step_num"]][0]["loss"]
         assert abs(first - last) <= CONTINUITY_RTOL * last, (before["step_num"], last, first)
     # ... and the curve falls by more than that tolerance within each stage, so a model restarted from
-    # scratch at a switch (back to about ln(VOCAB)) could not pass the check above.
+    # scratch at a switch (back to about ln(MARKOV_VOCAB)) could not pass the check above.
     first_loss = records[0]["loss"]
-    assert abs(first_loss - np.log(VOCAB)) < 0.05 * np.log(VOCAB)
+    assert abs(first_loss - np.log(MARKOV_VOCAB)) < 0.05 * np.log(MARKOV_VOCAB)
     for step in steps:
         assert stages[step["step_num"]][-1]["loss"] < (1 - CONTINUITY_RTOL) * first_loss
 

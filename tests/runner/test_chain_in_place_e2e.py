@@ -8,9 +8,8 @@ import json
 import shutil
 
 import pytest
-from test_chain_e2e import free_port_base
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order
-from tiny_chain import write_chain, write_config_and_data
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order
+from tests.helpers.tiny_runs import free_port_base, write_chain
 
 from cona.cli import main
 from cona.engine.spec import StageSpec
@@ -40,11 +39,11 @@ def train(tmp_path, config, chain, run_name: str, *extra: str) -> int:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_chain_step_keeping_the_layout_switches_in_place_and_trains_as_the_checkpointed_chain(
-    tmp_path, monkeypatch, capfd
+    tmp_path, monkeypatch, capfd, tiny_config_file
 ):
     for name, value in TRACE_ENV.items():
         monkeypatch.setenv(name, value)
-    config = write_config_and_data(tmp_path)
+    config = tiny_config_file(data="markov")
     chain = write_chain(tmp_path / "chain.json", STEPS)
     assert train(tmp_path, config, chain, "inplace", "--switch-in-place") == 0
     assert "stage 2: dp2/tp1/pp1 mbs4 gbs16, iterations 3->6" in capfd.readouterr().out
@@ -105,8 +104,8 @@ def test_switch_in_place_goes_with_a_chain(capsys):
         assert "cona train: --switch-in-place goes with --chain" in capsys.readouterr().err
 
 
-def test_switch_in_place_needs_the_workers_kept_between_stages(tmp_path, capsys):
-    config = write_config_and_data(tmp_path)
+def test_switch_in_place_needs_the_workers_kept_between_stages(tmp_path, capsys, tiny_config_file):
+    config = tiny_config_file(data="markov")
     chain = write_chain(tmp_path / "chain.json", STEPS)
     assert train(tmp_path, config, chain, "restarted", "--switch-in-place", "--restart-workers") == 2
     assert "--switch-in-place needs the worker processes kept from one stage to the next" in (

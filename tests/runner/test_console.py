@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from tests.helpers.paths import RUN_CHAIN_SMALL
 
 from cona.engine.spec import StageSpec
 from cona.errors import ConfigError
@@ -18,7 +19,7 @@ from cona.runner.launch import Topology
 from cona.runner.schedules.sequence import StageLaunch
 from cona.runner.views.console import RunConsole, StageMonitor, choose_mode, render_stage
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
+FIXTURE = RUN_CHAIN_SMALL
 STAGE = 2
 
 

@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from chain_fakes import TINY_CONFIG
-from test_online import StreamingEngine, tiny_online_run
+from tests.helpers.chain_fakes import FAKE_MODEL
+from tests.helpers.online_fakes import StreamingEngine, tiny_online_run
+from tests.helpers.tiny import tiny_config
 
-from cona.config import parse_config
 from cona.engine.host_steps import HostStep, time_host_steps
 from cona.planner.systems import load_system
 from cona.runner.schedules.frontier import FrontierSearch
 from cona.runner.schedules.online import run_online
 from cona.strategy import Strategy
 
-CONFIG = parse_config(TINY_CONFIG, source=None)
+CONFIG = tiny_config(model=FAKE_MODEL)
 
 
 def one_process(mbs: int) -> Strategy:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.torchrun_util import free_port
+from tests.helpers.torchrun_util import free_port
 
 from cona.config import parse_config
 from cona.config_file import load_config
@@ -203,10 +203,9 @@ def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_switch_request_stops_the_stage_after_the_step_with_a_checkpoint(tmp_path):
-    from test_train_cli import write_tiny_setup
+def test_a_switch_request_stops_the_stage_after_the_step_with_a_checkpoint(tmp_path, tiny_config_file):
 
-    config = resolve_log_root(load_config(write_tiny_setup(tmp_path)))
+    config = resolve_log_root(load_config(tiny_config_file(data="random")))
     run_dir = create_run_dir(Path(config.training.log_root), "switch")
     spec = StageSpec(
         run_dir=run_dir,

@@ -8,9 +8,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from chain_fakes import chain_run, write_tiny_config
-from test_train_cli import write_tiny_setup
-from tests.torchrun_util import free_port
+from tests.helpers.chain_fakes import chain_run, write_fake_chain_config
+from tests.helpers.torchrun_util import free_port
 
 from cona.cli import main
 from cona.config_file import load_config
@@ -124,8 +123,8 @@ def test_gpus_with_only_a_hostfile_is_refused(tmp_path):
         resolve_placement({"gpus": 4, "hostfile": hostfile(tmp_path)}, {})
 
 
-def test_a_fixed_strategy_across_nodes_runs_as_a_one_stage_chain(tmp_path, monkeypatch):
-    config = write_tiny_setup(tmp_path)
+def test_a_fixed_strategy_across_nodes_runs_as_a_one_stage_chain(tmp_path, monkeypatch, tiny_config_file):
+    config = tiny_config_file(data="random")
     captured = []
     monkeypatch.setattr("cona.runner.schedules.sequence.run_chain", lambda run, **_: captured.append(run))
     fixed = ["--dp", "2", "--tp", "1", "--pp", "2", "--gbs", "8", "--mbs", "2", "--iters", "6"]
@@ -359,7 +358,7 @@ def test_ssh_never_reads_a_host_as_an_option(tmp_path):
 
 
 def test_runner_command_repeats_this_run_for_the_other_nodes(tmp_path):
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     nodes = dataclasses.replace(TWO_NODES, hostfile=tmp_path / "hostfile", master_addr="h0")
     run = dataclasses.replace(chain_run(tmp_path, tmp_path / "chain.json"), nodes=nodes, quiet=True)
     command = runner_command(run)

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_cli import free_port_base, write_tiny_setup
+from tests.helpers.tiny import write_tiny_config
+from tests.helpers.tiny_runs import free_port_base
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE2_ITERS = 6
@@ -30,10 +31,11 @@ RUN_TIMEOUT_S = 400  # generous: the test machine's 2 cores are shared
 
 
 def setup(tmp_path: Path) -> Path:
-    config_path = write_tiny_setup(tmp_path)
-    config = json.loads(config_path.read_text())
-    config["training"].update(log_interval=1, eval_interval=100, distributed_timeout_minutes=1)
-    config_path.write_text(json.dumps(config))
+    config_path = write_tiny_config(
+        tmp_path,
+        data="random",
+        training={"log_interval": 1, "eval_interval": 100, "distributed_timeout_minutes": 1},
+    )
     (tmp_path / "chain.json").write_text(json.dumps(CHAIN))
     (tmp_path / "hostfile").write_text("# two nodes on loopback\n127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
     return config_path

@@ -7,8 +7,8 @@ import json
 import shutil
 
 import pytest
-from test_train_cli import free_port_base, write_tiny_setup
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
+from tests.helpers.tiny_runs import free_port_base, in_place_run
 
 from cona.cli import main
 from cona.config_file import load_config
@@ -26,13 +26,11 @@ on a busy machine: the switch came at iterations 7-9 of 100 in three runs here."
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_an_online_run_switches_and_the_realized_chain_replays_it(tmp_path, monkeypatch):
+def test_an_online_run_switches_and_the_realized_chain_replays_it(tmp_path, monkeypatch, tiny_config_file):
     for name, value in TRACE_ENV.items():  # the workers record what they train on
         monkeypatch.setenv(name, value)
-    config_path = write_tiny_setup(tmp_path)
+    config_path = tiny_config_file(data="random", training={"log_interval": 1, "eval_interval": 100})
     raw = json.loads(config_path.read_text())
-    raw["training"].update(log_interval=1, eval_interval=100)
-    config_path.write_text(json.dumps(raw))
     config = resolve_log_root(load_config(config_path))
     run = OnlineRun(
         config=config,
@@ -152,36 +150,3 @@ def test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switc
     assert state.stages[-1].consumed_samples == total
     assert_each_sample_once_in_order(run.run_dir, total_samples=total)
     assert list(_losses(run.run_dir).values()) == pytest.approx(list(in_place_losses.values()), rel=1e-6)
-
-
-def in_place_run(tmp_path, *, total_iters: int) -> tuple[OnlineRun, dict]:
-    """An online run on one process, gbs 2 -> 4 (every strategy has the same layout: in place), committing
-    its switch; with the config it wrote to ``tmp_path/.conaconfig``."""
-    config_path = write_tiny_setup(tmp_path)
-    raw = json.loads(config_path.read_text())
-    # One LR horizon whatever the gbs (without it online mode ends the cosine at --total-iters x the initial
-    # gbs, a replayed chain at its own tokens): the losses compared must differ only by the switch.
-    raw["training"].update(log_interval=1, eval_interval=100, lr_decay_tokens=100_000)
-    raw["model"].update(hidden=128, seq=64)  # steps of milliseconds, not microseconds
-    config_path.write_text(json.dumps(raw))
-    run = OnlineRun(
-        config=resolve_log_root(load_config(config_path)),
-        workdir=tmp_path / "work",
-        run_dir=tmp_path / "logs" / "inplace",
-        world_size=1,
-        device_type="cpu",
-        system="cpu_gloo",
-        initial_gbs=2,  # mbs 2: a measured step's halves give the noise scale at the same parameters
-        max_gbs=4,
-        total_iters=total_iters,
-        botorch=False,
-        base_port=free_port_base(),
-        quiet=True,
-        noise_scale_floor=1000.0,
-        policy_overrides={
-            "predicted_switch_cost_s": 0.0,
-            "predicted_in_place_cost_s": 0.0,
-            "probe": False,  # decided on the noise-scale model: test_online_probe_e2e.py probes
-        },
-    )
-    return run, raw

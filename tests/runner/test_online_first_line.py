@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from chain_fakes import write_tiny_config
+from tests.helpers.chain_fakes import write_fake_chain_config
 
 from cona.config_file import load_config
 from cona.metrics_record import MetricsRecord
@@ -38,7 +38,7 @@ def one_gpu(gbs: int, mbs: int) -> Strategy:
 
 @pytest.fixture
 def frontier(tmp_path: Path) -> FrontierSearch:
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     config = load_config(tmp_path / ".conaconfig")
     config = replace(config, training=replace(config.training, device="cuda", compile=False))
     h200 = load_system("h200_141g")

@@ -6,8 +6,8 @@ import dataclasses
 import json
 
 import pytest
-from test_online_e2e import in_place_run
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
+from tests.helpers.tiny_runs import in_place_run
 
 from cona.runner.schedules.online import run_online
 from cona.runner.worker_session import WorkerSession

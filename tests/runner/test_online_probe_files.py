@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tests.planner.test_policy_probe import outcome
+from tests.helpers.policy_cases import outcome
 
 from cona.planner.policy import Candidate, initial_state
 from cona.runner.schedules.online import won_probe_switch

@@ -7,7 +7,7 @@ import json
 import types
 
 import torch
-from chain_fakes import write_tiny_config
+from tests.helpers.chain_fakes import write_fake_chain_config
 
 from cona.config_file import load_config
 from cona.engine.checkpoint import save_checkpoint
@@ -35,7 +35,7 @@ def checkpoint_of(tmp_path, config, *, stage: int, iteration: int):
 
 
 def test_the_search_of_a_resumed_stage_counts_the_stage_s_lines_up_to_its_checkpoint(tmp_path):
-    config = load_config(write_tiny_config(tmp_path))
+    config = load_config(write_fake_chain_config(tmp_path))
     lines = [json.dumps({"iteration": i, **RECORD, "gns_big_sqr": 1.0 + i / 100}) for i in range(1, 15)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     run = types.SimpleNamespace(run_dir=tmp_path, config=config)
@@ -54,7 +54,7 @@ def test_a_resumed_search_remembers_the_stages_the_uninterrupted_one_does(tmp_pa
     """8 -> 16 -> 32 -> fall-back to 16: the search in the killed run remembered stage 1 only (the fall-back
     dropped gbs 16, current again, and never kept gbs 32); the resumed one must not remember gbs 32 as a
     stage to fall back to."""
-    config = load_config(write_tiny_config(tmp_path))
+    config = load_config(write_fake_chain_config(tmp_path))
     sizes, rates = (8, 16, 32, 16), (1000.0, 1500.0, 1800.0)
     strategies = [Strategy(dp=1, tp=1, pp=1, mbs=gbs, gbs=gbs) for gbs in sizes]
     records = StageRecords(tmp_path)

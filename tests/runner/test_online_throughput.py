@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chain_fakes import write_tiny_config
-from test_online import append, decisions, make_search, metrics_record
+from tests.helpers.chain_fakes import write_fake_chain_config
+from tests.helpers.online_fakes import append, decisions, make_search, metrics_record
 
 from cona.config_file import load_config
 from cona.planner.efficiency import NoiseScaleTracker
@@ -91,7 +91,7 @@ def metrics(stage: int, strategy: Strategy, tokens_per_s: float, iterations: ran
 
 @pytest.fixture
 def setup(tmp_path: Path):
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     config = load_config(tmp_path / ".conaconfig")
     system = load_system("cpu_gloo")
     frontier = FrontierSearch(config=config, system=system, n_gpus=1, dtype="fp32", botorch=False)
@@ -170,7 +170,7 @@ def test_a_strategy_the_run_trained_is_expected_at_its_measured_throughput(setup
 def test_the_frontier_predicts_with_the_profile_of_the_backend_that_trains(tmp_path):
     """Online mode through Megatron-DeepSpeed: the frontier's model is that backend's profile (its step
     seconds, and the best strategy of a gbs ranked by them), not the native engine's."""
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     config, system = load_config(tmp_path / ".conaconfig"), load_system("cpu_gloo")
     native = FrontierSearch(config=config, system=system, n_gpus=2, dtype="fp32", botorch=False)
     megatron = FrontierSearch(config=config, system=system, n_gpus=2, dtype="fp32", botorch=False,

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib.image import imread
+from tests.helpers.paths import RUN_CHAIN_SMALL
 
 from cona.cli import main
 from cona.errors import ConaError
@@ -26,7 +27,7 @@ from cona.runner.views.report import (
 from cona.runner.views.report_build import build_report, distinct_names
 from cona.runner.views.report_figures import FIGURE_NAMES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
+FIXTURE = RUN_CHAIN_SMALL
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

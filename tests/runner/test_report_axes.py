@@ -6,7 +6,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
-from tests.runner.test_status import FIXTURE
+from tests.helpers.paths import RUN_CHAIN_SMALL as FIXTURE
 
 from cona.runner.views.report import load_run, stage_summaries
 from cona.runner.views.report_axes import SwitchTag, draw_switch_tags, label_log_axis, legend_beside, spread

@@ -1,5 +1,5 @@
 """The report's figures as a reader sees them, on a seven-stage run shaped like ``cona demo``'s and on three
-such runs overlaid (:mod:`tests.runner.demo_like_run`): no text covers another (the extents matplotlib
+such runs overlaid (:mod:`tests.helpers.demo_like_run`): no text covers another (the extents matplotlib
 draws them at), switch tags stand above the curves, band labels inside their bands, each switch cost's value
 on its own bar, log axes that end at labelled ticks, and one wall time per stage on the console and the page.
 """
@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.text import Annotation, Text
 from matplotlib.transforms import Bbox
-from tests.runner.demo_like_run import STAGES, write_demo_like_run
+from tests.helpers.demo_like_run import STAGES, write_demo_like_run
 
 from cona.engine.spec import StageResult
 from cona.runner.state import load_state

@@ -4,11 +4,9 @@ on 2 CPU processes, torchrun, gloo; W&B offline)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from test_train_cli import train_args, write_tiny_setup
-from tests.wandb_offline import read_offline_run
+from tests.helpers.tiny_runs import train_args
+from tests.helpers.wandb_offline import read_offline_run
 
 from cona.cli import main
 from cona.runner.run_dir import resolve_latest
@@ -17,12 +15,9 @@ from cona.runner.views.run_tracker import wandb_run_id
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_the_same_fixed_command_finds_its_run_and_its_one_wandb_run(tmp_path, capfd):
+def test_the_same_fixed_command_finds_its_run_and_its_one_wandb_run(tmp_path, capfd, tiny_config_file):
     pytest.importorskip("wandb")
-    config = write_tiny_setup(tmp_path)
-    raw = json.loads(config.read_text())
-    raw["training"].update(wandb_project="cona-test", wandb_mode="offline")
-    config.write_text(json.dumps(raw))
+    config = tiny_config_file(data="random", training={"wandb_project": "cona-test", "wandb_mode": "offline"})
     assert main(train_args(config, tmp_path / "work", iters=2)) == 0  # no --run-name
     run_dir = resolve_latest(tmp_path / "logs")
     assert run_dir.name == "fixed-dp2_tp1_pp1_mbs2_gbs8-iters2"

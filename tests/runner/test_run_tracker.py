@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from chain_fakes import TINY_CONFIG, FakeEngine, chain_run, seed_shaped_chain
-from test_online import StreamingEngine, tiny_online_run
-from test_sequence import setup_run
-from tests.wandb_offline import read_offline_run
+from tests.helpers.chain_fakes import FAKE_MODEL, FakeEngine, chain_run, seed_shaped_chain, setup_run
+from tests.helpers.online_fakes import StreamingEngine, tiny_online_run
+from tests.helpers.tiny import tiny_config
+from tests.helpers.wandb_offline import read_offline_run
 
-from cona.config import parse_config
 from cona.runner.schedules.online import run_online
 from cona.runner.schedules.online_search import DECISIONS_NAME
 from cona.runner.schedules.sequence import run_chain
@@ -64,8 +63,7 @@ def load_config_from(training: dict):
 
 
 def config_with(training: dict):
-    raw = {**TINY_CONFIG, "training": {**TINY_CONFIG["training"], **training}}
-    return parse_config(raw, source=None)
+    return tiny_config(model=FAKE_MODEL, training=training)
 
 
 def test_decision_scalars_follow_the_record_and_skip_unknowns():

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chain_fakes import (
+from tests.helpers.chain_fakes import (
     KILL_POINTS,
     FakeEngine,
     chain_run,
     run_layout,
     run_until_killed,
     seed_shaped_chain,
+    setup_run,
     tiny_layout,
-    write_tiny_config,
 )
 
 from cona.commands.train_runs import chain_run as chain_run_from_args
@@ -32,13 +32,6 @@ from cona.runner.state import load_state
 
 ITERS = 3
 FINAL_SAMPLES = ITERS * (8 + 16 + 32)
-
-
-def setup_run(workdir: Path, chain: dict | None = None) -> Path:
-    write_tiny_config(workdir)
-    path = workdir / "chain.json"
-    path.write_text(json.dumps(chain or seed_shaped_chain(ITERS)))
-    return path
 
 
 def run(workdir: Path, engine: FakeEngine, *, fresh: bool = False) -> tuple[list[str], object]:

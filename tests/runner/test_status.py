@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from tests.helpers.paths import RUN_CHAIN_SMALL
+from tests.helpers.recorded_run import running_copy
 
 from cona.cli import main
 from cona.errors import LaunchError
@@ -32,7 +34,7 @@ from cona.runner.views.status import (
     status_lines,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run_chain_small"
+FIXTURE = RUN_CHAIN_SMALL
 LAST_METRICS_TIME = 1795945186.711  # the fixture's last metrics line
 
 
@@ -134,15 +136,6 @@ def test_cli_status_finds_the_latest_run_from_the_config(tmp_path, monkeypatch, 
 
     assert main(["status", str(tmp_path / "nowhere")]) == 1
     assert f"run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
-
-
-def running_copy(tmp_path: Path) -> Path:
-    """The fixture made to look as if stage 3 were still running."""
-    run_dir = Path(shutil.copytree(FIXTURE, tmp_path / "run_chain_small")).resolve()
-    state = load_state(run_dir)
-    save_state(run_dir, state.with_stage(dataclasses.replace(state.stage(3), status="running")))
-    (run_dir / "stages" / "3" / "stage_result.json").unlink()
-    return run_dir
 
 
 def test_status_reads_liveness_from_the_recorded_pids(tmp_path):

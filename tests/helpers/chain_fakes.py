@@ -20,32 +20,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from tests.runner.forked import fork
+from tests.helpers.forked import fork
+from tests.helpers.tiny import write_tiny_config
 
 from cona.config_file import load_config
 from cona.engine.checkpoint import layout_dir, read_checkpoint_info, save_checkpoint, tmp_owner
 from cona.engine.spec import StageResult
 from cona.runner.schedules.sequence import ChainRun, StageLaunch, run_chain
+from cona.strategy import Strategy
 
 KILL_POINTS = ("training", "save", "between_stages", "publish", "prune")
 
-TINY_CONFIG = {
-    "model": {"name": "tiny", "layers": 4, "hidden": 16, "heads": 4, "seq": 8, "vocab_size": 64},
-    "training": {
-        "device": "cpu",
-        "base_gbs": 8,
-        "base_lr": 1e-3,
-        "base_min_lr": 1e-4,
-        "log_root": "logs",
-        "lr_scale_strategy": "sqrt",
-    },
-}
+FAKE_MODEL = {"name": "tiny", "layers": 4, "hidden": 16, "heads": 4, "seq": 8, "vocab_size": 64}
+"""The model the fake chains train: 4 layers (a layout of pp 2 splits them), named "tiny" in the layouts'
+paths (:func:`tiny_layout`)."""
 
 
-def write_tiny_config(directory: Path) -> Path:
-    path = directory / ".conaconfig"
-    path.write_text(json.dumps(TINY_CONFIG))
-    return path
+def write_fake_chain_config(directory: Path) -> Path:
+    """``directory/.conaconfig``: the tiny config with :data:`FAKE_MODEL`; returns its path."""
+    return write_tiny_config(directory, model=FAKE_MODEL)
 
 
 def tiny_layout(tp: int, pp: int, dp: int) -> str:
@@ -268,3 +261,34 @@ def run_until_killed(workdir: Path, chain_path: Path, kill_point: str) -> int:
             os._exit(status)
     _, wait_status = os.waitpid(pid, 0)
     return wait_status
+
+
+LAYOUT = "checkpoints/tiny/z1/fp32/tp1_pp1_dp1_sp1"
+"""Where :func:`make_checkpoint` saves, relative to its workdir."""
+
+
+def make_checkpoint(workdir: Path, iteration: int) -> Path:
+    """A real, small DCP checkpoint saved by the engine in this one process."""
+    config = load_config(write_fake_chain_config(workdir))
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(model.weight, float(iteration))
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = {"iteration": iteration, "consumed_samples": 8 * iteration, "consumed_tokens": 64 * iteration}
+    return save_checkpoint(
+        workdir / LAYOUT,
+        iteration=iteration,
+        model_parts=[model],
+        optimizer=optimizer,
+        trainer_state=state,
+        config=config,
+        strategy=Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=8),
+    )
+
+
+def setup_run(workdir: Path, chain: dict | None = None) -> Path:
+    """The fake chain's config and ``chain`` (default: :func:`seed_shaped_chain`) as ``workdir/chain.json``;
+    returns the chain's path."""
+    write_fake_chain_config(workdir)
+    path = workdir / "chain.json"
+    path.write_text(json.dumps(chain or seed_shaped_chain()))
+    return path

@@ -3,6 +3,7 @@ built on it, and the strategies the tests switch between."""
 
 from cona.planner.efficiency import NoiseScaleTracker
 from cona.planner.policy import Candidate, Measurement, PolicySettings, initial_state
+from cona.planner.probe_rule import BranchRun, ProbeOutcome, judge
 from cona.strategy import Strategy
 
 BASE = 16
@@ -41,3 +42,19 @@ def fresh_state():
 
 
 CANDIDATE = Candidate(strategy=LARGE, predicted_tokens_per_s=1800.0)
+
+
+def branch(gbs: int, loss: float, seconds: float) -> BranchRun:
+    return BranchRun(
+        gbs=gbs, mbs=gbs // 4, lr=1e-3, steps=4096 // gbs, loss=loss, train_loss=loss + 0.1,
+        seconds=seconds, steady_seconds=seconds,
+    )  # fmt: skip
+
+
+def outcome(candidate_loss: float, candidate_s: float = 2.0) -> ProbeOutcome:
+    current, candidate = branch(16, 4.0, 4.0), branch(32, candidate_loss, candidate_s)
+    winner, reason = judge(start_loss=4.2, current=current, candidate=candidate, tolerance=0.01)
+    return ProbeOutcome(
+        stage=1, iteration=100, consumed_samples=1600, samples=4096, tokens=4096 * 8, start_loss=4.2,
+        current=current, candidate=candidate, tolerance=0.01, winner=winner, reason=reason, wall_s=6.5,
+    )  # fmt: skip

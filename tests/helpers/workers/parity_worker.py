@@ -1,6 +1,6 @@
 """torchrun worker: one training step of a tiny GPT under each requested layout vs the 1-process reference.
 
-Usage: torchrun --nproc-per-node N tests/engine/parity_worker.py [family=F] LAYOUT [LAYOUT ...]
+Usage: torchrun --nproc-per-node N tests/helpers/workers/parity_worker.py [family=F] LAYOUT [LAYOUT ...]
 [family=F LAYOUT ...]
 A layout is ``name:key=value,...`` over Strategy fields, e.g. ``dp2xtp2:dp=2,tp=2,zero_stage=3``. The model
 family F is gpt (default), llama (grouped-query attention with 2 of 4 heads, untied head) or bert (targets

@@ -45,7 +45,7 @@ def synthetic_curves(
                 "noise_scale": np.interp(at, progress, noise).tolist(),
             }
         )
-    recorded = {"card": "none (synthetic)", "date": "none", "command": "tests/planner/synthetic_curves.py"}
+    recorded = {"card": "none (synthetic)", "date": "none", "command": "tests/helpers/synthetic_curves.py"}
     return curves_json(dict(MODEL, seq=seq), base_gbs, curves, synthetic=True, recorded=recorded)
 
 

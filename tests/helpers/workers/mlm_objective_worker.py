@@ -1,6 +1,6 @@
 """torchrun worker: BERT's loss normalisation under dp/tp/pp when micro-batches hold unequal masked counts.
 
-Usage: torchrun --nproc-per-node N tests/engine/mlm_objective_worker.py LAYOUT [LAYOUT ...]
+Usage: torchrun --nproc-per-node N tests/helpers/workers/mlm_objective_worker.py LAYOUT [LAYOUT ...]
 A layout is ``name:key=value,...`` over Strategy fields (mbs, gbs, dp, tp, pp, zero_stage). Every rank
 computes the 1-process reference itself; rank 0 prints one JSON line per layout, prefixed ``MLM``. The
 helpers are also used in-process by test_mlm_objective.py.

@@ -1,6 +1,6 @@
 """torchrun worker: a paired probe under each requested layout restores its state exactly.
 
-Usage: torchrun --nproc-per-node N tests/engine/probe_worker.py LAYOUT [LAYOUT ...], a layout being
+Usage: torchrun --nproc-per-node N tests/helpers/workers/probe_worker.py LAYOUT [LAYOUT ...], a layout being
 ``name:key=value,...`` over Strategy fields (gbs and mbs are the worker's). Under each layout two engines
 train the same steps: one with a probe whose branches are equal (the current batch against itself), one
 without. Rank 0 prints one JSON line per layout, prefixed ``PROBE``: whether the branches' probe losses were

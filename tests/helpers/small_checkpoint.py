@@ -1,0 +1,48 @@
+"""A small model of the checkpoint worker's shape (``ckpt_worker.SMALL``), trained and saved in this
+process at one layout, for the checkpoint tests that need a real checkpoint without torchrun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tests.helpers.workers import ckpt_worker
+from torch import nn
+
+from cona.config import ConaConfig, parse_config
+from cona.engine.checkpoint import layout_dir, save_checkpoint
+from cona.engine.optim import build_optimizer
+from cona.strategy import Strategy
+
+ONE = Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=4)
+
+
+def small_config(**model_overrides) -> ConaConfig:
+    return parse_config({"model": {**ckpt_worker.SMALL, **model_overrides}, "training": {}})
+
+
+def trained(config: ConaConfig, steps: int = 2, offset: float = 0.0):
+    model = ckpt_worker.build_model(config, ONE, None, offset)
+    optimizer = build_optimizer([model], config.training)
+    for step in range(1, steps + 1):
+        ckpt_worker.train_step(model, optimizer, step)
+    return model, optimizer
+
+
+def save(root: Path, config: ConaConfig, model, optimizer, iteration: int) -> Path:
+    return save_checkpoint(
+        layout_dir(root, config, ONE, "fp32", run_name="run"),
+        iteration=iteration,
+        model_parts=[model],
+        optimizer=optimizer,
+        trainer_state={"iteration": iteration, "consumed_tokens": 64},
+        config=config,
+        strategy=ONE,
+    )
+
+
+def assert_same_state(a: tuple[nn.Module, torch.optim.Optimizer], b: tuple[nn.Module, torch.optim.Optimizer]):
+    expected, actual = ckpt_worker.full_state([a[0]], a[1]), ckpt_worker.full_state([b[0]], b[1])
+    assert set(expected) == set(actual)
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
