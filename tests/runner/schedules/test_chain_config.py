@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 from tests.helpers.chain_fakes import seed_shaped_chain, tiny_layout, write_fake_chain_config
+from tests.helpers.paths import ROOT
 
 from cona.config_file import load_config
 from cona.errors import ChainError
 from cona.runner.schedules.chain import load_chain, planned_iterations, planned_tokens
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Multi-node placement (hostfile, flags, Slurm), the store protocol between the nodes' runners, and the ssh
-command line. Everything here runs in one process; tests/runner/test_multinode_e2e.py runs real nodes."""
+command line. Everything here runs in one process; test_multinode_e2e.py beside it runs real nodes."""
 
 from __future__ import annotations
 

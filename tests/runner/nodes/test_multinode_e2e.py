@@ -18,7 +18,6 @@ import pytest
 from tests.helpers.tiny import write_tiny_config
 from tests.helpers.tiny_runs import free_port_base
 
-ROOT = Path(__file__).resolve().parents[2]
 STAGE2_ITERS = 6
 CHAIN = {
     "steps": [

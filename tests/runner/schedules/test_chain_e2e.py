@@ -7,6 +7,7 @@ dataset generated from a fixed random Markov chain (``data="markov"`` of tests/h
 are learnable (unlike uniformly random ones), so the loss falls steadily from ln(vocabulary size) and a model
 that restarted from scratch at a switch would show as a jump.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
+from tests.helpers.paths import ROOT
 from tests.helpers.tiny import MARKOV_VOCAB, write_tiny_config
 from tests.helpers.tiny_runs import free_port_base
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "tiny"
 CONTINUITY_RTOL = 0.02
 """The first loss of a stage lies within 2% of the last loss of the stage before: a switch resumes the
