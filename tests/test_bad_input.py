@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tests.helpers.paths import RUN_CHAIN_SMALL
-from tests.helpers.tiny import write_tiny_config
+from tests.helpers.tiny import tiny_raw, write_tiny_config
 from tests.helpers.tiny_runs import train_args
 
 from cona.cli import main
@@ -28,7 +28,6 @@ from cona.runner.state import load_state
 
 FIXTURE = RUN_CHAIN_SMALL
 NOT_UTF8 = b"\xff\xfe{}\n"
-TINY_MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32}
 
 
 def one_line_error(capsys, argv: list[str]) -> tuple[int, str]:
@@ -75,7 +74,7 @@ def test_numeric_flags_refuse_what_no_run_can_use(argv, capsys):
 
 def test_a_seed_out_of_range_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"training\.seed: must be from 0 to 2\*\*63 - 1, got -1"):
-        parse_config({"model": TINY_MODEL, "training": {"seed": -1}})
+        parse_config(tiny_raw(training={"seed": -1}))
 
 
 @pytest.mark.parametrize(

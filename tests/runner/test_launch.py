@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.helpers.tiny import tiny_raw
 from tests.helpers.torchrun_util import free_port
 
 from cona.config import parse_config
@@ -128,7 +129,7 @@ def test_latest_falls_back_to_a_marker_file_without_symlinks(tmp_path, monkeypat
 
 
 def test_a_relative_log_root_is_taken_from_the_config_directory(tmp_path, monkeypatch):
-    raw = {"model": {"layers": 1, "hidden": 8, "heads": 2, "seq": 4, "vocab_size": 10}}
+    raw = tiny_raw()
     monkeypatch.chdir(tmp_path)
     config = resolve_log_root(parse_config(raw, source=tmp_path / "project" / ".conaconfig"))
     assert config.training.log_root == str(tmp_path / "project" / "logs")
