@@ -7,6 +7,9 @@ It can kill its own process at chosen points, to test resume after SIGKILL.
 
 :func:`run_until_killed` runs a whole chain with the fake engine in a child process that dies by SIGKILL at
 one of :data:`KILL_POINTS`; the tests rerun the chain afterwards.
+
+The fake chains train the tiny config with :data:`FAKE_MODEL` (:func:`write_fake_chain_config`,
+:func:`setup_run`); :func:`make_checkpoint` saves a real one-process checkpoint of it.
 """
 
 from __future__ import annotations
