@@ -123,9 +123,8 @@ def test_status_of_a_run_without_state_or_metrics(tmp_path):
     assert any("no metrics yet" in warning for warning in status.run.warnings)
 
 
-def test_cli_status_finds_the_latest_run_from_the_config(tmp_path, monkeypatch, capsys):
-    config = {"model": {"name": "gpt-tiny", "layers": 4, "hidden": 64, "heads": 4, "seq": 128}}
-    (tmp_path / ".conaconfig").write_text(json.dumps(config))
+def test_cli_status_finds_the_latest_run_from_the_config(tmp_path, monkeypatch, capsys, tiny_config_file):
+    tiny_config_file()  # its log_root, logs, holds the run
     run_dir = Path(shutil.copytree(FIXTURE, tmp_path / "logs" / "run_chain_small"))
     point_latest(run_dir)
     monkeypatch.chdir(tmp_path)
