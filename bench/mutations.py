@@ -60,9 +60,9 @@ class MutationNotFound(Exception):
 SAMPLE_TESTS = (
     "tests/runner/test_worker_session.py::test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_the_workers",
 )
-THROUGHPUT_TESTS = ("tests/runner/test_online_throughput.py",)
+THROUGHPUT_TESTS = ("tests/runner/schedules/test_online_throughput.py",)
 IN_PLACE_TESTS = (
-    "tests/runner/test_online_e2e.py::test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switch",
+    "tests/runner/schedules/test_online_e2e.py::test_a_gbs_only_switch_happens_in_place_and_trains_as_the_checkpointed_switch",
 )
 MDS_LOG_TESTS = ("tests/backends/test_megatron_deepspeed_log_parse.py",)
 MUTATIONS = (

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.helpers.paths import RUN_CHAIN_SMALL
+from tests.helpers.tiny import tiny_raw, write_tiny_config
+from tests.helpers.tiny_runs import train_args
 
 from cona.cli import main
 from cona.config import parse_config
@@ -23,9 +26,8 @@ from cona.runner.nodes.multinode import parse_hostfile
 from cona.runner.schedules.online_stages import StageRecords
 from cona.runner.state import load_state
 
-FIXTURE = Path(__file__).parent / "runner" / "fixtures" / "run_chain_small"
+FIXTURE = RUN_CHAIN_SMALL
 NOT_UTF8 = b"\xff\xfe{}\n"
-TINY_MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32}
 
 
 def one_line_error(capsys, argv: list[str]) -> tuple[int, str]:
@@ -72,7 +74,7 @@ def test_numeric_flags_refuse_what_no_run_can_use(argv, capsys):
 
 def test_a_seed_out_of_range_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"training\.seed: must be from 0 to 2\*\*63 - 1, got -1"):
-        parse_config({"model": TINY_MODEL, "training": {"seed": -1}})
+        parse_config(tiny_raw(training={"seed": -1}))
 
 
 @pytest.mark.parametrize(
@@ -198,12 +200,7 @@ def test_a_system_whose_reserved_memory_leaves_nothing_is_refused_naming_the_key
 
 
 def fixed_train(tmp_path: Path, workdir: Path, log_root: str) -> list[str]:
-    from tests.runner.test_train_cli import train_args, write_tiny_setup
-
-    config = write_tiny_setup(tmp_path)
-    raw = json.loads(config.read_text())
-    raw["training"]["log_root"] = log_root
-    config.write_text(json.dumps(raw))
+    config = write_tiny_config(tmp_path, data="random", training={"log_root": log_root})
     return train_args(config, workdir, "--run-name", "r", dp=1, iters=1)
 
 

@@ -12,15 +12,10 @@ from cona.config.file import load_config
 from cona.config.overrides import parse_override
 from cona.errors import ConfigError, UsageError
 
-MODEL = {"name": "t", "layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab_size": 1000}
-
 
 @pytest.fixture
-def config_path(tmp_path: Path) -> Path:
-    path = tmp_path / "cfg" / ".conaconfig"
-    path.parent.mkdir()
-    path.write_text(json.dumps({"model": MODEL, "training": {"base_lr": 1e-3}}))
-    return path
+def config_path(tmp_path: Path, tiny_config_file) -> Path:
+    return tiny_config_file(tmp_path / "cfg")
 
 
 @pytest.mark.parametrize(
@@ -91,15 +86,13 @@ def test_config_show_strategies_and_predict_take_set(config_path, capsys):
     assert json.loads(capsys.readouterr().out)["weights_gib"] > base["weights_gib"]  # 8 layers, not 2
     strategies = ["strategies", "--gpus", "2", "--system", "a100_80g", "--gbs", "4"]
     assert main([*strategies, "--config", str(config_path), "--no-botorch", "--set", "model.heads=3"]) == 1
-    assert "model.hidden: 64 is not divisible by model.heads=3" in capsys.readouterr().err
+    assert "model.hidden: 32 is not divisible by model.heads=3" in capsys.readouterr().err
 
 
-def test_train_takes_set_and_the_other_nodes_get_it(tmp_path, monkeypatch, capsys):
-    from tests.runner.test_train_cli import write_tiny_setup
-
+def test_train_takes_set_and_the_other_nodes_get_it(tmp_path, monkeypatch, capsys, tiny_config_file):
     from cona.runner.nodes.multinode import cona_command
 
-    config = write_tiny_setup(tmp_path)
+    config = tiny_config_file(data="random")
     captured = []
     monkeypatch.setattr("cona.runner.schedules.online.run_online", lambda run, **_: captured.append(run))
     online = ["train", "--config", str(config), "--system", "cpu_gloo", "--initial-gbs", "2", "--gpus", "2"]

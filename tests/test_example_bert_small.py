@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.data.data_testlib import ENGLISH_SAMPLE, write_jsonl
+from tests.helpers.text_data import ENGLISH_SAMPLE, write_jsonl
 
 from cona.config import ModelConfig
 from cona.config.file import load_config

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.data.data_testlib import ENGLISH_SAMPLE, write_tiny_gpt2_tokenizer
+from tests.helpers.paths import RUN_CHAIN_SMALL
+from tests.helpers.text_data import ENGLISH_SAMPLE, write_tiny_gpt2_tokenizer
+from tests.helpers.tiny import tiny_config
 
 import cona
-from cona.config import parse_config
 from cona.data.indexed import IndexedDatasetWriter
 from cona.engine.checkpoint.paths import layout_dir
 from cona.engine.checkpoint.save import save_checkpoint
@@ -65,8 +66,8 @@ def test_bad_settings_are_refused_in_one_line_before_anything_runs(call: dict, m
         cona.train(**call)
 
 
-def test_a_setting_is_checked_as_its_flag_is(tmp_path: Path) -> None:
-    config = write_config(tmp_path)
+def test_a_setting_is_checked_as_its_flag_is(tmp_path: Path, tiny_config_file) -> None:
+    config = tiny_config_file(data="random")
     online = {"gpus": 2, "system": "cpu_gloo", "initial_gbs": 4, "max_gbs": 2, "total_iters": 2}
     with pytest.raises(ConaError, match="--max-gbs 2 is below --initial-gbs 4"):
         cona.train(config, online=online, workdir=tmp_path)
@@ -74,21 +75,8 @@ def test_a_setting_is_checked_as_its_flag_is(tmp_path: Path) -> None:
         cona.train(config, fixed={"gbs": 8, "mbs": 2, "iters": 1}, overrides={"training.base_lr": "fast"})
 
 
-def write_config(directory: Path) -> Path:
-    prefix = directory / "data" / "tokens"
-    prefix.parent.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for _ in range(50):
-            writer.add_document(rng.integers(0, 64, size=40))
-    path = directory / ".conaconfig"
-    model = '{"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab_size": 64}'
-    path.write_text(f'{{"model": {model}, "training": {{"device": "cpu", "data_prefix": "data/tokens"}}}}')
-    return path
-
-
 def test_load_model_gives_the_saved_models_logits(tmp_path: Path) -> None:
-    config = parse_config({"model": {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab_size": 200}})
+    config = tiny_config()
     torch.manual_seed(0)
     saved = GPT(config.model)
     with torch.no_grad():
@@ -115,7 +103,7 @@ def test_load_model_gives_the_saved_models_logits(tmp_path: Path) -> None:
 
 
 def test_a_train_result_reads_a_chain_run_directory() -> None:
-    run_dir = ROOT / "tests" / "runner" / "fixtures" / "run_chain_small"
+    run_dir = RUN_CHAIN_SMALL
     result = cona.TrainResult.read(run_dir)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert (result.final_loss, result.iterations, result.tokens) == (

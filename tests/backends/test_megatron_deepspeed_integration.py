@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.torchrun_util import free_port_block
+from tests.helpers.torchrun_util import free_port_block
 
 from cona.backends.megatron_deepspeed.commands import (
     CheckpointLoad,

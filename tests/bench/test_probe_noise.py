@@ -9,13 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.runner.test_train_cli import write_tiny_setup
-
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def test_the_noise_floor_of_equal_branches_is_zero_on_the_cpu(tmp_path) -> None:
-    config = write_tiny_setup(tmp_path)
+def test_the_noise_floor_of_equal_branches_is_zero_on_the_cpu(tmp_path, tiny_config_file) -> None:
+    config = tiny_config_file(data="random")
     env = {**os.environ, "PYTHONPATH": str(BENCH.parent / "src"), "CUDA_VISIBLE_DEVICES": ""}
     args = ["--config", str(config), "--gbs", "4", "--candidate-gbs", "8", "--warm-tokens", "256"]
     args += ["--probe-tokens", "128", "--repeats", "2"]

@@ -72,7 +72,7 @@ def test_the_budget_is_shared_by_the_estimates_and_time_left_passes_on(stat_curv
 
 
 def test_curves_of_several_calls_merge_into_one_file_and_a_gbs_twice_is_refused(stat_curves, tmp_path):
-    from tests.planner.synthetic_curves import synthetic_curves
+    from tests.helpers.synthetic_curves import synthetic_curves
 
     small, large = tmp_path / "small.json", tmp_path / "large.json"
     for path, sizes in ((small, (16, 32)), (large, (256, 512))):

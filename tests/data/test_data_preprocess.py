@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import tiktoken
 import tiktoken.load
-from data_testlib import DEMO_DIR, ENGLISH_SAMPLE, real_gpt2_files, write_jsonl, write_tiny_gpt2_tokenizer
+from tests.helpers.text_data import (
+    DEMO_DIR,
+    ENGLISH_SAMPLE,
+    real_gpt2_files,
+    write_jsonl,
+    write_tiny_gpt2_tokenizer,
+)
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from cona.cli import main

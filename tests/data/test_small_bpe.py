@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from data_testlib import ENGLISH_SAMPLE, write_jsonl, write_tiny_gpt2_tokenizer
+from tests.helpers.text_data import ENGLISH_SAMPLE, write_jsonl, write_tiny_gpt2_tokenizer
 
 from cona.data import demo
 from cona.data.indexed import IndexedDataset

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.data.data_testlib import ENGLISH_SAMPLE, write_jsonl
+from tests.helpers.text_data import ENGLISH_SAMPLE, write_jsonl
 
 from cona.cli import main
 from cona.config import parse_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from tests.torchrun_util import free_port
+from tests.helpers.torchrun_util import free_port
 
 
 @pytest.fixture(scope="module")

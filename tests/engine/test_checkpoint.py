@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.engine import ckpt_worker
-from tests.torchrun_util import run_torchrun
-from torch import nn
+from tests.helpers.small_checkpoint import ONE, assert_same_state, save, small_config, trained
+from tests.helpers.torchrun_util import run_torchrun
+from tests.helpers.workers import ckpt_worker
 
-from cona.config import ConaConfig, parse_config
+from cona.config import parse_config
 from cona.engine.checkpoint import save as ckpt
 from cona.engine.checkpoint.files import verify_complete
 from cona.engine.checkpoint.info import read_checkpoint_info, resolve_checkpoint
@@ -29,38 +29,6 @@ from cona.engine.optim import build_optimizer, set_lr
 from cona.strategy import Strategy
 
 WORKER = Path(ckpt_worker.__file__)
-ONE = Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=4)
-
-
-def small_config(**model_overrides) -> ConaConfig:
-    return parse_config({"model": {**ckpt_worker.SMALL, **model_overrides}, "training": {}})
-
-
-def trained(config: ConaConfig, steps: int = 2, offset: float = 0.0):
-    model = ckpt_worker.build_model(config, ONE, None, offset)
-    optimizer = build_optimizer([model], config.training)
-    for step in range(1, steps + 1):
-        ckpt_worker.train_step(model, optimizer, step)
-    return model, optimizer
-
-
-def save(root: Path, config: ConaConfig, model, optimizer, iteration: int) -> Path:
-    return save_checkpoint(
-        layout_dir(root, config, ONE, "fp32", run_name="run"),
-        iteration=iteration,
-        model_parts=[model],
-        optimizer=optimizer,
-        trainer_state={"iteration": iteration, "consumed_tokens": 64},
-        config=config,
-        strategy=ONE,
-    )
-
-
-def assert_same_state(a: tuple[nn.Module, torch.optim.Optimizer], b: tuple[nn.Module, torch.optim.Optimizer]):
-    expected, actual = ckpt_worker.full_state([a[0]], a[1]), ckpt_worker.full_state([b[0]], b[1])
-    assert set(expected) == set(actual)
-    for key, value in expected.items():
-        assert torch.equal(actual[key], value), key
 
 
 @pytest.fixture

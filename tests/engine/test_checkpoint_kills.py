@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.kill_points import KillAt, kill_points, module_proxy
-from tests.runner.chain_fakes import write_tiny_config
+from tests.helpers.chain_fakes import write_fake_chain_config
+from tests.helpers.kill_points import KillAt, kill_points, module_proxy
 
 from cona.config.file import load_config
 from cona.engine.checkpoint import save as checkpoint_module
@@ -70,7 +70,7 @@ def exchange_works(directory: Path) -> bool:
 def test_a_save_killed_at_any_step_keeps_a_loadable_latest_and_the_next_save_succeeds(
     tmp_path, monkeypatch, iteration, exchange
 ):
-    config = load_config(write_tiny_config(tmp_path))
+    config = load_config(write_fake_chain_config(tmp_path))
     layout = tmp_path / "layout"
     if exchange and not exchange_works(tmp_path):
         pytest.skip("this filesystem has no atomic exchange of directories (renameat2 RENAME_EXCHANGE)")
@@ -106,5 +106,5 @@ def test_a_save_killed_at_any_step_keeps_a_loadable_latest_and_the_next_save_suc
 
 @pytest.fixture(autouse=True)
 def _first_checkpoint(tmp_path):
-    config = load_config(write_tiny_config(tmp_path))
+    config = load_config(write_fake_chain_config(tmp_path))
     save(tmp_path / "layout", config, 5, 5.0)

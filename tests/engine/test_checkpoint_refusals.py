@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.engine.ckpt_tamper import rewrite_manifest
-from tests.engine.test_checkpoint import assert_same_state, save, small_config, trained
+from tests.helpers.ckpt_tamper import rewrite_manifest
+from tests.helpers.small_checkpoint import assert_same_state, save, small_config, trained
 from torch import nn
 
 from cona.engine.checkpoint.files import verify_complete

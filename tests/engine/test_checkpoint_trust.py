@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tests.engine import ckpt_worker
-from tests.engine.ckpt_tamper import Payload, crafted_metadata, flip_bytes, rewrite_manifest
-from tests.engine.test_checkpoint import ONE, save, small_config, trained
+from tests.helpers.ckpt_tamper import Payload, crafted_metadata, flip_bytes, rewrite_manifest
+from tests.helpers.small_checkpoint import ONE, save, small_config, trained
+from tests.helpers.workers import ckpt_worker
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from cona.cli import main

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from tests.engine import ckpt_worker
+from tests.helpers.workers import ckpt_worker
 
 from cona.cli import main
 from cona.config import parse_config

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from tests.engine.tiny import tiny_config, tiny_engine
+from tests.helpers.tiny import tiny_config, tiny_engine
 from torch._dynamo.utils import counters
 
 from cona.engine.compile_warmup import compile_shapes, warm_strategies
@@ -26,7 +26,7 @@ def test_warmed_graphs_load_from_the_cache_and_a_switch_back_compiles_nothing(
     one_process_group, tmp_path, monkeypatch
 ) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
-    config = tiny_config(seq=8)
+    config = tiny_config(model={"seq": 8})
     config = dataclasses.replace(config, training=config.training.replace(compile=True))
     torch._dynamo.reset()
     counters.clear()

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from tests.engine.tiny import recorded_stances
-from tests.torchrun_util import free_port
+from tests.helpers.tiny import recorded_stances
+from tests.helpers.torchrun_util import free_port
 
 from cona.config import ConaConfig, ModelConfig, TrainingConfig
 from cona.engine.optim import build_optimizer

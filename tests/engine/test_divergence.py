@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from tests.helpers.tiny import tiny_config
 
-from cona.config import parse_config
 from cona.engine.divergence import DivergenceWatch
 from cona.errors import TrainingDiverged
 
@@ -34,8 +34,7 @@ def test_a_stepped_line_resets_the_count_and_a_loss_spike_stops_the_run():
 
 
 def config(vocab_size: int = 50257):
-    model = {"name": "tiny", "layers": 1, "hidden": 8, "heads": 2, "seq": 8, "vocab_size": vocab_size}
-    return parse_config({"model": model, "training": {"divergence_loss_factor": 10.0}})
+    return tiny_config(model={"vocab_size": vocab_size}, training={"divergence_loss_factor": 10.0})
 
 
 def test_a_climb_under_the_stop_factor_is_unfit_to_resume_and_the_lowest_loss_survives_a_resume():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from tests.engine.tiny import recorded_stances, tiny_config, tiny_engine
+from tests.helpers.tiny import recorded_stances, tiny_config, tiny_engine
 from torch import nn
 
 from cona.config import ConaConfig

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from tests.engine.tiny import tiny_config
+from tests.helpers.tiny import tiny_config
 
 from cona.engine.optim import build_optimizer, set_lr
 from cona.engine.parallel_dims import build_mesh
@@ -18,7 +18,7 @@ from cona.planner.efficiency import NoiseScaleTracker, two_batch_estimate
 from cona.strategy import Strategy
 
 VOCAB, SEQ = 64, 16
-CONFIG = tiny_config(seq=SEQ, seed=11)
+CONFIG = tiny_config(model={"seq": SEQ, "vocab_size": VOCAB}, training={"seed": 11})
 
 
 class MarkovText:

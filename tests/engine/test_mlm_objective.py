@@ -5,11 +5,13 @@ dp, tp, pp), and GPT's loss is unchanged."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from tests.engine.mlm_objective_worker import (
+from tests.helpers.paths import WORKERS
+from tests.helpers.tiny import tiny_config, tiny_engine
+from tests.helpers.torchrun_util import run_torchrun
+from tests.helpers.workers.mlm_objective_worker import (
     TARGETS_PER_ROW,
     masked_batch,
     parse_layout,
@@ -17,13 +19,11 @@ from tests.engine.mlm_objective_worker import (
     run_layout,
     tiny_bert_config,
 )
-from tests.engine.tiny import tiny_config, tiny_engine
-from tests.torchrun_util import run_torchrun
 
 from cona.engine.model import token_cross_entropy
 from cona.engine.objective import loss_token_count, micro_batch_share
 
-WORKER = str(Path(__file__).with_name("mlm_objective_worker.py"))
+WORKER = str(WORKERS / "mlm_objective_worker.py")
 GBS = len(TARGETS_PER_ROW)
 
 
@@ -51,7 +51,7 @@ def test_every_micro_batch_split_computes_the_global_masked_mean(one_process_gro
 
 def test_gpt_loss_is_still_the_mean_of_micro_batch_means(one_process_group) -> None:
     """Every target counts: the share n / N is exactly 1 / (mbs * seq), so L_k is the micro-batch mean."""
-    engine = tiny_engine(gbs=6, mbs=3, config=tiny_config(seq=12))
+    engine = tiny_engine(gbs=6, mbs=3, config=tiny_config(model={"seq": 12}))
     tokens = torch.randint(0, 64, (6, 13), generator=torch.Generator().manual_seed(0))
     batches = list(zip(tokens[:, :-1].split(3), tokens[:, 1:].split(3), strict=True))
     out = engine.train_step_pending(batches).result()

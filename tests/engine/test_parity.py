@@ -8,12 +8,12 @@ plain model it computes itself (see parity_worker.py).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from tests.torchrun_util import run_torchrun
+from tests.helpers.paths import WORKERS
+from tests.helpers.torchrun_util import run_torchrun
 
-WORKER = str(Path(__file__).with_name("parity_worker.py"))
+WORKER = str(WORKERS / "parity_worker.py")
 
 TWO_PROCESS_LAYOUTS = {
     "dp2 zero0": "dp=2,zero_stage=0",

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tests.engine.tiny import tiny_config, tiny_engine
+from tests.helpers.tiny import tiny_config, tiny_engine
 
 from cona.data.gpt_dataset import micro_batch_sample_ids
 from cona.engine import probe_branch
@@ -31,7 +31,7 @@ class Run:
     """The tiny engine, its optimizer, and a log of every sample id each step trained (tagged)."""
 
     def __init__(self) -> None:
-        self.model = tiny_engine(gbs=CURRENT.gbs, mbs=CURRENT.mbs, config=tiny_config(seq=SEQ))
+        self.model = tiny_engine(gbs=CURRENT.gbs, mbs=CURRENT.mbs, config=tiny_config(model={"seq": SEQ}))
         self.optimizer = build_optimizer(self.model.model_parts, self.model.config.training)
         self.progress = Progress()
         self.trained: list[tuple[str, int]] = []

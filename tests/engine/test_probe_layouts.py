@@ -4,12 +4,12 @@ equal branches give bit-identical losses, and the run goes on as one without the
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from tests.torchrun_util import run_torchrun
+from tests.helpers.paths import WORKERS
+from tests.helpers.torchrun_util import run_torchrun
 
-WORKER = str(Path(__file__).with_name("probe_worker.py"))
+WORKER = str(WORKERS / "probe_worker.py")
 LAYOUTS = {
     "dp2_replicated": "dp=2,zero_stage=0",
     "dp2_fsdp": "dp=2,zero_stage=3",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tests.engine.tiny import tiny_engine
+from tests.helpers.tiny import tiny_engine
 
 from cona.engine.shape_warmup import ShapeWarmup, run_mode
 from cona.metrics_record import MetricsRecord, stage_rates, steady_rates

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.engine.tiny import TINY_MODEL, tiny_engine
+from tests.helpers.tiny import TINY_MODEL, tiny_engine
 
 from cona.config import parse_config
 from cona.engine.spec import StageSpec

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.tiny import tiny_config
 from torch import nn
 
-from cona.config import parse_config
 from cona.engine.checkpoint.info import PROBE_FILE, read_checkpoint_info
 from cona.engine.checkpoint.save import save_checkpoint
 from cona.engine.switch_check import (
@@ -123,7 +123,7 @@ def test_verdict_round_trips_through_its_file(tmp_path):
 
 
 def test_a_checkpoint_carries_its_probe(tmp_path):
-    config = parse_config({"model": {"layers": 1, "hidden": 8, "heads": 2, "seq": 4, "vocab_size": 16}})
+    config = tiny_config()
     model = nn.Linear(2, 2)
     arguments = dict(
         iteration=3,

@@ -9,7 +9,7 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
-from tests.engine.tiny import TINY_MODEL
+from tests.helpers.tiny import TINY_MODEL
 
 from cona.config import parse_config
 from cona.engine.metrics import (

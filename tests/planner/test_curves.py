@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from tests.planner.synthetic_curves import synthetic_curves
+from tests.helpers.synthetic_curves import synthetic_curves
 
 from cona.errors import PlanError
 from cona.planner.curves import Curve, load_curves, parse_curves

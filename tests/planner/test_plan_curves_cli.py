@@ -1,11 +1,11 @@
-"""``cona plan --curves``: the table from a SYNTHETIC curves file (tests/planner/synthetic_curves.py)."""
+"""``cona plan --curves``: the table from a SYNTHETIC curves file (tests/helpers/synthetic_curves.py)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from tests.planner.synthetic_curves import MODEL, write_synthetic_curves
+from tests.helpers.synthetic_curves import MODEL, write_synthetic_curves
 
 from cona.cli import main
 from cona.config import ConaConfig, ModelConfig, TrainingConfig

@@ -1,12 +1,12 @@
 """The switching policy on synthetic metrics: noise-scale measurements built to give a chosen noise scale
-(:mod:`tests.planner.policy_cases`). In-place switches: test_policy_in_place.py; probes:
+(:mod:`tests.helpers.policy_cases`). In-place switches: test_policy_in_place.py; probes:
 test_policy_probe.py."""
 
 import dataclasses
 import json
 
 import pytest
-from tests.planner.policy_cases import (
+from tests.helpers.policy_cases import (
     BASE,
     CANDIDATE,
     LARGE,

@@ -1,9 +1,9 @@
 """The policy's in-place switches without probes (``training.probe`` off), on the synthetic noise scales of
-:mod:`tests.planner.policy_cases`; with probes: test_policy_probe.py."""
+:mod:`tests.helpers.policy_cases`; with probes: test_policy_probe.py."""
 
 import dataclasses
 
-from tests.planner.policy_cases import (
+from tests.helpers.policy_cases import (
     BASE,
     CANDIDATE,
     SETTINGS,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from tests.planner.policy_cases import BASE, SETTINGS, SMALL, fresh_state, measure
+from tests.helpers.policy_cases import BASE, SETTINGS, SMALL, branch, fresh_state, measure, outcome
 
 from cona.planner.policy import Candidate, decide
 from cona.planner.policy_probe import PROBE_SPACING
-from cona.planner.probe_rule import BranchRun, ProbeOutcome, judge
+from cona.planner.probe_rule import ProbeOutcome, judge
 from cona.strategy import Strategy
 
 IN_PLACE_LARGE = Strategy(dp=4, tp=1, pp=1, mbs=8, gbs=32)  # SMALL's layout at twice the batch
@@ -16,22 +16,6 @@ CANDIDATE = Candidate(strategy=IN_PLACE_LARGE, predicted_tokens_per_s=1800.0)
 PROBING = dataclasses.replace(
     SETTINGS, in_place=True, probe=True, probe_tokens=8192, predicted_in_place_cost_s=1.0
 )
-
-
-def branch(gbs: int, loss: float, seconds: float) -> BranchRun:
-    return BranchRun(
-        gbs=gbs, mbs=gbs // 4, lr=1e-3, steps=4096 // gbs, loss=loss, train_loss=loss + 0.1,
-        seconds=seconds, steady_seconds=seconds,
-    )  # fmt: skip
-
-
-def outcome(candidate_loss: float, candidate_s: float = 2.0) -> ProbeOutcome:
-    current, candidate = branch(16, 4.0, 4.0), branch(32, candidate_loss, candidate_s)
-    winner, reason = judge(start_loss=4.2, current=current, candidate=candidate, tolerance=0.01)
-    return ProbeOutcome(
-        stage=1, iteration=100, consumed_samples=1600, samples=4096, tokens=4096 * 8, start_loss=4.2,
-        current=current, candidate=candidate, tolerance=0.01, winner=winner, reason=reason, wall_s=6.5,
-    )  # fmt: skip
 
 
 def test_a_layout_keeping_candidate_is_probed_even_where_the_noise_scale_says_it_loses():

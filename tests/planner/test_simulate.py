@@ -1,4 +1,4 @@
-"""The cluster simulator on SYNTHETIC curves (tests/planner/synthetic_curves.py): the optimum, the
+"""The cluster simulator on SYNTHETIC curves (tests/helpers/synthetic_curves.py): the optimum, the
 baselines, CONA's chain through the policy's own code, switch costs and the model's error."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
-from tests.planner.synthetic_curves import synthetic_curves
+from tests.helpers.synthetic_curves import synthetic_curves
 
 from cona.config import ModelConfig
 from cona.planner.cluster import Cluster, curves_world, policy_settings

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from forked import killed_in_own_process_group
-from kill_in_save_worker import KILL_STAGE_ENV
-from test_chain_e2e import free_port_base
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, trained_steps
-from tiny_chain import SEQ, chain_args, write_chain, write_config_and_data
+from tests.helpers.forked import killed_in_own_process_group
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order, trained_steps
+from tests.helpers.paths import WORKERS
+from tests.helpers.tiny import MARKOV_SEQ as MARKOV_SEQ
+from tests.helpers.tiny_runs import chain_args, free_port_base, write_chain
+from tests.helpers.workers.kill_in_save_worker import KILL_STAGE_ENV
 
 from cona.commands import train_runs
 from cona.runner.launch import run_stage
@@ -30,7 +31,6 @@ from cona.runner.stage_run import StageLaunch
 from cona.runner.state import load_state
 from cona.runner.worker_session import WorkerSession
 
-HERE = Path(__file__).resolve().parent
 STEPS = (
     {"dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 4, "train_iters": 3, "is_initial": True, "convert": True},
     {"dp": 1, "tp": 2, "pp": 1, "gbs": 16, "mbs": 4, "extra_iters": 3, "convert": True},
@@ -41,7 +41,7 @@ TOTAL_SAMPLES = 3 * 8 + 3 * 16 + 1 * 16
 
 def killing_launcher(launch: StageLaunch) -> None:
     """Stages run :mod:`kill_in_save_worker`, which kills the process group in stage 2's final save."""
-    python_path = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    python_path = [str(WORKERS), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, KILL_STAGE_ENV: "2", "PYTHONPATH": os.pathsep.join(python_path)}
     run_stage(
         launch.spec_path,
@@ -57,11 +57,11 @@ def killing_launcher(launch: StageLaunch) -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeating_samples(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, tiny_config_file
 ):
     for name, value in TRACE_ENV.items():  # the workers record what they train on
         monkeypatch.setenv(name, value)
-    config = write_config_and_data(tmp_path)
+    config = tiny_config_file(data="markov")
     chain = write_chain(tmp_path / "chain.json", list(STEPS))
     args = chain_args(config, chain, tmp_path, "kill", stages=len(STEPS))
     wait_status = killed_in_own_process_group(
@@ -92,7 +92,7 @@ def test_sigkill_during_the_save_for_a_switch_resumes_without_skipping_or_repeat
 
     assert lines[0] == (
         f"resuming run kill at stage 2 (running) from {stage1_universal}, iteration=3, "
-        f"consumed_samples=24, consumed_tokens={24 * SEQ}"
+        f"consumed_samples=24, consumed_tokens={24 * MARKOV_SEQ}"
     )
     spec = json.loads((run_dir / "stages" / "2" / "spec.json").read_text())
     assert spec["load_path"] == str(stage1_universal)

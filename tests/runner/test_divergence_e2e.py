@@ -7,18 +7,17 @@ import subprocess
 import sys
 
 import pytest
-from test_train_cli import train_args, write_tiny_setup
+from tests.helpers.tiny_runs import train_args
 
 from cona.runner.views.status import collect_status, status_lines
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_run_at_a_huge_lr_exits_non_zero_naming_the_divergence(tmp_path, capfd):
-    config = write_tiny_setup(tmp_path)
-    raw = json.loads(config.read_text())
-    raw["training"].update(base_lr=1e3, base_min_lr=1e2, log_interval=2, eval_interval=1000)
-    config.write_text(json.dumps(raw))
+def test_a_run_at_a_huge_lr_exits_non_zero_naming_the_divergence(tmp_path, capfd, tiny_config_file):
+    config = tiny_config_file(
+        data="random", training={"base_lr": 1e3, "base_min_lr": 1e2, "log_interval": 2, "eval_interval": 1000}
+    )
     # its own process: once it exited, no process of the run is alive (status reads the run's end)
     done = subprocess.run([sys.executable, "-m", "cona", *train_args(config, tmp_path / "work", iters=60)])
     assert done.returncode != 0
@@ -33,16 +32,24 @@ def test_a_run_at_a_huge_lr_exits_non_zero_naming_the_divergence(tmp_path, capfd
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_climb_under_the_stop_factor_never_becomes_latest_and_the_rerun_is_refused(tmp_path, capfd):
+def test_a_climb_under_the_stop_factor_never_becomes_latest_and_the_rerun_is_refused(
+    tmp_path, capfd, tiny_config_file
+):
     """At base_lr 1.2 the loss climbs 6 -> 17 -> 29 before the 10x stop: the periodic checkpoints of that
     climb are written (the one in flight at the stop too, no temporary left) but ``latest`` stays on a
     state whose loss is within 2x the lowest, and the same command is refused until --resume-diverged."""
     from cona.cli import main
 
-    config = write_tiny_setup(tmp_path)
-    raw = json.loads(config.read_text())
-    raw["training"].update(base_lr=1.2, base_min_lr=0.1, log_interval=1, eval_interval=1000, save_interval=1)
-    config.write_text(json.dumps(raw))
+    config = tiny_config_file(
+        data="random",
+        training={
+            "base_lr": 1.2,
+            "base_min_lr": 0.1,
+            "log_interval": 1,
+            "eval_interval": 1000,
+            "save_interval": 1,
+        },
+    )
     args = train_args(config, tmp_path / "work", "--run-name", "climb", dp=1, mbs=8, iters=30)
     assert main(args) != 0
     assert "TrainingDiverged: training diverged at iteration" in capfd.readouterr().err

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from chain_fakes import FakeEngine, run_layout, write_tiny_config
-from tests.runner.forked import fork
+from tests.helpers.chain_fakes import FakeEngine, run_layout, write_fake_chain_config
+from tests.helpers.forked import fork
 
 from cona import run_files
 from cona.api import TrainResult
@@ -74,7 +74,7 @@ def as_older_cona_made_it(run: FixedRun) -> Callable[[], ChainRun]:
 
 @pytest.mark.parametrize("made_by", ["this cona", "an older cona"])
 def test_the_same_fixed_command_resumes_a_killed_run_from_its_checkpoint(tmp_path, capsys, made_by):
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     run = fixed_run(tmp_path)
     if made_by == "this cona":
         run_dir = open_run_dir(run)
@@ -108,7 +108,7 @@ def test_the_same_fixed_command_resumes_a_killed_run_from_its_checkpoint(tmp_pat
 
 
 def test_a_fixed_run_of_another_iters_under_the_same_name_is_refused(tmp_path):
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     run = fixed_run(tmp_path)
     run_dir = open_run_dir(run)
     killed_mid_stage(lambda: one_stage_chain(run, run_dir))
@@ -118,7 +118,7 @@ def test_a_fixed_run_of_another_iters_under_the_same_name_is_refused(tmp_path):
 
 
 def test_a_directory_that_holds_no_fixed_run_is_refused(tmp_path):
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     run = fixed_run(tmp_path)
     taken = tmp_path / "logs" / "run"
     taken.mkdir(parents=True)

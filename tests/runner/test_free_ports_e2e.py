@@ -13,7 +13,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from tiny_chain import write_chain, write_config_and_data
+from tests.helpers.tiny import write_tiny_config
+from tests.helpers.tiny_runs import write_chain
 
 from cona.runner.launch import DEFAULT_MASTER_PORT_BASE
 
@@ -37,7 +38,7 @@ def _hold(stack: ExitStack, port: int) -> None:
 
 
 def _start(directory: Path, mode_args: list[str]) -> subprocess.Popen:
-    config = write_config_and_data(directory)
+    config = write_tiny_config(directory, data="markov")
     command = [
         sys.executable, "-m", "cona", "train", *mode_args,
         "--config", str(config), "--workdir", str(directory), "--run-name", "run",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_periodic_checkpoint_e2e import final_records, with_training
-from tests.observed import TRACE_ENV, trained_steps
-from tiny_chain import SEQ, chain_args, write_chain, write_config_and_data
+from tests.helpers.observed import TRACE_ENV, trained_steps
+from tests.helpers.tiny import MARKOV_SEQ as MARKOV_SEQ
+from tests.helpers.tiny_runs import chain_args, final_records, write_chain
 
 from cona.commands import train_runs
 from cona.runner.schedules.chain_schedule import run_chain
@@ -16,13 +16,15 @@ from cona.runner.worker_session import WorkerSession
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_chain_whose_first_step_loads_another_run_s_checkpoint_continues_that_run(tmp_path, monkeypatch):
+def test_a_chain_whose_first_step_loads_another_run_s_checkpoint_continues_that_run(
+    tmp_path, monkeypatch, tiny_config_file
+):
     """``load_checkpoint`` on the initial step: a second run continues the first one's checkpoint at its
     iteration and samples, under another layout, and trains what one chain of both steps trains (with the
     LR horizon fixed, so the first run alone had the same schedule)."""
     for name, value in TRACE_ENV.items():
         monkeypatch.setenv(name, value)
-    config = with_training(write_config_and_data(tmp_path), lr_decay_tokens=6 * 8 * SEQ)
+    config = tiny_config_file(data="markov", training={"lr_decay_tokens": 6 * 8 * MARKOV_SEQ})
     first = {"dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 4, "train_iters": 3, "is_initial": True}
     then = {"dp": 1, "tp": 2, "pp": 1, "gbs": 8, "mbs": 4, "extra_iters": 3}
     both = write_chain(tmp_path / "both.json", [{**first, "convert": True}, then])

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from chain_fakes import FakeEngine, chain_run, write_tiny_config
+from tests.helpers.chain_fakes import FakeEngine, chain_run, write_fake_chain_config
 
 from cona.config.file import load_config
 from cona.engine.checkpoint.paths import layout_dir
@@ -113,7 +113,7 @@ WINDOWS += [(72 + 4 * i, 4) for i in range(2)] + [(80 + 32 * i, 32) for i in ran
 
 
 def write_chain(tmp_path):
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     steps = [{"step_num": n, "dp": 4, "tp": 1, "pp": 1, "mbs": 1, **s} for n, s in enumerate(STEPS, 1)]
     path = tmp_path / "chain.json"
     path.write_text(json.dumps({"steps": steps}))
@@ -151,7 +151,7 @@ def test_a_chain_killed_after_several_in_place_switches_retrains_every_stage_sin
 
 
 def online_run(tmp_path) -> OnlineRun:
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     return OnlineRun(
         config=load_config(tmp_path / ".conaconfig"),
         workdir=tmp_path,

@@ -7,11 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_chain_e2e import free_port_base as chain_port_base
-from test_online_e2e import in_place_run
-from test_train_cli import free_port_base
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order
-from tiny_chain import write_chain, write_config_and_data
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order
+from tests.helpers.tiny_runs import free_port_base, in_place_run, write_chain
+from tests.helpers.tiny_runs import free_port_base as chain_port_base
 
 from cona import run_files
 from cona.cli import main
@@ -65,11 +63,13 @@ def test_an_online_run_killed_after_recording_an_in_place_switch_reruns_to_the_e
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_chain_killed_before_recording_a_handed_over_stage_reruns_to_the_end(tmp_path, monkeypatch):
+def test_a_chain_killed_before_recording_a_handed_over_stage_reruns_to_the_end(
+    tmp_path, monkeypatch, tiny_config_file
+):
     """Stage 1 wrote its result (handed over in place) and the runner died before recording it: the rerun
     took that result as handed over by workers that were gone, and stage 2 failed ("no earlier stage's
     state is in memory"); a second rerun was needed."""
-    config = write_config_and_data(tmp_path)
+    config = tiny_config_file(data="markov")
     steps = [
         {"dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 4, "train_iters": 3, "is_initial": True},
         {"dp": 2, "tp": 1, "pp": 1, "gbs": 16, "mbs": 4, "extra_iters": 3},

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.torchrun_util import free_port
+from tests.helpers.tiny import tiny_raw
+from tests.helpers.torchrun_util import free_port
 
 from cona.config import parse_config
 from cona.config.file import load_config
@@ -128,7 +129,7 @@ def test_latest_falls_back_to_a_marker_file_without_symlinks(tmp_path, monkeypat
 
 
 def test_a_relative_log_root_is_taken_from_the_config_directory(tmp_path, monkeypatch):
-    raw = {"model": {"layers": 1, "hidden": 8, "heads": 2, "seq": 4, "vocab_size": 10}}
+    raw = tiny_raw()
     monkeypatch.chdir(tmp_path)
     config = resolve_log_root(parse_config(raw, source=tmp_path / "project" / ".conaconfig"))
     assert config.training.logging.log_root == str(tmp_path / "project" / "logs")
@@ -203,10 +204,9 @@ def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_switch_request_stops_the_stage_after_the_step_with_a_checkpoint(tmp_path):
-    from test_train_cli import write_tiny_setup
+def test_a_switch_request_stops_the_stage_after_the_step_with_a_checkpoint(tmp_path, tiny_config_file):
 
-    config = resolve_log_root(load_config(write_tiny_setup(tmp_path)))
+    config = resolve_log_root(load_config(tiny_config_file(data="random")))
     run_dir = create_run_dir(Path(config.training.logging.log_root), "switch")
     spec = StageSpec(
         run_dir=run_dir,

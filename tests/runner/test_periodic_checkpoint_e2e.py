@@ -13,12 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from forked import killed_in_own_process_group
-from kill_mid_stage_worker import KILL_AT_ENV, KILL_STAGE_ENV, ONCE_SAVED_ENV
-from test_chain_e2e import free_port_base
-from test_train_cli import train_args, write_tiny_setup
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, trained_steps
-from tiny_chain import chain_args, write_chain, write_config_and_data
+from tests.helpers.forked import killed_in_own_process_group
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order, trained_steps
+from tests.helpers.paths import WORKERS
+from tests.helpers.tiny_runs import chain_args, final_records, free_port_base, train_args, write_chain
+from tests.helpers.workers.kill_mid_stage_worker import KILL_AT_ENV, KILL_STAGE_ENV, ONCE_SAVED_ENV
 
 from cona.cli import main
 from cona.commands import train_runs
@@ -31,25 +30,17 @@ from cona.runner.state import SWITCH_IN_PARTS, durations
 from cona.runner.views.status import collect_status, status_lines
 from cona.runner.worker_session import WorkerSession, stage_launcher
 
-HERE = Path(__file__).resolve().parent
 PERIODIC = {"save_interval": 2, "keep_checkpoints": 2}
 
 
 def kill_env(*, stage: int, at: int, once_saved: int) -> dict[str, str]:
-    python_path = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    python_path = [str(WORKERS), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {
         KILL_STAGE_ENV: str(stage),
         KILL_AT_ENV: str(at),
         ONCE_SAVED_ENV: str(once_saved),
         "PYTHONPATH": os.pathsep.join(python_path),
     }
-
-
-def with_training(config: Path, **training) -> Path:
-    raw = json.loads(config.read_text())
-    raw["training"].update(training)
-    config.write_text(json.dumps(raw))
-    return config
 
 
 def switched_parts(milestones: dict) -> dict[str, float]:
@@ -67,12 +58,6 @@ def newest_periodic(layout: Path) -> str:
     newest = (layout / "latest").read_text().strip()
     assert newest in ("global_step4", "global_step6"), newest
     return newest
-
-
-def final_records(run_dir: Path) -> dict[int, dict]:
-    """Each iteration's last metrics line (a resumed run's for the iterations it retrained)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {record["iteration"]: record for record in map(json.loads, lines)}
 
 
 def assert_same_training(run_dir: Path, reference: Path, *, total_samples: int) -> None:
@@ -93,11 +78,11 @@ def assert_same_training(run_dir: Path, reference: Path, *, total_samples: int) 
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_killed_fixed_run_resumes_with_the_same_command_from_its_periodic_checkpoint(
-    tmp_path, monkeypatch, capfd
+    tmp_path, monkeypatch, capfd, tiny_config_file
 ):
     for name, value in TRACE_ENV.items():  # the workers record what they train on
         monkeypatch.setenv(name, value)
-    config = with_training(write_tiny_setup(tmp_path), **PERIODIC, eval_interval=1000)
+    config = tiny_config_file(data="random", training={**PERIODIC, "eval_interval": 1000})
     assert main(train_args(config, tmp_path / "whole", "--run-name", "whole", iters=8)) == 0
     reference = tmp_path / "logs" / "whole"
     whole_layout = (
@@ -142,8 +127,8 @@ def test_a_killed_fixed_run_resumes_with_the_same_command_from_its_periodic_chec
 
 
 @pytest.mark.multiproc
-def test_an_existing_directory_of_no_fixed_run_is_refused(tmp_path, capsys):
-    config = write_tiny_setup(tmp_path)
+def test_an_existing_directory_of_no_fixed_run_is_refused(tmp_path, capsys, tiny_config_file):
+    config = tiny_config_file(data="random")
     (tmp_path / "logs" / "taken").mkdir(parents=True)
     assert main(train_args(config, tmp_path / "work", "--run-name", "taken")) != 0
     err = capsys.readouterr().err
@@ -152,10 +137,12 @@ def test_an_existing_directory_of_no_fixed_run_is_refused(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_chain_killed_mid_stage_resumes_from_the_stage_s_periodic_checkpoint(tmp_path, monkeypatch):
+def test_a_chain_killed_mid_stage_resumes_from_the_stage_s_periodic_checkpoint(
+    tmp_path, monkeypatch, tiny_config_file
+):
     for name, value in TRACE_ENV.items():
         monkeypatch.setenv(name, value)
-    config = with_training(write_config_and_data(tmp_path), **PERIODIC)
+    config = tiny_config_file(data="markov", training=PERIODIC)
     steps = [
         {
             "dp": 2,
@@ -215,12 +202,14 @@ def test_a_chain_killed_mid_stage_resumes_from_the_stage_s_periodic_checkpoint(t
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_stage_continued_in_place_and_killed_resumes_from_its_periodic_checkpoint(tmp_path, monkeypatch):
+def test_a_stage_continued_in_place_and_killed_resumes_from_its_periodic_checkpoint(
+    tmp_path, monkeypatch, tiny_config_file
+):
     """An in-place stage has no checkpoint at its start: without a periodic one a kill would retrain stage 1
     up to the switch (:mod:`cona.runner.in_place`); with it, the stage resumes from it."""
     for name, value in TRACE_ENV.items():
         monkeypatch.setenv(name, value)
-    config = with_training(write_config_and_data(tmp_path), **PERIODIC)
+    config = tiny_config_file(data="markov", training=PERIODIC)
     first = {"dp": 2, "tp": 1, "pp": 1, "gbs": 8, "mbs": 4, "train_iters": 3, "is_initial": True}
     second = {"dp": 2, "tp": 1, "pp": 1, "gbs": 16, "mbs": 4, "extra_iters": 5}  # the same layout: in place
     chain = write_chain(tmp_path / "chain.json", [first, second])
@@ -258,12 +247,13 @@ def test_a_stage_continued_in_place_and_killed_resumes_from_its_periodic_checkpo
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_saves_by_time_happen_at_the_step_rank_0_s_clock_picks_and_the_newest_are_kept(tmp_path):
+def test_saves_by_time_happen_at_the_step_rank_0_s_clock_picks_and_the_newest_are_kept(
+    tmp_path, tiny_config_file
+):
     """``save_interval_minutes`` alone: rank 0's clock decides, every rank saves at the same step (else the
     collective save would hang), at most ``keep_checkpoints`` periodic ones stay beside the last."""
-    config = with_training(
-        write_tiny_setup(tmp_path), save_interval=None, save_interval_minutes=1e-4, keep_checkpoints=1
-    )
+    timed = {"save_interval": None, "save_interval_minutes": 1e-4, "keep_checkpoints": 1}
+    config = tiny_config_file(data="random", training=timed)
     assert main(train_args(config, tmp_path / "work", "--run-name", "timed", iters=8)) == 0
     layout = tmp_path / "work" / "checkpoints" / "timed" / "gpt-tiny" / "z1" / "fp32" / "tp1_pp1_dp2_sp1"
     states = {

@@ -13,38 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from chain_fakes import FakeEngine, chain_run, seed_shaped_chain, write_tiny_config
+from tests.helpers.chain_fakes import (
+    LAYOUT,
+    FakeEngine,
+    chain_run,
+    make_checkpoint,
+    seed_shaped_chain,
+    write_fake_chain_config,
+)
 
-from cona.config.file import load_config
 from cona.engine.checkpoint.info import resolve_checkpoint
 from cona.engine.checkpoint.load import load_model_tensors
-from cona.engine.checkpoint.save import save_checkpoint
 from cona.errors import CheckpointError
 from cona.runner import publish as publish_module
 from cona.runner.chain_file import PruneRule
 from cona.runner.publish import LATEST_UNIVERSAL, prune, publish
 from cona.runner.schedules.chain_schedule import run_chain
-from cona.strategy import Strategy
-
-LAYOUT = "checkpoints/tiny/z1/fp32/tp1_pp1_dp1_sp1"
-
-
-def make_checkpoint(workdir: Path, iteration: int) -> Path:
-    """A real, small DCP checkpoint saved by the engine in this one process."""
-    config = load_config(write_tiny_config(workdir))
-    model = torch.nn.Linear(3, 2)
-    torch.nn.init.constant_(model.weight, float(iteration))
-    optimizer = torch.optim.AdamW(model.parameters())
-    state = {"iteration": iteration, "consumed_samples": 8 * iteration, "consumed_tokens": 64 * iteration}
-    return save_checkpoint(
-        workdir / LAYOUT,
-        iteration=iteration,
-        model_parts=[model],
-        optimizer=optimizer,
-        trainer_state=state,
-        config=config,
-        strategy=Strategy(dp=1, tp=1, pp=1, mbs=1, gbs=8),
-    )
 
 
 def files_of(directory: Path) -> list[str]:
@@ -193,7 +177,7 @@ def test_a_run_prepares_its_publisher_only_where_a_stage_may_publish(tmp_path, c
     chain = seed_shaped_chain(1)
     for step in chain["steps"]:
         step["convert"] = convert and step["step_num"] < len(chain["steps"])
-    write_tiny_config(tmp_path)
+    write_fake_chain_config(tmp_path)
     (tmp_path / "chain.json").write_text(json.dumps(chain))
     prepared: list[bool] = []
     run_chain(

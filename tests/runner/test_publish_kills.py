@@ -7,8 +7,8 @@ import os
 import shutil
 
 import pytest
-from test_publish import make_checkpoint
-from tests.kill_points import KillAt, kill_points, module_proxy
+from tests.helpers.chain_fakes import make_checkpoint
+from tests.helpers.kill_points import KillAt, kill_points, module_proxy
 
 from cona.engine.checkpoint.load import load_model_tensors
 from cona.runner import publish as publish_module

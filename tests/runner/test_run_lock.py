@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from forked import fork
-from tiny_chain import chain_args, write_chain, write_config_and_data
+from tests.helpers.forked import fork
+from tests.helpers.tiny_runs import chain_args, write_chain
 
 from cona.cli import main
 from cona.commands import train_runs
@@ -90,8 +90,10 @@ def test_a_scope_s_end_releases_its_locks_while_a_launcher_it_started_still_runs
         kill(launcher)
 
 
-def test_a_second_chain_on_a_live_run_directory_or_checkpoint_folder_is_refused_before_it_starts(tmp_path):
-    config = write_config_and_data(tmp_path)
+def test_a_second_chain_on_a_live_run_directory_or_checkpoint_folder_is_refused_before_it_starts(
+    tmp_path, tiny_config_file
+):
+    config = tiny_config_file(data="markov")
     chain = write_chain(tmp_path / "chain.json", STEPS)
     args = chain_args(config, chain, tmp_path, "first", stages=1)
     run_dir = tmp_path / "logs" / "first"
@@ -114,8 +116,8 @@ def test_a_second_chain_on_a_live_run_directory_or_checkpoint_folder_is_refused_
         kill(holder)
 
 
-def test_a_fixed_run_into_a_live_checkpoint_folder_is_refused(tmp_path, capsys):
-    config = write_config_and_data(tmp_path)
+def test_a_fixed_run_into_a_live_checkpoint_folder_is_refused(tmp_path, capsys, tiny_config_file):
+    config = tiny_config_file(data="markov")
     strategy = Strategy(dp=1, tp=1, pp=1, gbs=8, mbs=4)
     layout = layout_dir(tmp_path, load_config(config), strategy, "fp32", run_name="fixed")
     fixed = ["--dp", "1", "--tp", "1", "--pp", "1", "--gbs", "8", "--mbs", "4", "--iters", "1"]

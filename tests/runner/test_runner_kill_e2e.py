@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_chain_e2e import free_port_base
-from test_status import running_copy
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order
-from tiny_chain import chain_args, write_chain, write_config_and_data
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order
+from tests.helpers.recorded_run import running_copy
+from tests.helpers.tiny_runs import chain_args, free_port_base, write_chain
 
 from cona.commands import train_runs
 from cona.engine.session import RunnerWatch
@@ -92,11 +91,11 @@ def lock_is_free(run_dir: Path) -> bool:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("how", ["sigkill-runner", "sigkill-group", "sigterm-runner"])
 def test_killing_the_runner_during_training_stops_the_workers_and_the_rerun_trains_as_uninterrupted(
-    tmp_path, monkeypatch, how
+    tmp_path, monkeypatch, how, tiny_config_file
 ):
     for name, value in TRACE_ENV.items():  # the rerun's workers record what they train on too
         monkeypatch.setenv(name, value)
-    config = write_config_and_data(tmp_path)
+    config = tiny_config_file(data="markov")
     chain = write_chain(tmp_path / "chain.json", STEPS)
     args = chain_args(config, chain, tmp_path, "killed", stages=1)
     run_dir = tmp_path / "logs" / "killed"

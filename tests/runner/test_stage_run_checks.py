@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.engine.ckpt_tamper import rewrite_manifest
-from tests.engine.test_checkpoint import ONE, small_config, trained
+from tests.helpers.ckpt_tamper import rewrite_manifest
+from tests.helpers.small_checkpoint import ONE, small_config, trained
 
 from cona.engine.checkpoint.paths import layout_dir
 from cona.engine.checkpoint.save import save_checkpoint

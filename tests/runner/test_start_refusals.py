@@ -8,7 +8,7 @@ import errno
 from pathlib import Path
 
 import pytest
-from tests.runner.test_train_cli import train_args, write_tiny_setup
+from tests.helpers.tiny_runs import train_args
 
 from cona.cli import main
 from cona.errors import LaunchError
@@ -24,8 +24,10 @@ def one_line_error(capsys) -> str:
 
 
 @pytest.mark.parametrize("mode", ["fixed", "chain", "online", "inside-a-file"])
-def test_a_workdir_that_is_a_file_is_refused_before_training(tmp_path: Path, capsys, mode) -> None:
-    config = write_tiny_setup(tmp_path)
+def test_a_workdir_that_is_a_file_is_refused_before_training(
+    tmp_path: Path, capsys, mode, tiny_config_file
+) -> None:
+    config = tiny_config_file(data="random")
     blocker = tmp_path / "work"
     blocker.write_text("")
     workdir = blocker / "sub" if mode == "inside-a-file" else blocker
@@ -45,16 +47,16 @@ def test_a_workdir_that_is_a_file_is_refused_before_training(tmp_path: Path, cap
     assert not (tmp_path / "logs").exists()  # no run directory: nothing started
 
 
-def test_a_chain_that_names_a_directory_is_one_line(tmp_path: Path, capsys) -> None:
-    config = write_tiny_setup(tmp_path)
+def test_a_chain_that_names_a_directory_is_one_line(tmp_path: Path, capsys, tiny_config_file) -> None:
+    config = tiny_config_file(data="random")
     argv = ["train", "--config", str(config), "--chain", str(tmp_path), "--gpus", "1"]
     assert main([*argv, "--workdir", str(tmp_path / "work"), "--device", "cpu"]) == 1
     assert f"--chain {tmp_path} is a directory" in one_line_error(capsys)
 
 
 @pytest.mark.parametrize("value", ["-5", "0", "0.5"])
-def test_a_bad_target_ppl_names_that_flag(tmp_path: Path, capsys, value) -> None:
-    config = write_tiny_setup(tmp_path)
+def test_a_bad_target_ppl_names_that_flag(tmp_path: Path, capsys, value, tiny_config_file) -> None:
+    config = tiny_config_file(data="random")
     assert main(["train", "--config", str(config), *ONLINE, "--target-ppl", value]) == 2
     err = one_line_error(capsys)
     assert "--target-ppl" in err and "lr_decay_tokens" not in err

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_chain_e2e import VOCAB
-from tests.engine.ckpt_tamper import rewrite_manifest
-from tiny_chain import chain_args, write_chain, write_config_and_data
+from tests.helpers.ckpt_tamper import rewrite_manifest
+from tests.helpers.tiny import MARKOV_VOCAB as MARKOV_VOCAB
+from tests.helpers.tiny import write_tiny_config
+from tests.helpers.tiny_runs import chain_args, write_chain
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cona.commands import train_runs
@@ -44,7 +45,7 @@ ITERATIONS = (3, 2, 2)
 def setup_dir(tmp_path_factory) -> Path:
     """The tiny config and its data, and the chain file."""
     directory = tmp_path_factory.mktemp("switch_check")
-    write_config_and_data(directory)
+    write_tiny_config(directory, data="markov")
     steps = []
     for number, ((dp, tp, pp), iters) in enumerate(zip(STRATEGIES, ITERATIONS, strict=True), start=1):
         step = {"dp": dp, "tp": tp, "pp": pp, "gbs": 8, "mbs": 4, "convert": number < len(STRATEGIES)}
@@ -118,7 +119,7 @@ def test_an_intact_chain_passes_the_check_at_every_switch(setup_dir, tmp_path):
         assert saved["loss"] == verdict.saved.loss and saved["iteration"] == previous.last_iteration
         assert verdict.saved.layout != verdict.loaded.layout
         assert abs(verdict.loaded.loss - verdict.saved.loss) <= PROBE_RTOL["fp32"] * verdict.saved.loss
-        assert verdict.saved.loss < 0.99 * torch.log(torch.tensor(float(VOCAB))).item()  # it trained
+        assert verdict.saved.loss < 0.99 * torch.log(torch.tensor(float(MARKOV_VOCAB))).item()  # it trained
         # Its cost is on the books of the switch.
         assert {"probe_s", "verify_s"} <= stage.switch_cost.keys()
         assert all(stage.switch_cost[key] >= 0 for key in ("probe_s", "verify_s"))

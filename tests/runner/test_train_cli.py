@@ -7,13 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.torchrun_util import free_port_block
+from tests.helpers.tiny_runs import train_args
 
 from cona.cli import main
 from cona.commands.train_runs import node_gpu_names
-from cona.data.indexed import IndexedDatasetWriter
 
-VOCAB = 300
 METRIC_FIELDS = {
     "stage",
     "iteration",
@@ -38,81 +36,8 @@ METRIC_FIELDS = {
 }
 
 
-def free_port_base(stages: int = 7) -> int:
-    """A base port that is free right now, as are its stages' ports (base + 1 ... base + stages): a run
-    across nodes hosts the runners' store on the base itself. Seven stages cover every chain of these
-    tests."""
-    return free_port_block(stages + 1)
-
-
-def write_tiny_setup(directory: Path) -> Path:
-    """A random-token dataset and a .conaconfig for a 2-layer GPT; returns the config path."""
-    rng = np.random.default_rng(0)
-    prefix = directory / "data" / "tiny"
-    prefix.parent.mkdir(parents=True)
-    with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for _ in range(300):
-            writer.add_document(rng.integers(0, VOCAB, size=int(rng.integers(10, 60))))
-    config = {
-        "model": {
-            "name": "gpt-tiny",
-            "layers": 2,
-            "hidden": 32,
-            "heads": 4,
-            "seq": 16,
-            "vocab_size": VOCAB,
-            "attention_dropout": 0.0,
-            "hidden_dropout": 0.0,
-        },
-        "training": {
-            "device": "cpu",
-            "dtype": "fp32",
-            "base_gbs": 8,
-            "base_lr": 1e-3,
-            "base_min_lr": 1e-4,
-            "lr_warmup_tokens": 64,
-            "split": "90,10,0",
-            "data_prefix": "data/tiny",
-            "log_interval": 2,
-            "eval_interval": 2,
-            "eval_iters": 1,
-            "log_root": "logs",
-        },
-    }
-    path = directory / ".conaconfig"
-    path.write_text(json.dumps(config))
-    return path
-
-
-def train_args(
-    config: Path, workdir: Path, *extra: str, dp=2, tp=1, pp=1, gbs=8, mbs=2, iters=4
-) -> list[str]:
-    return [
-        "train",
-        "--config",
-        str(config),
-        "--workdir",
-        str(workdir),
-        "--dp",
-        str(dp),
-        "--tp",
-        str(tp),
-        "--pp",
-        str(pp),
-        "--gbs",
-        str(gbs),
-        "--mbs",
-        str(mbs),
-        "--iters",
-        str(iters),
-        "--master-port-base",
-        str(free_port_base()),
-        *extra,
-    ]
-
-
-def test_a_bad_layout_is_refused_before_anything_is_launched(tmp_path, capsys):
-    config = write_tiny_setup(tmp_path)
+def test_a_bad_layout_is_refused_before_anything_is_launched(tmp_path, capsys, tiny_config_file):
+    config = tiny_config_file(data="random")
     assert main(train_args(config, tmp_path / "work", dp=1, tp=3)) == 1
     err = capsys.readouterr().err
     assert err.startswith("cona: error: ") and "tp" in err and "heads" in err
@@ -126,8 +51,8 @@ def test_a_checkout_path_with_the_native_backend_is_refused(tmp_path, capsys):
     assert "--repo-path names a Megatron-DeepSpeed checkout" in capsys.readouterr().err
 
 
-def test_workdir_defaults_to_the_current_directory_in_every_mode(tmp_path, monkeypatch):
-    config = write_tiny_setup(tmp_path)
+def test_workdir_defaults_to_the_current_directory_in_every_mode(tmp_path, monkeypatch, tiny_config_file):
+    config = tiny_config_file(data="random")
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
     captured = []
@@ -140,8 +65,10 @@ def test_workdir_defaults_to_the_current_directory_in_every_mode(tmp_path, monke
     assert [run.workdir for run in captured] == [tmp_path / "here"] * 2
 
 
-def test_an_online_run_warns_when_its_system_does_not_describe_its_devices(tmp_path, monkeypatch, capsys):
-    config = write_tiny_setup(tmp_path)
+def test_an_online_run_warns_when_its_system_does_not_describe_its_devices(
+    tmp_path, monkeypatch, capsys, tiny_config_file
+):
+    config = tiny_config_file(data="random")
     monkeypatch.setattr("cona.runner.schedules.online.run_online", lambda run, **_: None)
     online = ["--gpus", "2", "--initial-gbs", "4", "--total-iters", "6", "--device", "cpu"]
     assert main(["train", "--config", str(config), *online, "--system", "a100_80g_2gpu_node"]) == 0
@@ -169,8 +96,8 @@ def test_missing_fixed_strategy_flags_are_named(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_train_runs_one_stage_on_two_cpu_processes(tmp_path, capfd):
-    config = write_tiny_setup(tmp_path)
+def test_train_runs_one_stage_on_two_cpu_processes(tmp_path, capfd, tiny_config_file):
+    config = tiny_config_file(data="random")
     assert main(train_args(config, tmp_path / "work", "--run-name", "e2e")) == 0
     out = capfd.readouterr().out
     run_dir = (tmp_path / "logs" / "e2e").resolve()
@@ -196,11 +123,11 @@ def test_train_runs_one_stage_on_two_cpu_processes(tmp_path, capfd):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_the_steps_before_the_first_line_are_measured_and_listed(tmp_path):
+def test_the_steps_before_the_first_line_are_measured_and_listed(tmp_path, tiny_config_file):
     """One process, one micro-batch a step: a measured step runs as two halves. Steps 2-4 (the first stays
     whole) are measured and listed on the first line, whose noise-scale inputs are their means; the next
     line measures its last step only."""
-    config = write_tiny_setup(tmp_path)
+    config = tiny_config_file(data="random")
     logging = ("--set", "training.log_interval=4", "--set", "training.eval_interval=8")
     args = train_args(config, tmp_path / "work", "--run-name", "first", *logging, dp=1, gbs=4, mbs=4, iters=8)
     assert main(args) == 0
@@ -217,9 +144,9 @@ def test_the_steps_before_the_first_line_are_measured_and_listed(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_data_error_fails_the_command_with_one_line_before_any_worker(tmp_path, capfd):
+def test_a_data_error_fails_the_command_with_one_line_before_any_worker(tmp_path, capfd, tiny_config_file):
     # (A worker's own failure, named by stage and rank, is test_worker_session's failing-stage test.)
-    config = write_tiny_setup(tmp_path)
+    config = tiny_config_file(data="random")
     bin_path = tmp_path / "data" / "tiny.bin"
     bin_path.write_bytes(bin_path.read_bytes()[:100])  # the index now points past the end of the data
     assert main(train_args(config, tmp_path / "work")) != 0

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train_cli import train_args, write_tiny_setup
+from tests.helpers.tiny_runs import train_args
 
 from cona.cli import main
 from cona.engine.checkpoint.paths import tmp_owner
@@ -29,8 +29,8 @@ def saved(layout: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_two_runs_in_one_workdir_keep_their_checkpoints(tmp_path, capfd):
-    config = write_tiny_setup(tmp_path)
+def test_two_runs_in_one_workdir_keep_their_checkpoints(tmp_path, capfd, tiny_config_file):
+    config = tiny_config_file(data="random")
     workdir = tmp_path / "work"
     names = ("first", "second")
     for name in names:

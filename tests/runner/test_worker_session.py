@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from forked import fork
-from test_chain_e2e import free_port_base
-from test_status import running_copy
-from tests.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
-from tiny_chain import chain_args, write_chain, write_config_and_data
+from tests.helpers.forked import fork
+from tests.helpers.observed import TRACE_ENV, assert_each_sample_once_in_order, assert_lr_follows_schedule
+from tests.helpers.recorded_run import running_copy
+from tests.helpers.tiny_runs import chain_args, free_port_base, write_chain
 
 from cona.cli import main
 from cona.commands import train_runs
@@ -64,14 +63,12 @@ def gone(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_session_chain_trains_as_the_per_stage_launch_does_without_restarting_the_workers(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, tiny_config_file
 ):
     for name, value in TRACE_ENV.items():  # the workers record what they train on
         monkeypatch.setenv(name, value)
-    config = write_config_and_data(tmp_path)
+    config = tiny_config_file(data="markov", training={"lr_scale_strategy": "linear"})
     raw = json.loads(config.read_text())
-    raw["training"]["lr_scale_strategy"] = "linear"
-    config.write_text(json.dumps(raw))
     chain = write_chain(tmp_path / "chain.json", STEPS)
     with WorkerSession() as session:
         reused = run_chain(
@@ -115,8 +112,10 @@ def _pids_records(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.multiproc
-def test_a_stage_failing_in_a_session_names_the_stage_and_rank_and_leaves_no_process(tmp_path):
-    config = write_config_and_data(tmp_path)
+def test_a_stage_failing_in_a_session_names_the_stage_and_rank_and_leaves_no_process(
+    tmp_path, tiny_config_file
+):
+    config = tiny_config_file(data="markov")
     chain = write_chain(tmp_path / "chain.json", STEPS[:2])
 
     def publish_without_shards(checkpoint: Path) -> Path:
@@ -146,10 +145,12 @@ def test_a_stage_failing_in_a_session_names_the_stage_and_rank_and_leaves_no_pro
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_sigkill_of_the_runner_between_stages_leaves_no_worker_and_the_rerun_finishes(tmp_path):
+def test_sigkill_of_the_runner_between_stages_leaves_no_worker_and_the_rerun_finishes(
+    tmp_path, tiny_config_file
+):
     """Only the runner is killed, while the session's workers wait for stage 2 (the runner hangs in its
     publish): they notice, leave, and torchrun ends; the same command again finishes the chain."""
-    config = write_config_and_data(tmp_path)
+    config = tiny_config_file(data="markov")
     chain = write_chain(tmp_path / "chain.json", STEPS[:2])
     args = chain_args(config, chain, tmp_path, "killed", stages=2)
     publishing = tmp_path / "publishing"
