@@ -6,8 +6,8 @@ import dataclasses
 
 from tests.helpers.policy_cases import BASE, SETTINGS, SMALL, branch, fresh_state, measure, outcome
 
-from cona.planner.policy import Candidate, decide
-from cona.planner.policy_probe import PROBE_SPACING
+from cona.planner.policy import Candidate, decide, initial_state
+from cona.planner.policy_probe import PROBE_SPACING, hoped_rate
 from cona.planner.probe_rule import ProbeOutcome, judge
 from cona.strategy import Strategy
 
@@ -34,6 +34,23 @@ def test_a_probe_is_not_made_where_even_equal_token_value_would_not_pay_for_it()
     decision = decide(fresh_state(), measure(1.0, remaining=20_000), CANDIDATE, PROBING)
     assert decision.action == "stay"
     assert "not more than the probe and switch" in decision.reason
+
+
+def test_a_model_that_under_read_the_running_strategy_widens_the_bound_up_to_perfect_scaling():
+    """Predicted at 1.05x the current rate, gbs 32 bounds a saving of 5% of the time left, under a probe's
+    cost here; where the running strategy measured 3.5x what the model predicted for it, the candidate may
+    be as far off, up to 2x (twice the batch in the same layout): a probe is worth it."""
+    remaining = measure(1.0, tokens_per_s=1000.0, remaining=2e5)
+    near = Candidate(strategy=IN_PLACE_LARGE, predicted_tokens_per_s=1050.0)
+    assert decide(fresh_state(), remaining, near, PROBING).action == "stay"
+    under_read = initial_state(Candidate(strategy=SMALL, predicted_tokens_per_s=1000.0 / 3.5))
+    decision = decide(under_read, remaining, near, PROBING)
+    assert decision.action == "probe" and "with the model's miss on the running strategy" in decision.reason
+    assert decision.record["probe_plan"]["hoped_tokens_per_s"] == 2000.0  # perfect scaling, not 3.5x
+    assert hoped_rate(under_read, near, 1000.0) == 2000.0
+    assert hoped_rate(fresh_state(), near, 1000.0) == 1050.0  # the model met the running strategy
+    overshot = initial_state(Candidate(strategy=SMALL, predicted_tokens_per_s=2000.0))
+    assert hoped_rate(overshot, near, 1000.0) == 1050.0
 
 
 def test_a_layout_change_is_never_probed():

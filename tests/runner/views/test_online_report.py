@@ -14,6 +14,7 @@ def test_a_prediction_names_what_it_rested_on():
     first_line = {"throughput_source": "predicted", "fitted_on": 0, "on_first_line": True}
     assert prediction_basis(first_line) == "first line"
     assert prediction_basis({"throughput_source": "measured", "fitted_on": 3}) == "measured"
+    assert prediction_basis({"throughput_source": "probed", "fitted_on": 3}) == "probed"  # a won probe
     assert prediction_basis({"throughput_source": "predicted"}) == "prior"  # a record from before fitted_on
     fallback = {"throughput_source": "predicted", "fitted_on": 0, "action": "fallback"}
     assert prediction_basis(fallback) == "as before"  # back to a stage whose rate was never measured

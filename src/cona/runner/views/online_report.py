@@ -80,13 +80,14 @@ def stage_rows(run_dir: Path, state: RunState, stages: list[dict[str, Any]]) -> 
 
 
 def prediction_basis(stage: dict[str, Any]) -> str:
-    """What the tokens/s a stage was chosen on rested on: the rate it had measured before (a fall-back, a
-    stage returned to; ``as before`` where it was never measured: the rate it was first chosen on), the model
-    fitted on N measured strategies, the model fitted on the run's first line (its steps after the first,
-    the strategy's own steps), or the raw model's prior where nothing was measured yet (the first stage: on a
-    CPU, whose system file is a rough description, it can be off by 10x or more)."""
-    if stage.get("throughput_source") == "measured":
-        return "measured"
+    """What the tokens/s a stage was chosen on rested on: the rate its branch of a won probe measured, the
+    rate it had measured before (a fall-back, a stage returned to; ``as before`` where it was never measured:
+    the rate it was first chosen on), the model fitted on N measured strategies, the model fitted on the
+    run's first line (its steps after the first, the strategy's own steps), or the raw model's prior where
+    nothing was measured yet (the first stage: on a CPU, whose system file is a rough description, it can be
+    off by 10x or more)."""
+    if stage.get("throughput_source") in ("measured", "probed"):
+        return stage["throughput_source"]
     if stage.get("action") == "fallback":  # back to a stage never measured: the rate it was chosen on
         return "as before"
     fitted_on = stage.get("fitted_on") or 0
