@@ -13,6 +13,7 @@ from cona.config import ModelConfig
 from cona.planner.cluster import Cluster, curves_world, policy_settings
 from cona.planner.curves import parse_curves
 from cona.planner.policy import Candidate
+from cona.planner.probe_replay import probes_lost_s
 from cona.planner.simulate import (
     ModelError,
     World,
@@ -119,3 +120,19 @@ def test_a_gbs_whose_run_stopped_above_the_target_is_left_out_and_said_so():
                          target_loss=3.0, segments=20)  # fmt: skip
     assert [c.strategy.gbs for c in world.candidates] == [16, 32, 64, 128, 256]
     assert len(world.left_out) == 1 and world.left_out[0].startswith("gbs 512: its run stopped at eval loss")
+
+
+def test_on_one_gpu_the_online_chain_probes_and_pays_for_each_probe_s_losing_branch():
+    """Every candidate keeps the one-GPU layout, so the policy asks for probes; the world answers them, and
+    CONA's time is its chain's plus the seconds of every losing branch."""
+    world = curves_world(CURVES, Cluster(system=load_system("h100_80g"), gpus=1), initial_gbs=16,
+                         max_gbs=512, target_loss=3.0, segments=60)  # fmt: skip
+    result = compare(world, policy_settings(CURVES, 512), world.believed_tokens_per_s)
+    probed = [record for record in result.decisions if isinstance(record.get("probe"), dict)]
+    assert probed and all(record["decision"] in ("switch", "stay") for record in probed)
+    times = world.segment_tokens / world.believed_tokens_per_s[None, :]
+    lost_s = probes_lost_s(result.decisions)
+    assert lost_s > 0
+    assert result.online.time_s == pytest.approx(
+        chain_time(times, result.online.assignment, world.switch_costs_s) + lost_s
+    )
