@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 
 import pytest
@@ -154,3 +155,36 @@ def test_after_a_lost_probe_the_workers_remove_its_request_but_never_a_stop_writ
     probe_branch.write_outcome(spec, {"stage": 1, "winner": "current"}, request_done=True)
     assert SwitchRequest.read(spec.switch_request_path).action == "stop"
     assert len((spec.run_dir / "probes.jsonl").read_text().splitlines()) == 2
+
+
+def _judge_on_rank(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks whose clocks timed the same branches differently (rank 1's candidate slower)."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from cona.planner.probe_rule import BranchRun, judge
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+
+        def run(gbs: int, seconds: float) -> BranchRun:
+            return BranchRun(gbs=gbs, mbs=gbs, lr=1e-3, steps=2, loss=7.0, train_loss=7.1, seconds=seconds,
+                             steady_seconds=seconds)  # fmt: skip
+
+        current, candidate = probe_branch.rank0_runs(run(8, 1.0), run(16, 0.8 if rank == 0 else 1.2))
+        winner, _ = judge(start_loss=7.5, current=current, candidate=candidate, tolerance=0.01)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps([winner, candidate.seconds]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_judges_a_probe_on_rank_0_s_numbers(tmp_path) -> None:
+    """Equal losses, and a candidate branch faster on rank 0's clock than on rank 1's: judged each on its own
+    clock, rank 0 would end the stage for the candidate while rank 1 trained on, and both would hang."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_judge_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    verdicts = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert verdicts == [["candidate", 0.8], ["candidate", 0.8]]

@@ -12,7 +12,8 @@ trained once in the run's history, and the loser's steps are time the run spent.
 
 The branches' steps measure no gradient noise (a probe's two branches must do the same work), and their
 timing syncs with the device only where a step warmed up a new shape (the clock restarts there) and at the
-branch's end.
+branch's end. Every rank judges rank 0's numbers (:func:`rank0_runs`): the losses agree across ranks, the
+clocks do not, and ranks that picked different winners would part ways.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cona import run_files
 from cona.engine.gns import local_tensor
@@ -174,9 +176,11 @@ def run_probe(
     request: ProbeRequest,
     step: StepFn,
     evaluate: Callable[[], float],
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[ProbeOutcome, Any]:
     """Run both branches and continue from the winner; returns the outcome and the progress to go on from
-    (the start plus the probe's samples). The model ends under the winner's strategy."""
+    (the start plus the probe's samples). The model ends under the winner's strategy. ``group``: the one
+    rank 0's branch numbers travel through (:func:`rank0_runs`; None: the default group)."""
     began = time.perf_counter()
     samples = probe_samples(request.samples, current.gbs, request.candidate.gbs)
     start_loss = evaluate()
@@ -186,6 +190,7 @@ def run_probe(
     progress = restore(model, optimizer, start)
     model.rebatch(request.candidate)
     candidate_run = _branch(model, progress, request.candidate, request.lr_schedule, samples, step, evaluate)
+    current_run, candidate_run = rank0_runs(current_run, candidate_run, group)
     winner, reason = judge(
         start_loss=start_loss, current=current_run, candidate=candidate_run, tolerance=request.tolerance
     )
@@ -207,6 +212,22 @@ def run_probe(
         wall_s=time.perf_counter() - began,
     )
     return outcome, progress
+
+
+def rank0_runs(
+    current: BranchRun, candidate: BranchRun, group: dist.ProcessGroup | None = None
+) -> tuple[BranchRun, BranchRun]:
+    """Both branches as rank 0 measured them, on every rank. The losses are the same everywhere, but each
+    rank times the branches on its own clock: judged on different seconds, a close probe can be won by the
+    candidate on one rank and by the current batch on another, and the ranks part ways (one ends the stage,
+    another trains on) until a collective hangs."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return current, candidate
+    runs = (current, candidate) if dist.get_rank() == 0 else None
+    shared: list[tuple[BranchRun, BranchRun] | None] = [runs]
+    dist.broadcast_object_list(shared, src=0, group=group)
+    assert shared[0] is not None
+    return shared[0]
 
 
 def _branch(

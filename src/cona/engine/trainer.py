@@ -292,6 +292,7 @@ def _probe(ctx: StageContext, progress: Progress, asked: SwitchRequest) -> str |
     outcome, after = probe_branch.run_probe(
         ctx.model, ctx.optimizer, progress, stage=spec.stage, current=spec.strategy,
         current_schedule=ctx.schedule, request=request, step=step, evaluate=evaluate,
+        group=ctx.control_group,
     )  # fmt: skip
     vars(progress).update(vars(after))
     traces = list(held.values())
