@@ -10,6 +10,7 @@ import pytest
 from tests.helpers.synthetic_curves import synthetic_curves
 
 from cona.config import ModelConfig
+from cona.planner.chains import chain_time, optimal_assignment
 from cona.planner.cluster import Cluster, curves_world, policy_settings
 from cona.planner.curves import parse_curves
 from cona.planner.policy import Candidate
@@ -17,10 +18,8 @@ from cona.planner.probe_replay import probes_lost_s
 from cona.planner.simulate import (
     ModelError,
     World,
-    chain_time,
     compare,
     compare_with_error,
-    optimal_assignment,
     ramp_assignment,
 )
 from cona.planner.switch_cost import IN_PLACE_S, predicted_switch_cost_s

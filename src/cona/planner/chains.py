@@ -43,17 +43,27 @@ def segment_times(profile: NoiseProfile, candidates: tuple[Candidate, ...], base
     return width / (tokens_per_s * (noise + base_gbs) / (noise + gbs))
 
 
-def chain_time(times: np.ndarray, assignment: np.ndarray, switch_cost_s: float) -> float:
-    """Total seconds of a chain: its segment times plus the switch cost at every change of candidate."""
-    changes = int(np.count_nonzero(np.diff(assignment)))
-    return float(times[np.arange(times.shape[0]), assignment].sum() + switch_cost_s * changes)
+def switch_costs(count: int, cost_s: float | np.ndarray) -> np.ndarray:
+    """``[from, to]`` seconds of a change between ``count`` candidates: ``cost_s`` itself when it is such a
+    matrix, else that one cost for every change (0 to stay)."""
+    if np.ndim(cost_s) == 2:
+        return np.asarray(cost_s, dtype=np.float64)
+    return float(cost_s) * (1.0 - np.eye(count))
 
 
-def optimal_assignment(times: np.ndarray, switch_cost_s: float) -> np.ndarray:
+def chain_time(times: np.ndarray, assignment: np.ndarray, cost_s: float | np.ndarray) -> float:
+    """Total seconds of a chain: its segment times plus the cost of every change of candidate (one cost, or
+    a ``[from, to]`` matrix: :func:`switch_costs`)."""
+    costs = switch_costs(times.shape[1], cost_s)
+    segments = times[np.arange(len(assignment)), assignment].sum()
+    return float(segments + costs[assignment[:-1], assignment[1:]].sum())
+
+
+def optimal_assignment(times: np.ndarray, cost_s: float | np.ndarray) -> np.ndarray:
     """The hindsight-optimal candidate of every segment: dynamic programming over (segment, candidate) with
-    the switch cost on every change; any candidate may start."""
+    the cost of every change (:func:`switch_costs`); any candidate may start."""
     segments, count = times.shape
-    change = switch_cost_s * (1.0 - np.eye(count))
+    change = switch_costs(count, cost_s)
     best = times[0].copy()
     previous = np.zeros((segments, count), dtype=np.int64)
     for k in range(1, segments):

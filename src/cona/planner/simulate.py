@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cona.errors import PlanError
+from cona.planner.chains import chain_time, optimal_assignment
 from cona.planner.curves import StatCurves
 from cona.planner.efficiency import NoiseScaleEstimate
 from cona.planner.plan import ChainPlan, Stage, answer_probe
@@ -133,30 +134,6 @@ class Comparison:
     @property
     def baselines(self) -> tuple[ChainPlan, ...]:
         return (self.static_user, self.tuned_fixed, self.ramp)
-
-
-def chain_time(times: np.ndarray, assignment: np.ndarray, costs: np.ndarray) -> float:
-    """Seconds of a chain: its segments plus the cost of every change of candidate."""
-    return float(
-        times[np.arange(len(assignment)), assignment].sum() + costs[assignment[:-1], assignment[1:]].sum()
-    )
-
-
-def optimal_assignment(times: np.ndarray, costs: np.ndarray) -> np.ndarray:
-    """The hindsight-optimal candidate per segment: dynamic programming with ``costs[from, to]`` on every
-    change; any candidate may start."""
-    segments, count = times.shape
-    best = times[0].copy()
-    previous = np.zeros((segments, count), dtype=np.int64)
-    for k in range(1, segments):
-        arriving = best[:, None] + costs  # [from, to]
-        previous[k] = np.argmin(arriving, axis=0)
-        best = arriving[previous[k], np.arange(count)] + times[k]
-    assignment = np.empty(segments, dtype=np.int64)
-    assignment[-1] = int(np.argmin(best))
-    for k in range(segments - 1, 0, -1):
-        assignment[k - 1] = previous[k, assignment[k]]
-    return assignment
 
 
 def ramp_assignment(world: World, share: float = RAMP_SHARE) -> np.ndarray:
